@@ -1,0 +1,24 @@
+"""fsdp2: fully sharded data parallel training with one call, ``fully_shard(module)``.
+
+A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceMesh and c10d.
+"""
+
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._events import Event, record_events
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._lifecycle import TrainingState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "Event",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "TrainingState",
+    "UnshardHandle",
+    "__version__",
+    "fully_shard",
+    "record_events",
+]

@@ -1,0 +1,158 @@
+"""Foreach collectives over the parameters of one group: pure functions, no module state.
+
+Owns: the all-gather copy-in (every parameter's 1-D input into one flat buffer), the all-gather,
+the copy-out into per-parameter outputs, the reduce-scatter copy-in (chunk-concatenation of padded
+gradients), the reduce-scatter, and the view-out into per-parameter shards; plus the reduce ops and
+divide factors. Does not own: streams' lifetimes (``CommContext``) or registering parameters.
+
+Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n_i``):
+- all-gather buffer: ``[rank 0: p0 | p1 | ...][rank 1: p0 | p1 | ...]...``, ``W * B`` elements; this
+  rank's input is the view ``[r*B, (r+1)*B)`` so the collective runs in place.
+- reduce-scatter input: viewed as ``(W, S)``; row ``j`` is chunk ``j`` (dim 0, zero-padded) of every
+  gradient, flattened, in parameter order. Row ``j`` is what rank ``j`` receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+@dataclass
+class AllGatherResult:
+    """An issued all-gather: its flat output, and what copy-out must wait on."""
+
+    output: torch.Tensor  # 1D, world_size * sum(split_sizes)
+    split_sizes: list[int]  # per-parameter input numel (one rank's share)
+    world_size: int
+    event: torch.Event | None  # all-gather stream event (CUDA); None on CPU
+    work: dist.Work | None  # async work handle (async_op=True)
+
+
+def all_gather_copy_in(
+    inputs: list[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Allocate the flat output and copy (and cast) ``inputs`` into this rank's block of it.
+
+    Returns ``(output, local_block, split_sizes)``; ``local_block`` views ``output``.
+    """
+    split_sizes = [t.numel() for t in inputs]
+    block = sum(split_sizes)
+    output = torch.empty(block * world_size, dtype=dtype, device=inputs[0].device)
+    local = output.narrow(0, block * rank, block)
+    torch._foreach_copy_(list(local.split(split_sizes)), inputs)
+    return output, local, split_sizes
+
+
+def issue_all_gather(
+    output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup, world_size: int, async_op: bool
+) -> dist.Work | None:
+    """All-gather ``local`` (a view of ``output``) into ``output``; nothing to do for one rank."""
+    if world_size == 1:
+        return None
+    work = dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+    return work if async_op else None
+
+
+def foreach_all_gather(
+    inputs: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    dtype: torch.dtype,
+    async_op: bool = False,
+) -> AllGatherResult:
+    """Copy-in and all-gather on the current stream (the caller picks the stream)."""
+    output, local, split_sizes = all_gather_copy_in(inputs, world_size, rank, dtype)
+    work = issue_all_gather(output, local, group, world_size, async_op)
+    return AllGatherResult(output, split_sizes, world_size, None, work)
+
+
+def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Tensor]) -> None:
+    """Scatter the flat all-gather output into each parameter's 1-D output (``W * split`` elements)."""
+    world = result.world_size
+    gathered = result.output.view(world, -1)
+    torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=[o.view(world, -1) for o in outputs])
+
+
+@dataclass
+class ReduceScatterResult:
+    """A finished (CPU) or issued (CUDA) reduce-scatter and the buffers it keeps alive."""
+
+    input: torch.Tensor  # 1D, world_size * sum(padded shard numels), reduce dtype
+    output: torch.Tensor  # 1D, sum(padded shard numels), reduce dtype
+    event: torch.Event | None
+
+
+def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``."""
+    numel = sum(world_size * _padded_shard_numel(g, world_size) for g in grads)
+    buffer = torch.empty(numel, dtype=dtype, device=grads[0].device)
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))
+    return buffer
+
+
+def _padded_shard_numel(tensor: torch.Tensor, world_size: int) -> int:
+    rows = tensor.size(0)
+    return -(-rows // world_size) * (tensor.numel() // rows if rows else 0)
+
+
+def reduce_scatter(
+    buffer: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    op: dist.ReduceOp,
+    predivide: float | None,
+) -> torch.Tensor:
+    """Reduce-scatter ``buffer`` in place over ``group``; returns this rank's 1-D output."""
+    if predivide is not None:
+        buffer.div_(predivide)
+    if world_size == 1:
+        return buffer
+    output = torch.empty(buffer.numel() // world_size, dtype=buffer.dtype, device=buffer.device)
+    dist.reduce_scatter_tensor(output, buffer, op=op, group=group)
+    return output
+
+
+@dataclass(frozen=True)
+class DivideFactors:
+    """How to average a reduction of ``N`` ranks: the collective op and explicit divisions around it."""
+
+    op: dist.ReduceOp
+    predivide: float | None
+    postdivide: float | None
+
+
+_AVG_SAFE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def divide_factors(world_size: int, dtype: torch.dtype) -> DivideFactors:
+    """``AVG`` where the backend averages safely; ``SUM`` with split pre/post division for fp16-like dtypes.
+
+    Pre-dividing by roughly ``sqrt(N)`` before summing keeps half-precision sums from overflowing
+    and post-dividing by the rest keeps them from underflowing.
+    """
+    if world_size == 1:
+        return DivideFactors(ReduceOp.SUM, None, None)
+    if dtype in _AVG_SAFE_DTYPES:
+        return DivideFactors(ReduceOp.AVG, None, None)
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    post = world_size / pre
+    return DivideFactors(ReduceOp.SUM, float(pre) if pre > 1 else None, post if post != 1 else None)
+
+
+def view_out_shards(output: torch.Tensor, padded_numels: list[int], local_numels: list[int],
+                    local_sizes: list[torch.Size]) -> list[torch.Tensor]:
+    """Per-parameter views of the flat reduce-scatter output at their unpadded local shapes."""
+    views = []
+    offset = 0
+    for padded, numel, size in zip(padded_numels, local_numels, local_sizes, strict=True):
+        views.append(output.narrow(0, offset, numel).view(size))
+        offset += padded
+    return views

@@ -1,0 +1,82 @@
+"""Communication context shared by every group under one root.
+
+Owns: the side streams (CUDA only), the all-gather buffer kept alive across one group boundary in
+forward, the reduce-scatter buffers still in flight, and the shared post-forward order used by
+backward prefetch. Does not own: issuing collectives (groups do, through ``_collectives``).
+
+[Note: Stream and event protocol]
+On CUDA, an unshard in FORWARD/PRE_BACKWARD runs its copy-in on ``all_gather_copy_in_stream`` and its
+collective on ``all_gather_stream``, which waits on the copy-in. Copy-out runs on the current stream
+after waiting on the all-gather's event, so the CPU never blocks. The flat all-gather buffer was
+allocated on the copy-in stream; it is kept (with a copy-out event) until the next group's wait makes
+both all-gather streams wait on that event: the next copy-in must not overwrite the buffer while the
+copy-out still reads it. The iteration's root makes the all-gather streams wait on the current stream
+before the first copy-in, so the optimizer step that wrote the sharded parameters finishes first.
+Gradients: the reduce-scatter stream waits on the current stream (the unsharded gradients are ready),
+reduces, views out and records a post-reduce event; the input buffer is kept until the next group's
+post-backward makes the current stream wait on that event, and the end of backward waits on them all.
+On CPU none of this exists: every event slot is ``None`` and work runs in program order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._param_group import FSDPParamGroup
+
+
+class CommContext:
+    """Streams and in-flight buffers shared by all parameter groups of one root."""
+
+    def __init__(self) -> None:
+        self.use_streams = False
+        self.all_gather_copy_in_stream: torch.cuda.Stream | None = None
+        self.all_gather_stream: torch.cuda.Stream | None = None
+        self.reduce_scatter_stream: torch.cuda.Stream | None = None
+        # (flat all-gather buffer, copy-out event) of the last forward unshard, released lazily
+        self.deferred_all_gather: tuple[torch.Tensor, torch.Event | None] | None = None
+        # (reduce-scatter input buffer, post-reduce event) still read by the reduce-scatter stream
+        self.pending_reduce_scatters: list[tuple[torch.Tensor, torch.Event | None]] = []
+        # groups in the order their post-forward ran (one entry per use); backward walks it in reverse
+        self.post_forward_order: list[FSDPParamGroup] = []
+
+    def lazy_init(self, device: torch.device) -> None:
+        """Create the side streams on CUDA and reset all per-iteration bookkeeping."""
+        self.use_streams = device.type == "cuda"
+        if self.use_streams:
+            high = -1  # high priority, so communication is not starved by compute kernels
+            self.all_gather_copy_in_stream = torch.cuda.Stream(device, priority=high)
+            self.all_gather_stream = torch.cuda.Stream(device, priority=high)
+            self.reduce_scatter_stream = torch.cuda.Stream(device, priority=high)
+        self.deferred_all_gather = None
+        self.pending_reduce_scatters.clear()
+        self.post_forward_order.clear()
+
+    def wait_for_current_stream(self) -> None:
+        """All-gather streams wait for work already queued on the current stream (the optimizer)."""
+        if self.use_streams:
+            current = torch.cuda.current_stream()
+            self.all_gather_copy_in_stream.wait_stream(current)  # type: ignore[union-attr]  # reason: set in lazy_init
+            self.all_gather_stream.wait_stream(current)  # type: ignore[union-attr]  # reason: set in lazy_init
+
+    def release_deferred_all_gather(self) -> None:
+        """Let the all-gather streams reuse the last forward buffer once its copy-out is done."""
+        deferred = self.deferred_all_gather
+        if deferred is None:
+            return
+        self.deferred_all_gather = None
+        event = deferred[1]
+        if event is not None:
+            self.all_gather_copy_in_stream.wait_event(event)  # type: ignore[union-attr]  # reason: streams exist when events do
+            self.all_gather_stream.wait_event(event)  # type: ignore[union-attr]  # reason: streams exist when events do
+
+    def retire_reduce_scatters(self, keep: int) -> None:
+        """Make the current stream wait on, and drop, all but the newest ``keep`` reduce-scatter buffers."""
+        pending = self.pending_reduce_scatters
+        while len(pending) > keep:
+            _, event = pending.pop(0)
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)  # type: ignore[arg-type]  # reason: CUDA event

@@ -1,0 +1,477 @@
+"""``fully_shard()``: validate, build the group and state, swap the module's class.
+
+Owns: argument validation (all of it before any state changes), collecting managed modules and
+parameters, the dynamic ``FSDP<Name>`` classes, and the ``FSDPModule`` mixin whose methods call into
+``FSDPState``/``FSDPParamGroup``. Does not own: hooks or communication.
+Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._mesh import MeshInfo, default_mesh, mesh_device, post_forward_mesh_info
+from ._param_group import FSDPParamGroup
+from ._state import FSDPState, get_state
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared safely
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared safely
+    ignored_params: set[nn.Parameter] | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``, in place.
+
+    Each managed parameter is replaced by an ``nn.Parameter`` DTensor sharded on dim 0 (rows follow
+    ``torch.chunk``); the module's class becomes ``FSDP<Name>``, a subclass of :class:`FSDPModule` and
+    of the original class. Call it bottom-up: on each block, then on the root. Parameters already
+    managed by an inner call are left to it. All parameters of one call form one group, which issues
+    one all-gather before its forward (and before its backward if resharded) and one reduce-scatter
+    of gradients after its backward.
+
+    Args:
+        module: the module, or a list of modules sharded as one group (e.g. tied embedding and head).
+        mesh: 1-D mesh to shard over, or 2-D ``(replicate, shard)`` mesh for HSDP. Default: every rank
+            of the default process group on the default device type.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers them
+            again in backward; ``False`` keeps them until backward; ``None`` means ``True`` except for
+            the root, which keeps them (its backward starts right away); an ``int`` k reshards to a
+            k-rank slice after forward so backward gathers over k ranks only.
+        shard_placement_fn: returns the placement for a parameter; ``None`` or ``Shard(0)`` only.
+        mp_policy: mixed-precision dtypes.
+        offload_policy: where sharded parameters live.
+        ignored_params: parameters left unsharded and unreduced.
+
+    Returns:
+        ``module`` itself (the same list for a list).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or a list of them.
+        ValueError: a bad mesh, ``reshard_after_forward``, repeated call, scalar parameter.
+        NotImplementedError: a non-contiguous or already-distributed parameter.
+
+    Example:
+        >>> for block in model.layers:  # doctest: +SKIP
+        ...     fully_shard(block)
+        >>> fully_shard(model)  # doctest: +SKIP
+    """
+    modules = _validate_modules(module)
+    mesh = mesh if mesh is not None else default_mesh()
+    mesh_info = _validate_mesh(mesh)
+    _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+    _validate_policies(mp_policy, offload_policy)
+    ignored = _validate_ignored(ignored_params)
+    device = mesh_device(mesh)
+    managed = _managed_modules(modules)
+    params = _managed_params(managed, ignored)
+    for param, name in params.values():
+        _validate_param(param, name, device, shard_placement_fn)
+    # ---- no state has changed up to here ----
+    _move_to_device(managed, params, device)
+    post_info = post_forward_mesh_info(True if reshard_after_forward is None else reshard_after_forward, mesh_info)
+    group = None
+    if params:
+        owners = _owners(managed, params)
+        group = FSDPParamGroup(
+            [p for p, _ in params.values()], owners, modules, mesh_info, post_info, mp_policy, offload_policy
+        )
+    FSDPState(modules, group, auto_reshard=reshard_after_forward is None)
+    for managed_module in managed:
+        managed_module._is_fsdp_managed_module = True  # type: ignore[assignment]  # reason: torch.compile flag
+        managed_module._fsdp_use_orig_params = True  # type: ignore[assignment]  # reason: torch.compile flag
+    for root in modules:
+        root.__class__ = _fsdp_class(type(root))
+    return module  # type: ignore[return-value]  # reason: the class swap above makes it an FSDPModule
+
+
+# ---- validation (no side effects) ---------------------------------------------------------------
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        modules: tuple[nn.Module, ...] = (module,)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support {type(module).__name__} directly: it has no forward, so FSDP's "
+                "hooks would never run. Call fully_shard on each of its children, or on the parent module."
+            )
+    elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
+        modules = _list_roots(module)
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Module, got {_describe(module)}."
+        )
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: each block first, then the root)."
+            )
+    return modules
+
+
+def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
+    """The listed modules that are not inside another listed module, in list order, de-duplicated."""
+    descendants: set[nn.Module] = set()
+    for m in modules:
+        descendants.update(sub for sub in m.modules() if sub is not m)
+    roots: list[nn.Module] = []
+    for m in modules:
+        if m not in descendants and m not in roots:
+            roots.append(m)
+    return tuple(roots)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds)}" if value else "an empty list"
+    return f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
+
+
+def _validate_mesh(mesh: Any) -> MeshInfo:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard mesh must be a DeviceMesh, got {_describe(mesh)}.")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice the data-parallel dims out of it."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard got a 2-D mesh without dim names; HSDP needs them to tell the replicate dim from "
+            "the shard dim. Build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
+        )
+    return MeshInfo.from_mesh(mesh)
+
+
+def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward must be a bool, an int or None, got {_describe(value)}."
+        )
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard world size {shard_size} (1 <= k <= "
+            f"{shard_size}); pass a factor of {shard_size}, or True/False."
+        )
+
+
+def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {_describe(mp_policy)}.")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {_describe(offload_policy)}.")
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"{type(offload_policy).__name__} is not supported yet by fsdp2; use OffloadPolicy() (no offload)."
+        )
+
+
+def _validate_ignored(ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+        isinstance(p, torch.Tensor) for p in ignored_params
+    ):
+        raise TypeError(f"ignored_params must be a set of parameters, got {_describe(ignored_params)}.")
+    return {id(p) for p in ignored_params}
+
+
+def _validate_param(param: nn.Parameter, name: str, device: torch.device, placement_fn: Any) -> None:
+    if param.ndim == 0:
+        raise ValueError(
+            f"fully_shard cannot shard the scalar parameter {name}: expected at least 1 dim, got shape (). "
+            "Use a 1-D tensor with one element."
+        )
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"Parameter {name} is already a DTensor (tensor parallel?); fsdp2 does not compose with "
+            "tensor parallelism yet. If fully_shard was applied to a child after its parent, apply it "
+            "bottom-up instead."
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"fully_shard does not support the non-contiguous parameter {name} (stride {param.stride()}); "
+            "make it contiguous first, e.g. nn.Parameter(p.contiguous())."
+        )
+    if placement_fn is not None:
+        placement = placement_fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {placement!r} for {name}; fsdp2 supports only Shard(0) or None "
+                "for now."
+            )
+
+
+# ---- collection and set-up ---------------------------------------------------------------------
+
+
+def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Modules under ``roots`` whose direct parameters this call manages (post-order, de-duplicated)."""
+    seen: set[nn.Module] = set()
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module, is_root: bool) -> None:
+        if module in seen:
+            return
+        seen.add(module)
+        if not is_root and (get_state(module) is not None or _is_replicated(module)):
+            return
+        for child in module.children():
+            visit(child, False)
+        order.append(module)
+
+    for root in roots:
+        visit(root, True)
+    return order
+
+
+def _is_replicated(module: nn.Module) -> bool:
+    registry = module.__dict__.get("_distributed_api_registry") or {}
+    return "replicate" in registry
+
+
+def _managed_params(modules: Iterable[nn.Module], ignored: set[int]) -> dict[int, tuple[nn.Parameter, str]]:
+    found: dict[int, tuple[nn.Parameter, str]] = {}
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in ignored and id(param) not in found:
+                found[id(param)] = (param, f"{type(module).__name__}.{name}")
+    return found
+
+
+def _owners(
+    modules: Iterable[nn.Module], params: dict[int, tuple[nn.Parameter, str]]
+) -> dict[int, list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {key: [] for key in params}
+    for module in modules:
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in owners:
+                owners[id(param)].append((module, name))
+    return owners
+
+
+def _move_to_device(
+    modules: list[nn.Module], params: dict[int, tuple[nn.Parameter, str]], device: torch.device
+) -> None:
+    with torch.no_grad():
+        for param, _ in params.values():
+            if param.device != device and param.device.type != "meta":
+                param.data = param.data.to(device)
+        for module in modules:
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
+
+
+# ---- the dynamic class --------------------------------------------------------------------------
+
+_class_cache: dict[type, type] = {}
+_class_lock = threading.Lock()
+
+
+def _fsdp_class(cls: type) -> type:
+    fsdp_cls = _class_cache.get(cls)
+    if fsdp_cls is None:
+        with _class_lock:
+            fsdp_cls = _class_cache.get(cls)
+            if fsdp_cls is None:
+                fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+                _class_cache[cls] = fsdp_cls
+    return fsdp_cls
+
+
+def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
+    raise RuntimeError(
+        f"copy.deepcopy of the fully_shard module {type(self).__name__} is not supported: its parameters are "
+        "shards tied to process groups. Copy the model before fully_shard, or save and load a state dict."
+    )
+
+
+class UnshardHandle:
+    """Handle for ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters usable."""
+
+    def wait(self) -> None:
+        """Nothing to wait for (a module with no parameters)."""
+
+
+class _GroupUnshardHandle(UnshardHandle):
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self._group: FSDPParamGroup | None = group
+
+    def wait(self) -> None:
+        """Finish the all-gather and register the unsharded parameters (idempotent)."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixin added to every module passed to ``fully_shard`` (as ``FSDP<Name>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Constructing FSDP<Name> (e.g. Sequential slicing calls type(self)(...)) builds the original
+        # class: the new module has not been through fully_shard.
+        orig_cls = cls.__mro__[2]
+        instance = orig_cls.__new__(orig_cls)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = get_state(self)  # type: ignore[arg-type]  # reason: self is an nn.Module at runtime
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]  # reason: nn.Module
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (not its FSDP children's) ahead of use.
+
+        Args:
+            async_op: return a handle at once; its ``wait()`` (or the next forward) finishes the unshard.
+
+        Returns:
+            An :class:`UnshardHandle` if ``async_op``, else ``None`` once the parameters are registered.
+        """
+        group = self._get_fsdp_state().group
+        if group is None:
+            return UnshardHandle() if async_op else None
+        group.lazy_init()
+        group.unshard(async_op)
+        handle = _GroupUnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step (waits for reductions, drops prefetch state)."""
+        self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
+        for module in self._fsdp_modules(recurse):
+            group = module._get_fsdp_state().group
+            if group is not None:
+                group.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (bool only); also stops the root's automatic choice."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {_describe(reshard_after_forward)}.")
+        for module in self._fsdp_modules(recurse):
+            state = module._get_fsdp_state()
+            state._auto_reshard = False
+            if state.group is not None:
+                info = state.group.mesh_info
+                state.group.post_forward_mesh_info = info if reshard_after_forward else None
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
+        for module in self._fsdp_modules(recurse):
+            group = module._get_fsdp_state().group
+            if group is not None:
+                group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Skip this module's all-gather in backward when its parameters are not needed there."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` right after this module's own unshard in forward (replaces the list)."""
+        self._get_fsdp_state().forward_prefetch = _prefetch_states(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` right after this module's own unshard in backward.
+
+        A non-empty list replaces this module's default backward prefetch.
+        """
+        self._get_fsdp_state().backward_prefetch = _prefetch_states(modules, "set_modules_to_backward_prefetch")
+
+    def reset_iter_state(self) -> None:
+        """Root only: clear per-iteration state after an exception in forward or backward."""
+        state = self._get_fsdp_state()
+        if state.is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root module, not on {type(self).__name__}."
+            )
+        state.reset_iteration()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
+        self.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]  # reason: nn.Module method
+        group = self._get_fsdp_state().group
+        if group is not None:
+            with torch.no_grad():
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
+        return result
+
+
+def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{method} expects a list of FSDPModule, got {_describe(modules)}.")
+    states = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"{method} expects FSDPModule entries (modules passed to fully_shard), got "
+                f"{type(module).__name__}. Call fully_shard on it first, or drop it from the list."
+            )
+        states.append(module._get_fsdp_state())
+    return states

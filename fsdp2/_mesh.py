@@ -1,0 +1,90 @@
+"""Device mesh facts resolved once per ``fully_shard`` call.
+
+Owns: ``MeshInfo`` (the shard and replicate process groups, sizes and ranks), the default mesh, the
+device a mesh communicates on, and the smaller mesh used after forward for an int
+``reshard_after_forward``. Does not own: any collective call.
+Invariants: a ``MeshInfo`` never changes after construction; ``shard_size * replicate_size`` equals the
+mesh size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel layout of one mesh: dim 1 (or the only dim) shards, dim 0 replicates (HSDP)."""
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int
+    replicate_mesh_dim: int | None
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> MeshInfo:
+        """Build the info for a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh."""
+        if mesh.ndim == 1:
+            return cls(mesh, 0, None, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
+        return cls(
+            mesh, 1, 0, mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1),
+            mesh.get_group(0), mesh.size(0),
+        )
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_mesh_dim is not None
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole default process group on the default device type."""
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh communicates on: ``cpu``, or the current device index of its accelerator."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+_warned_int_one = False
+
+
+def post_forward_mesh_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) -> MeshInfo | None:
+    """The mesh parameters live on between forward and backward; ``None`` keeps them unsharded.
+
+    ``True`` (or an int equal to the shard size) reuses ``mesh_info``; an int ``k`` in between builds
+    a new ``(-1, k)`` mesh, which is a collective call. Arguments are validated by the caller.
+    """
+    global _warned_int_one
+    if isinstance(reshard_after_forward, bool):
+        return mesh_info if reshard_after_forward else None
+    k = reshard_after_forward
+    if k == 1:
+        if not _warned_int_one:
+            _warned_int_one = True
+            warnings.warn(
+                "reshard_after_forward=1 means resharding to a world of one rank after forward, which "
+                "is the same as reshard_after_forward=False; pass False to say so.",
+                stacklevel=3,
+            )
+        return None
+    if k == mesh_info.shard_size:
+        return mesh_info
+    ranks = mesh_info.mesh.mesh.flatten().view(-1, k)
+    mesh = DeviceMesh(mesh_info.mesh.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard"))
+    return MeshInfo.from_mesh(mesh)

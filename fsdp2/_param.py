@@ -1,0 +1,239 @@
+"""One managed parameter and the tensors FSDP keeps for it.
+
+Owns: the dim-0 chunk and padding math, the padded local shard, the sharded DTensor parameter, the
+unsharded parameter and its all-gather output storage, the post-forward slice, and swapping which of
+them is registered on the owning modules. Does not own: communication (``_collectives``) or deciding
+when to swap (``FSDPParamGroup``).
+
+[Note: FSDP tensors]
+- *original parameter*: the ``nn.Parameter`` on the module when ``fully_shard`` is called.
+- *local shard*: a 1-D tensor of ``padded_shard_numel`` elements holding this rank's rows of the
+  original parameter, ``torch.chunk`` style, zero-padded to the size of chunk 0. Every rank therefore
+  contributes the same number of elements to the all-gather.
+- *sharded parameter*: an ``nn.Parameter`` DTensor (``Shard(0)``) whose local tensor is a view of the
+  leading, unpadded part of the local shard. In-place updates (optimizer steps, ``load_state_dict``)
+  write straight into the all-gather source.
+- *all-gather input / output*: the local shard (or post-forward slice) copied into one flat buffer per
+  group / the per-parameter ``unsharded_flat`` buffer of ``world_size * padded_shard_numel`` elements.
+- *unsharded parameter*: a plain ``nn.Parameter`` viewing the front of ``unsharded_flat`` at the original
+  shape. Created once and kept for the life of the module, because autograd may have saved it.
+
+[Note: Storage resize instead of reallocation]
+Resharding frees the unsharded parameter's memory by resizing its storage to zero bytes; unsharding
+resizes it back and refills it. Tensor objects, views and autograd's saved references stay valid, and
+the refill goes through a ``.data`` alias so the version counter does not move (a saved parameter
+refilled for backward would otherwise fail autograd's in-place check).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
+from ._mesh import MeshInfo
+
+
+def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    """``(padded_rows, start_row, local_rows)`` of ``rank``'s ``torch.chunk`` piece of ``rows`` rows."""
+    padded = math.ceil(rows / world_size) if rows else 0
+    start = min(rank * padded, rows)
+    return padded, start, min(start + padded, rows) - start
+
+
+class FSDPParam:
+    """One parameter sharded on dim 0 across ``mesh_info.shard_size`` ranks. See [Note: FSDP tensors]."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        mesh_info: MeshInfo,
+        post_forward_mesh_info: MeshInfo | None,
+    ) -> None:
+        self.owners = owners  # every (module, attribute) the parameter is registered under
+        self.source_id = _source_id(param)  # identifies the original tensor across fully_shard calls
+        self.fqn = owners[0][1]  # replaced by the root-relative name at lazy init
+        self.mesh_info = mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.orig_size = param.size()
+        self.orig_numel = param.numel()
+        self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
+        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        rows = self.orig_size[0]
+        self.row_numel = self.orig_numel // rows if rows else math.prod(self.orig_size[1:])
+        padded_rows, start, local_rows = chunk_rows(rows, world, rank)
+        self.padded_shard_numel = padded_rows * self.row_numel
+        self.local_shard_size = torch.Size((local_rows, *self.orig_size[1:]))
+        self.local_numel = local_rows * self.row_numel
+        # 1D, padded to padded_shard_numel; the all-gather source in the SHARDED state
+        self._local_shard = torch.zeros(self.padded_shard_numel, dtype=param.dtype, device=param.device)
+        if param.device.type != "meta":
+            flat = param.detach().reshape(-1)
+            self._local_shard[: self.local_numel].copy_(flat[start * self.row_numel : start * self.row_numel + self.local_numel])
+        placements = (Replicate(), Shard(0)) if mesh_info.is_hsdp else (Shard(0),)
+        self._spec = make_spec(mesh_info.mesh, placements, self.orig_size, param.stride(), param.dtype)
+        local = self._local_shard[: self.local_numel].view(self.local_shard_size)
+        self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
+        self.orig_dtype = param.dtype
+        self.param_dtype: torch.dtype | None = None  # set by init_dtypes at lazy init
+        self.reduce_dtype: torch.dtype | None = None
+        # 1D, world_size * padded_shard_numel, unsharded dtype; allocated at the first unshard
+        self._unsharded_flat: torch.Tensor | None = None
+        self._unsharded_flat_data: torch.Tensor | None = None  # .data alias: refills keep the version
+        self._unsharded_nbytes = 0
+        self.unsharded_param: nn.Parameter | None = None  # ND, original shape, reused every step
+        # 1D, (shard_size / k) * padded_shard_numel; only between forward and backward with an int k
+        self._post_forward_slice: torch.Tensor | None = None
+        self._register(self.sharded_param)
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """Resolve mixed precision against the current sharded dtype (lazy init)."""
+        self.orig_dtype = self.sharded_param.dtype
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        self.param_dtype = param_dtype
+        self.reduce_dtype = None if reduce_dtype == (param_dtype or self.orig_dtype) else reduce_dtype
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.orig_dtype
+
+    def reset_sharded_param(self) -> None:
+        """Re-adopt the registered sharded parameter after ``_apply``/``load_state_dict(assign=True)``.
+
+        Re-pads its local tensor into a fresh local shard when it no longer views ours.
+        """
+        module, name = self.owners[0]
+        param = module._parameters[name]
+        if not isinstance(param, DTensor):
+            raise RuntimeError(
+                f"Parameter {self.fqn} is no longer a DTensor after a module conversion: expected the "
+                f"sharded DTensor, got {type(param).__name__}. Load sharded (DTensor) state dicts into "
+                "fully_shard modules, or use torch.distributed.checkpoint.state_dict helpers."
+            )
+        self.sharded_param = param  # type: ignore[assignment]  # reason: a DTensor nn.Parameter
+        self._spec = spec_of(param)
+        local = local_of(param)
+        if local.is_meta:
+            self._local_shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
+        elif not _same_storage(local, self._local_shard) or local.dtype != self._local_shard.dtype:
+            shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
+            shard[: self.local_numel].copy_(local.reshape(-1))
+            self._local_shard = shard
+            set_local(param, shard[: self.local_numel].view(self.local_shard_size))
+        self._register(param)
+
+    # ---- all-gather inputs and outputs -------------------------------------------------------------
+
+    def all_gather_input(self, post_forward: bool) -> torch.Tensor:
+        """The 1-D tensor this rank contributes (cast to the unsharded dtype by the copy-in)."""
+        if post_forward:
+            assert self._post_forward_slice is not None, f"{self.fqn}: no post-forward slice to gather"
+            return self._post_forward_slice
+        return self._local_shard
+
+    def all_gather_output(self) -> torch.Tensor:
+        """The per-parameter output buffer, allocated or re-allocated as needed (``.data`` alias)."""
+        data = self._unsharded_flat_data
+        if data is None:
+            numel = self.mesh_info.shard_size * self.padded_shard_numel
+            flat = torch.empty(numel, dtype=self.unsharded_dtype, device=self._local_shard.device)
+            self._unsharded_flat = flat
+            self._unsharded_flat_data = data = flat.data
+            self._unsharded_nbytes = flat.untyped_storage().nbytes()
+            view = flat[: self.orig_numel].view(self.orig_size)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+        elif data.untyped_storage().nbytes() == 0:
+            data.untyped_storage().resize_(self._unsharded_nbytes)
+        return data
+
+    # ---- registered-state transitions -------------------------------------------------------------
+
+    def to_sharded(self) -> None:
+        self._register(self.sharded_param)
+        self.free_unsharded()
+        self._post_forward_slice = None
+
+    def to_unsharded(self) -> None:
+        param = self.unsharded_param
+        assert param is not None, f"{self.fqn}: to_unsharded before any all-gather"
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
+        self._register(param)
+        self._post_forward_slice = None
+
+    def to_sharded_post_forward(self) -> None:
+        """Keep this rank's 1/k slice of the padded unsharded data; register a placeholder DTensor."""
+        info = self.post_forward_mesh_info
+        assert info is not None and self._unsharded_flat is not None, f"{self.fqn}: no post-forward mesh"
+        per_rank = (self.mesh_info.shard_size // info.shard_size) * self.padded_shard_numel
+        start = info.shard_rank * per_rank
+        self._post_forward_slice = self._unsharded_flat.detach()[start : start + per_rank].clone()
+        _, _, rows = chunk_rows(self.orig_size[0], info.shard_size, info.shard_rank)
+        local = self._post_forward_slice[: rows * self.row_numel].view(rows, *self.orig_size[1:])
+        spec = make_spec(info.mesh, (Replicate(), Shard(0)), self.orig_size, self._spec.tensor_meta.stride,
+                         self.unsharded_dtype)  # type: ignore[union-attr]  # reason: spec built with meta
+        self._register(nn.Parameter(wrap_local(local, spec), requires_grad=False))
+        self.free_unsharded()
+
+    def free_unsharded(self) -> None:
+        if self._unsharded_flat_data is not None:
+            self._unsharded_flat_data.untyped_storage().resize_(0)
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        if self._fast_register:
+            # Hot path: nn.Module.__setattr__ re-checks types and dicts on every call (several µs);
+            # for modules that do not customise it, writing the dict entry is the same operation.
+            for module, name in self.owners:
+                module._parameters[name] = tensor  # type: ignore[assignment]  # reason: Parameter or DTensor
+        else:
+            for module, name in self.owners:
+                setattr(module, name, tensor)
+
+    # ---- gradients ---------------------------------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Detach and return the gradient autograd accumulated on the unsharded parameter."""
+        param = self.unsharded_param
+        if param is None:
+            return None
+        grad = param.grad
+        if grad is not None:
+            param.grad = None
+        return grad
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Set, or add in place into, the sharded DTensor gradient; then run post-accumulate hooks."""
+        param = self.sharded_param
+        grad = param.grad
+        if grad is None:
+            param.grad = wrap_local(local_grad, self._spec)
+        else:
+            local_of(grad).add_(local_grad)  # type: ignore[arg-type]  # reason: DTensor grad
+        hooks = param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(param)
+
+
+_source_ids = itertools.count()
+
+
+def _source_id(param: nn.Parameter) -> int:
+    """A process-unique id stamped on the original parameter (``id()`` may be reused after free)."""
+    source: int | None = param.__dict__.get("_fsdp2_source_id")
+    if source is None:
+        source = param.__dict__["_fsdp2_source_id"] = next(_source_ids)
+    return source
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,0 +1,339 @@
+"""A communication group: the parameters of one ``fully_shard`` call.
+
+Owns: the group's ``TrainingState`` and ``ShardedState``; unshard (one all-gather), wait_for_unshard
+(copy-out and register), reshard, pre/post forward and backward, prefetch, and the reduce-scatter of
+gradients. Does not own: hooks, root logic or event ordering across groups (``FSDPState``).
+Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
+pending (``_all_gather_result``); an unshard is a no-op while one is pending or when unsharded.
+
+[Note: Prefetch order]
+Every post-forward appends the group to the shared ``post_forward_order`` and remembers its index
+(one per forward use). A pre-backward without an explicit prefetch list pops its latest index ``i``
+and unshards ``post_forward_order[i - 1]``: the module that ran just before it in forward runs just
+after it in backward. Explicit lists replace that default (``FSDPState``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _events
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._autograd import register_post_backward
+from ._collectives import (
+    AllGatherResult,
+    DivideFactors,
+    ReduceScatterResult,
+    all_gather_copy_in,
+    divide_factors,
+    foreach_all_gather,
+    foreach_all_gather_copy_out,
+    issue_all_gather,
+    reduce_scatter,
+    reduce_scatter_copy_in,
+    view_out_shards,
+)
+from ._comm_context import CommContext
+from ._lifecycle import ShardedState, TrainingState
+from ._mesh import MeshInfo
+from ._param import FSDPParam
+
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_UNSHARDED = ShardedState.UNSHARDED
+_current_graph_task_id = torch._C._current_graph_task_id
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call, gathered and reduced together."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        owners: dict[int, list[tuple[nn.Module, str]]],
+        modules: tuple[nn.Module, ...],
+        mesh_info: MeshInfo,
+        post_forward_mesh_info: MeshInfo | None,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.fsdp_params = [FSDPParam(p, owners[id(p)], mesh_info, post_forward_mesh_info) for p in params]
+        self._post_forward_mesh_info = post_forward_mesh_info
+        self.comm_ctx = CommContext()
+        self._module_fqn = ""
+        self._training_state = TrainingState.IDLE
+        self._sharded_state = ShardedState.SHARDED
+        self._all_gather_result: AllGatherResult | None = None
+        self._post_forward_indices: list[int] = []
+        self._lazy_initialized = False
+        self._all_gather_dtype = self.fsdp_params[0].orig_dtype
+        self._reduce_dtype: torch.dtype | None = None
+        self._divide_factors: dict[torch.dtype, DivideFactors] = {}
+        self._post_reduce_event: torch.Event | None = None
+        # user controls (FSDPModule setters)
+        self.reduce_grads = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.unshard_async_op = False
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfo | None:
+        return self._post_forward_mesh_info
+
+    @post_forward_mesh_info.setter
+    def post_forward_mesh_info(self, info: MeshInfo | None) -> None:
+        self._post_forward_mesh_info = info
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.post_forward_mesh_info = info
+
+    @property
+    def _reshard_after_forward(self) -> bool:
+        return self._post_forward_mesh_info is not None
+
+    def lazy_init(self) -> None:
+        """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
+        if not self._lazy_initialized and self._sharded_state is ShardedState.SHARDED:
+            # Catch load_state_dict / to_empty done after fully_shard but before training.
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.reset_sharded_param()
+        meta = [p.fqn for p in self.fsdp_params if p.sharded_param.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"Parameters {meta} are still on the meta device. Materialize them before training, "
+                "e.g. module.to_empty(device=...) followed by reset_parameters()."
+            )
+        policy = self.mp_policy
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
+        gather_dtypes = {p.unsharded_dtype for p in self.fsdp_params}
+        if len(gather_dtypes) != 1:
+            names = {p.fqn: str(p.unsharded_dtype) for p in self.fsdp_params}
+            raise NotImplementedError(
+                f"fully_shard group {self._module_fqn or '<root>'} mixes parameter dtypes {names}; one "
+                "all-gather needs one dtype. Give parameters of another dtype their own fully_shard call."
+            )
+        self._all_gather_dtype = gather_dtypes.pop()
+        trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
+        self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
+        self._divide_factors.clear()
+        self._lazy_initialized = True
+
+    def _factors(self, dtype: torch.dtype) -> DivideFactors:
+        factors = self._divide_factors.get(dtype)
+        if factors is None:
+            world = self.mesh_info.shard_size * self.mesh_info.replicate_size
+            factors = self._divide_factors[dtype] = divide_factors(world, dtype)
+        return factors
+
+    # ---- unshard / reshard -----------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue this group's all-gather, unless one is pending or the group is already unsharded."""
+        if self._all_gather_result is not None or self._sharded_state is _UNSHARDED:
+            return
+        _events.record("unshard", self._module_fqn, self._training_state)
+        post_forward = self._sharded_state is ShardedState.SHARDED_POST_FORWARD
+        info = self._post_forward_mesh_info if post_forward else self.mesh_info
+        assert info is not None, "post-forward state without a post-forward mesh"
+        inputs = [p.all_gather_input(post_forward) for p in self.fsdp_params]
+        ctx = self.comm_ctx
+        if ctx.use_streams and not async_op and self._training_state in (_FORWARD, _PRE_BACKWARD):
+            self._all_gather_result = self._all_gather_on_streams(inputs, info)
+        else:
+            self._all_gather_result = foreach_all_gather(
+                inputs, info.shard_group, info.shard_size, info.shard_rank, self._all_gather_dtype, async_op
+            )
+
+    def _all_gather_on_streams(self, inputs: list[torch.Tensor], info: MeshInfo) -> AllGatherResult:
+        ctx = self.comm_ctx
+        copy_in_stream, gather_stream = ctx.all_gather_copy_in_stream, ctx.all_gather_stream
+        assert copy_in_stream is not None and gather_stream is not None, "streams not initialized"
+        with torch.cuda.stream(copy_in_stream):
+            output, local, split_sizes = all_gather_copy_in(
+                inputs, info.shard_size, info.shard_rank, self._all_gather_dtype
+            )
+        gather_stream.wait_stream(copy_in_stream)
+        with torch.cuda.stream(gather_stream):
+            issue_all_gather(output, local, info.shard_group, info.shard_size, async_op=False)
+            event = gather_stream.record_event()
+        return AllGatherResult(output, split_sizes, info.shard_size, event, None)
+
+    def wait_for_unshard(self) -> None:
+        """Finish the pending all-gather: copy out and register the unsharded parameters."""
+        result = self._all_gather_result
+        if result is None:
+            return
+        if result.work is not None:
+            result.work.wait()
+        if result.event is not None:
+            torch.cuda.current_stream().wait_event(result.event)  # type: ignore[arg-type]  # reason: CUDA event
+        outputs = [p.all_gather_output() for p in self.fsdp_params]
+        foreach_all_gather_copy_out(result, outputs)
+        self._all_gather_result = None
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_unsharded()
+        self._sharded_state = _UNSHARDED
+        ctx = self.comm_ctx
+        if ctx.use_streams:
+            copy_out_event = torch.cuda.current_stream().record_event()
+            ctx.release_deferred_all_gather()
+            ctx.deferred_all_gather = (result.output, copy_out_event)
+            if self._training_state is not _FORWARD:
+                ctx.release_deferred_all_gather()
+
+    def reshard(self) -> None:
+        """Register sharded parameters again and free the unsharded ones.
+
+        In forward this follows ``reshard_after_forward``: no-op for ``False``, the smaller
+        post-forward shard for an int.
+        """
+        if self._training_state is _FORWARD:
+            info = self._post_forward_mesh_info
+            if info is None:
+                return
+            if info is not self.mesh_info:
+                if self._sharded_state is _UNSHARDED:
+                    for fsdp_param in self.fsdp_params:
+                        fsdp_param.to_sharded_post_forward()
+                    self._sharded_state = ShardedState.SHARDED_POST_FORWARD
+                    _events.record("reshard", self._module_fqn, self._training_state)
+                return
+        if self._sharded_state is not ShardedState.SHARDED:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_sharded()
+            self._sharded_state = ShardedState.SHARDED
+            _events.record("reshard", self._module_fqn, self._training_state)
+
+    def prefetch(self, training_state: TrainingState) -> None:
+        """Unshard ahead of use, showing ``training_state`` meanwhile (it picks streams and events)."""
+        if training_state is _PRE_BACKWARD and not self.unshard_in_backward:
+            return
+        previous = self._training_state
+        self._training_state = training_state
+        try:
+            self.unshard(self.unshard_async_op)
+        finally:
+            self._training_state = previous
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        entering = self._training_state is not _FORWARD
+        self._training_state = _FORWARD
+        self.unshard(self.unshard_async_op)
+        self.wait_for_unshard()
+        if entering and torch.is_grad_enabled():
+            return register_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self) -> None:
+        if _current_graph_task_id() == -1:  # not a forward re-run inside backward
+            self.reshard()
+            order = self.comm_ctx.post_forward_order
+            self._post_forward_indices.append(len(order))
+            order.append(self)
+        self._training_state = TrainingState.IDLE
+
+    # ---- backward --------------------------------------------------------------------------------
+
+    def pre_backward(self, default_prefetch: bool) -> None:
+        if self._training_state is _PRE_BACKWARD:
+            return
+        self._training_state = _PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard(self.unshard_async_op)
+        self.wait_for_unshard()
+        if default_prefetch and self._post_forward_indices:
+            index = self._post_forward_indices.pop()
+            if index > 0:
+                self.comm_ctx.post_forward_order[index - 1].prefetch(_PRE_BACKWARD)
+
+    def post_backward(self) -> None:
+        """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
+        self._training_state = TrainingState.POST_BACKWARD
+        if self.reduce_grads:
+            reduced: list[FSDPParam] = []
+            grads: list[torch.Tensor] = []
+            for fsdp_param in self.fsdp_params:
+                grad = fsdp_param.take_unsharded_grad()
+                if grad is not None:
+                    reduced.append(fsdp_param)
+                    grads.append(grad)
+            if self.reshard_after_backward:
+                self.reshard()
+            if grads:
+                self._reduce(reduced, grads)
+        elif self.reshard_after_backward:
+            self.reshard()
+        _events.record("post_backward", self._module_fqn, self._training_state)
+
+    def _reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        ctx = self.comm_ctx
+        info = self.mesh_info
+        dtype = self._reduce_dtype or grads[0].dtype
+        ctx.retire_reduce_scatters(keep=0)
+        buffer = reduce_scatter_copy_in(grads, info.shard_size, dtype)
+        grads.clear()  # free the unsharded gradients as soon as they are packed
+        stream = ctx.reduce_scatter_stream if ctx.use_streams else None
+        if stream is None:
+            result = self._reduce_and_assign(buffer, params)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                result = self._reduce_and_assign(buffer, params)
+                result.event = stream.record_event()
+            ctx.pending_reduce_scatters.append((result.input, result.event))
+        self._post_reduce_event = result.event
+
+    def _reduce_and_assign(self, buffer: torch.Tensor, params: list[FSDPParam]) -> ReduceScatterResult:
+        info = self.mesh_info
+        factors = self._factors(buffer.dtype)
+        output = reduce_scatter(buffer, info.shard_group, info.shard_size, factors.op, factors.predivide)
+        if info.replicate_group is not None and info.replicate_size > 1:
+            dist.all_reduce(output, op=factors.op, group=info.replicate_group)
+        if factors.postdivide is not None:
+            output.div_(factors.postdivide)
+        orig_dtype = params[0].orig_dtype
+        if output.dtype != orig_dtype:
+            output = output.to(orig_dtype)
+        views = view_out_shards(
+            output,
+            [p.padded_shard_numel for p in params],
+            [p.local_numel for p in params],
+            [p.local_shard_size for p in params],
+        )
+        for fsdp_param, view in zip(params, views, strict=True):
+            fsdp_param.accumulate_sharded_grad(view)
+        return ReduceScatterResult(buffer, output, None)
+
+    def finalize_backward(self) -> None:
+        """End of the last backward: drain a mis-targeted prefetch and forget forward indices."""
+        result = self._all_gather_result
+        if result is not None:
+            if result.work is not None:
+                result.work.wait()
+            if result.event is not None:
+                torch.cuda.current_stream().wait_event(result.event)  # type: ignore[arg-type]  # reason: CUDA event
+            self._all_gather_result = None
+        if self._post_reduce_event is not None:
+            torch.cuda.current_stream().wait_event(self._post_reduce_event)  # type: ignore[arg-type]  # reason: CUDA event
+            self._post_reduce_event = None
+        self._post_forward_indices.clear()
+
+    def reset(self) -> None:
+        """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``."""
+        self.finalize_backward()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.take_unsharded_grad()
+        self._training_state = TrainingState.IDLE
+        self.reshard()

@@ -1,0 +1,319 @@
+"""Per-call state: hooks, root lazy init, and the end-of-backward callback.
+
+Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
+pre/post hooks, the pre-backward tensor hooks on outputs, explicit prefetch lists, root discovery at
+the first forward, and the final callback queued on the autograd engine. Also ``SharedContext``, the
+flags every state under one root shares. Does not own: parameters or collectives (its group does).
+Invariants: after lazy init every state under a root shares the root's ``SharedContext`` and
+``CommContext``; the final callback runs once per backward that reached an FSDP pre-backward hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from ._lifecycle import ShardedState, TrainingState
+from ._param_group import FSDPParamGroup
+
+_STATE_ATTR = "_fsdp2_state"
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_IDLE = TrainingState.IDLE
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    """The ``FSDPState`` attached to ``module`` by ``fully_shard``, if any."""
+    state: FSDPState | None = module.__dict__.get(_STATE_ATTR)
+    return state
+
+
+class SharedContext:
+    """Flags shared by all states under one root (replaced by the root's at lazy init)."""
+
+    def __init__(self) -> None:
+        self.all_states: list[FSDPState] = []
+        self.iteration_root: FSDPState | None = None
+        self.callback_queued = False
+        self.is_last_backward = True
+
+
+class FSDPState:
+    """Hooks and lifecycle of one ``fully_shard`` call."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, auto_reshard: bool) -> None:
+        self.modules = modules
+        self.group = group
+        self._auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
+        self._training_state = _IDLE
+        self._is_root: bool | None = None  # None until the root's lazy init decides
+        self.ctx = SharedContext()
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self._modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
+        self._hook_handles: list[Any] = []
+        self._pre_backward_hook = self._make_pre_backward_hook()
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            if len(modules) == 1:
+                pre, post = self._pre_forward, self._post_forward
+            else:
+                pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
+            self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
+
+    @property
+    def is_root(self) -> bool | None:
+        return self._is_root
+
+    # ---- lazy init -------------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of its module tree (first forward only)."""
+        if self._is_root is not None:
+            return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(
+                f"fully_shard on a list of modules ({names}) cannot be the root: FSDP needs a single root "
+                "module. Call fully_shard on the parent module that runs forward."
+            )
+        root_module = self.modules[0]
+        states: list[FSDPState] = []
+        module_names: dict[nn.Module, str] = {}
+        for name, module in root_module.named_modules():
+            module_names[module] = name
+            state = get_state(module)
+            if state is None or state in states:
+                continue
+            if state is not self:
+                if state._is_root is not None:
+                    raise RuntimeError(
+                        f"The fully_shard module {name!r} already ran forward on its own before its root "
+                        f"{type(root_module).__name__}. Run forward through the root module first."
+                    )
+            states.append(state)
+        self._is_root = True
+        if self._auto_reshard and self.group is not None:
+            self.group.post_forward_mesh_info = None
+        comm_ctx = self.group.comm_ctx if self.group is not None else None
+        device = _state_device(states)
+        owners: dict[int, str] = {}
+        for state in states:
+            if state is not self:
+                state._is_root = False
+            state.ctx = self.ctx
+            group = state.group
+            if group is None:
+                continue
+            if comm_ctx is None:
+                comm_ctx = group.comm_ctx
+            group.comm_ctx = comm_ctx
+            group._module_fqn = ", ".join(module_names[m] for m in group.modules)
+            _name_params(group, module_names, owners)
+        if comm_ctx is not None:
+            comm_ctx.lazy_init(device)
+        self.ctx.all_states = states
+        for state in states:
+            if state.group is not None:
+                state.group.lazy_init()
+
+    # ---- forward hooks ---------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        group = self.group
+        if self._training_state is _PRE_BACKWARD:
+            # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
+            if group is not None:
+                group.unshard(group.unshard_async_op)
+                group.wait_for_unshard()
+            return args, kwargs
+        first = self._training_state is not _FORWARD
+        self._training_state = _FORWARD
+        if first:
+            self._root_pre_forward()
+        if group is not None:
+            args, kwargs = group.pre_forward(args, kwargs)
+        if first:
+            for target in self.forward_prefetch:
+                if target.group is not None:
+                    target.group.prefetch(_FORWARD)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        if self._is_root is None:
+            self.lazy_init()
+        ctx = self.ctx
+        if ctx.iteration_root is None:
+            ctx.iteration_root = self
+            if self.group is not None:
+                self.group.comm_ctx.wait_for_current_stream()
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self._training_state is _PRE_BACKWARD:
+            return output
+        if self.group is not None:
+            self.group.post_forward()
+        if torch.is_grad_enabled():
+            self.register_pre_backward_hooks(output)
+        self._training_state = _IDLE
+        if self.ctx.iteration_root is self:
+            self._finish_iteration_forward(output)
+        return output
+
+    def _finish_iteration_forward(self, output: Any) -> None:
+        """Iteration root only: complete grouped states some member of which never ran."""
+        ctx = self.ctx
+        for state in reversed(ctx.all_states):
+            if state is self or not state._modules_to_run:
+                continue
+            if state.group is not None:
+                state.group.post_forward()
+            if torch.is_grad_enabled():
+                state.register_pre_backward_hooks(output)
+            state._training_state = _IDLE
+            state._modules_to_run.clear()
+        if self.group is not None:
+            self.group.comm_ctx.release_deferred_all_gather()
+        ctx.iteration_root = None
+
+    def _grouped_pre_forward(self, module: nn.Module) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+            if not self._modules_to_run and self._training_state is not _PRE_BACKWARD:
+                self._modules_to_run.update(self.modules)
+            return self._pre_forward(mod, args, kwargs)
+
+        return hook
+
+    def _grouped_post_forward(self, module: nn.Module) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if self._training_state is _PRE_BACKWARD or mod not in self._modules_to_run:
+                return output
+            self._modules_to_run.discard(mod)
+            if self._modules_to_run:
+                return output
+            return self._post_forward(mod, args, output)
+
+        return hook
+
+    # ---- backward --------------------------------------------------------------------------------
+
+    def register_pre_backward_hooks(self, output: Any) -> None:
+        hook = self._pre_backward_hook
+        for tensor in _tensors_requiring_grad(output):
+            if tensor._base is not None:
+                warnings.warn(
+                    "A forward output of an FSDP module is a view that requires grad; an in-place op on "
+                    "it would drop FSDP's pre-backward hook. Return a non-view tensor (e.g. .clone()).",
+                    stacklevel=4,
+                )
+            tensor.register_hook(hook)
+
+    def _make_pre_backward_hook(self) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.pre_backward()
+            return grad
+
+        return hook
+
+    def pre_backward(self) -> None:
+        self._training_state = _PRE_BACKWARD
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            root = ctx.all_states[0] if ctx.all_states else self
+            Variable._execution_engine.queue_callback(root.finish_backward)
+        if self.group is not None:
+            self.group.pre_backward(default_prefetch=not self.backward_prefetch)
+        for target in self.backward_prefetch:
+            if target.group is not None:
+                target.group.prefetch(_PRE_BACKWARD)
+
+    def finish_backward(self) -> None:
+        """Final callback: post-backward for groups autograd never reached, then reset the iteration."""
+        ctx = self.ctx
+        ctx.iteration_root = None
+        last = ctx.is_last_backward
+        for state in ctx.all_states:
+            state._modules_to_run.clear()
+            group = state.group
+            if group is not None:
+                if group._training_state is not TrainingState.POST_BACKWARD:
+                    group.post_backward()
+                group._training_state = _IDLE
+                if last:
+                    group.finalize_backward()
+            state._training_state = _IDLE
+        if last:
+            for state in ctx.all_states:
+                if state.group is not None:
+                    comm_ctx = state.group.comm_ctx
+                    comm_ctx.post_forward_order.clear()
+                    comm_ctx.retire_reduce_scatters(keep=0)
+                    break
+        ctx.callback_queued = False
+
+    def reset_iteration(self) -> None:
+        """Root only: recover from an exception in forward or backward."""
+        ctx = self.ctx
+        for state in ctx.all_states or [self]:
+            state._modules_to_run.clear()
+            state._training_state = _IDLE
+            if state.group is not None:
+                state.group.reset()
+                state.group.comm_ctx.post_forward_order.clear()
+                state.group.comm_ctx.retire_reduce_scatters(keep=0)
+                state.group.comm_ctx.deferred_all_gather = None
+        ctx.iteration_root = None
+        ctx.callback_queued = False
+
+
+def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen: dict[int, str]) -> None:
+    """Give parameters root-relative names and refuse a parameter owned by two groups."""
+    for fsdp_param in group.fsdp_params:
+        module, attr = fsdp_param.owners[0]
+        prefix = module_names.get(module, "")
+        fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
+        key = fsdp_param.source_id
+        other = seen.get(key)
+        if other is not None:
+            raise ValueError(
+                f"Parameter {fsdp_param.fqn} is the same tensor as {other}, which another fully_shard "
+                f"group already manages (group {group._module_fqn or '<root>'}). Shard tied parameters "
+                "in one call: fully_shard([module_a, module_b])."
+            )
+        seen[key] = fsdp_param.fqn
+
+
+def _state_device(states: list[FSDPState]) -> torch.device:
+    for state in states:
+        if state.group is not None:
+            return state.group.fsdp_params[0].sharded_param.device
+    return torch.device("cpu")
+
+
+def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(reversed([getattr(item, f.name) for f in dataclasses.fields(item)]))
+    return found
+
+
+__all__ = ["FSDPState", "SharedContext", "ShardedState", "get_state"]
