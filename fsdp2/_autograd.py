@@ -14,19 +14,33 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._param_group import FSDPParamGroup
+
+# Autograd engine entry points that torch exposes only privately; used nowhere else in fsdp2.
+in_backward_task_id = torch._C._current_graph_task_id  # noqa: SLF001 - returns -1 outside backward
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished all its nodes."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # noqa: SLF001 - no public API
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    return tensor._base is not None  # noqa: SLF001 - no public API for "is a view"
 
 
 class _PostBackwardNode(torch.autograd.Function):
     """Identity in forward; calls ``group.post_backward()`` in backward."""
 
     @staticmethod
-    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]  # reason: Function.forward is variadic
+    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         return inputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]  # reason: Function.backward is variadic
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # Dispatch through the instance so class-level instrumentation sees every call.
         ctx.group.post_backward()
         return (None, *grads)
@@ -41,7 +55,7 @@ def register_post_backward(
         picks = [i for i, a in enumerate(args) if a.requires_grad]
         if not picks:
             return args, kwargs
-        outs = _PostBackwardNode.apply(group, *(args[i] for i in picks))
+        outs = _PostBackwardNode.apply(group, *(args[i] for i in picks))  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
         new_args = list(args)
         for i, out in zip(picks, outs, strict=True):
             new_args[i] = out
@@ -50,7 +64,7 @@ def register_post_backward(
     picks = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not picks:
         return args, kwargs
-    outs = _PostBackwardNode.apply(group, *(flat[i] for i in picks))
+    outs = _PostBackwardNode.apply(group, *(flat[i] for i in picks))  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
     for i, out in zip(picks, outs, strict=True):
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)

@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# torch >= 2.10 names the single-tensor collectives *_single; older releases only have *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -54,7 +57,7 @@ def issue_all_gather(
     """All-gather ``local`` (a view of ``output``) into ``output``; nothing to do for one rank."""
     if world_size == 1:
         return None
-    work = dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+    work = _all_gather_single(output, local, group=group, async_op=async_op)
     return work if async_op else None
 
 
@@ -92,7 +95,8 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, dtype: to
     """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``."""
     numel = sum(world_size * _padded_shard_numel(g, world_size) for g in grads)
     buffer = torch.empty(numel, dtype=dtype, device=grads[0].device)
-    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))
+    # One fused pad-chunk-concatenate-cast kernel instead of a Python loop over gradients.
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))  # noqa: SLF001
     return buffer
 
 
@@ -105,7 +109,7 @@ def reduce_scatter(
     buffer: torch.Tensor,
     group: dist.ProcessGroup,
     world_size: int,
-    op: dist.ReduceOp,
+    op: dist.ReduceOp.RedOpType,
     predivide: float | None,
 ) -> torch.Tensor:
     """Reduce-scatter ``buffer`` in place over ``group``; returns this rank's 1-D output."""
@@ -114,7 +118,7 @@ def reduce_scatter(
     if world_size == 1:
         return buffer
     output = torch.empty(buffer.numel() // world_size, dtype=buffer.dtype, device=buffer.device)
-    dist.reduce_scatter_tensor(output, buffer, op=op, group=group)
+    _reduce_scatter_single(output, buffer, op=op, group=group)
     return output
 
 
@@ -122,7 +126,7 @@ def reduce_scatter(
 class DivideFactors:
     """How to average a reduction of ``N`` ranks: the collective op and explicit divisions around it."""
 
-    op: dist.ReduceOp
+    op: dist.ReduceOp.RedOpType
     predivide: float | None
     postdivide: float | None
 
@@ -147,8 +151,9 @@ def divide_factors(world_size: int, dtype: torch.dtype) -> DivideFactors:
     return DivideFactors(ReduceOp.SUM, float(pre) if pre > 1 else None, post if post != 1 else None)
 
 
-def view_out_shards(output: torch.Tensor, padded_numels: list[int], local_numels: list[int],
-                    local_sizes: list[torch.Size]) -> list[torch.Tensor]:
+def view_out_shards(
+    output: torch.Tensor, padded_numels: list[int], local_numels: list[int], local_sizes: list[torch.Size]
+) -> list[torch.Tensor]:
     """Per-parameter views of the flat reduce-scatter output at their unpadded local shapes."""
     views = []
     offset = 0

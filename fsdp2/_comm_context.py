@@ -57,10 +57,11 @@ class CommContext:
 
     def wait_for_current_stream(self) -> None:
         """All-gather streams wait for work already queued on the current stream (the optimizer)."""
-        if self.use_streams:
+        copy_in_stream, gather_stream = self.all_gather_copy_in_stream, self.all_gather_stream
+        if copy_in_stream is not None and gather_stream is not None:
             current = torch.cuda.current_stream()
-            self.all_gather_copy_in_stream.wait_stream(current)  # type: ignore[union-attr]  # reason: set in lazy_init
-            self.all_gather_stream.wait_stream(current)  # type: ignore[union-attr]  # reason: set in lazy_init
+            copy_in_stream.wait_stream(current)
+            gather_stream.wait_stream(current)
 
     def release_deferred_all_gather(self) -> None:
         """Let the all-gather streams reuse the last forward buffer once its copy-out is done."""
@@ -69,9 +70,10 @@ class CommContext:
             return
         self.deferred_all_gather = None
         event = deferred[1]
-        if event is not None:
-            self.all_gather_copy_in_stream.wait_event(event)  # type: ignore[union-attr]  # reason: streams exist when events do
-            self.all_gather_stream.wait_event(event)  # type: ignore[union-attr]  # reason: streams exist when events do
+        copy_in_stream, gather_stream = self.all_gather_copy_in_stream, self.all_gather_stream
+        if event is not None and copy_in_stream is not None and gather_stream is not None:
+            copy_in_stream.wait_event(event)
+            gather_stream.wait_event(event)
 
     def retire_reduce_scatters(self, keep: int) -> None:
         """Make the current stream wait on, and drop, all but the newest ``keep`` reduce-scatter buffers."""
@@ -79,4 +81,4 @@ class CommContext:
         while len(pending) > keep:
             _, event = pending.pop(0)
             if event is not None:
-                torch.cuda.current_stream().wait_event(event)  # type: ignore[arg-type]  # reason: CUDA event
+                torch.cuda.current_stream().wait_event(event)

@@ -18,7 +18,11 @@ from torch.distributed.tensor.placement_types import Placement
 
 
 def make_spec(
-    mesh: DeviceMesh, placements: Sequence[Placement], size: torch.Size, stride: tuple[int, ...], dtype: torch.dtype
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    size: torch.Size,
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
 ) -> DTensorSpec:
     """A DTensor spec for a global tensor of ``size``/``stride``/``dtype`` laid out by ``placements``."""
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(size, stride, dtype))
@@ -26,20 +30,20 @@ def make_spec(
 
 def wrap_local(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` (no copy, no autograd edge)."""
-    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[call-arg]  # reason: DTensor.__new__ is untyped
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
 def local_of(tensor: DTensor) -> torch.Tensor:
     """The local tensor of a DTensor, without the autograd-tracked ``to_local`` call."""
-    local: torch.Tensor = tensor._local_tensor
+    local: torch.Tensor = tensor._local_tensor  # noqa: SLF001 - this module owns DTensor internals
     return local
 
 
 def set_local(tensor: DTensor, local: torch.Tensor) -> None:
     """Point ``tensor`` at new local storage (same local shape)."""
-    tensor._local_tensor = local
+    tensor._local_tensor = local  # noqa: SLF001 - this module owns DTensor internals
 
 
 def spec_of(tensor: DTensor) -> DTensorSpec:
-    spec: DTensorSpec = tensor._spec
+    spec: DTensorSpec = tensor._spec  # noqa: SLF001 - this module owns DTensor internals
     return spec

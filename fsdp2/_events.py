@@ -14,8 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
+from ._autograd import in_backward_task_id
 from ._lifecycle import TrainingState
 
 EventKind = Literal["unshard", "reshard", "post_backward"]
@@ -76,7 +75,7 @@ def record(kind: EventKind, module_fqn: str, training_state: TrainingState) -> N
     """Append an event to the active sink; costs one attribute lookup when nobody records."""
     sink = getattr(_local, "sink", None)
     if sink is None:
-        if not _process_sinks or torch._C._current_graph_task_id() == -1:
+        if not _process_sinks or in_backward_task_id() == -1:
             return
         # An autograd worker thread (CUDA backward): attribute it only when unambiguous.
         if len(_process_sinks) != 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, overload
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import torch
 from torch import nn
@@ -107,7 +107,9 @@ def fully_shard(
         _validate_param(param, name, device, shard_placement_fn)
     # ---- no state has changed up to here ----
     _move_to_device(managed, params, device)
-    post_info = post_forward_mesh_info(True if reshard_after_forward is None else reshard_after_forward, mesh_info)
+    post_info = post_forward_mesh_info(
+        True if reshard_after_forward is None else reshard_after_forward, mesh_info
+    )
     group = None
     if params:
         owners = _owners(managed, params)
@@ -116,11 +118,11 @@ def fully_shard(
         )
     FSDPState(modules, group, auto_reshard=reshard_after_forward is None)
     for managed_module in managed:
-        managed_module._is_fsdp_managed_module = True  # type: ignore[assignment]  # reason: torch.compile flag
-        managed_module._fsdp_use_orig_params = True  # type: ignore[assignment]  # reason: torch.compile flag
+        managed_module.__dict__["_is_fsdp_managed_module"] = True
+        managed_module.__dict__["_fsdp_use_orig_params"] = True
     for root in modules:
         root.__class__ = _fsdp_class(type(root))
-    return module  # type: ignore[return-value]  # reason: the class swap above makes it an FSDPModule
+    return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
 
 
 # ---- validation (no side effects) ---------------------------------------------------------------
@@ -131,8 +133,9 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
         modules: tuple[nn.Module, ...] = (module,)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
             raise ValueError(
-                f"fully_shard does not support {type(module).__name__} directly: it has no forward, so FSDP's "
-                "hooks would never run. Call fully_shard on each of its children, or on the parent module."
+                f"fully_shard does not support {type(module).__name__} directly: it has no forward, so "
+                "FSDP's hooks would never run. Call fully_shard on each of its children, or on the parent "
+                "module."
             )
     elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
         modules = _list_roots(module)
@@ -165,7 +168,9 @@ def _describe(value: Any) -> str:
     if isinstance(value, list):
         kinds = sorted({type(v).__name__ for v in value})
         return f"a list of {', '.join(kinds)}" if value else "an empty list"
-    return f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
+    return (
+        f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
+    )
 
 
 def _validate_mesh(mesh: Any) -> MeshInfo:
@@ -188,9 +193,7 @@ def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int):
-        raise ValueError(
-            f"reshard_after_forward must be a bool, an int or None, got {_describe(value)}."
-        )
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {_describe(value)}.")
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard world size {shard_size} (1 <= k <= "
@@ -205,7 +208,8 @@ def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {_describe(offload_policy)}.")
     if type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(
-            f"{type(offload_policy).__name__} is not supported yet by fsdp2; use OffloadPolicy() (no offload)."
+            f"{type(offload_policy).__name__} is not supported yet by fsdp2; use OffloadPolicy() "
+            "(no offload)."
         )
 
 
@@ -287,7 +291,7 @@ def _owners(
 ) -> dict[int, list[tuple[nn.Module, str]]]:
     owners: dict[int, list[tuple[nn.Module, str]]] = {key: [] for key in params}
     for module in modules:
-        for name, param in module._parameters.items():
+        for name, param in module._parameters.items():  # noqa: SLF001 - direct registrations only
             if param is not None and id(param) in owners:
                 owners[id(param)].append((module, name))
     return owners
@@ -301,9 +305,9 @@ def _move_to_device(
             if param.device != device and param.device.type != "meta":
                 param.data = param.data.to(device)
         for module in modules:
-            for name, buffer in module._buffers.items():
+            for name, buffer in module._buffers.items():  # noqa: SLF001 - direct buffers only
                 if buffer is not None and buffer.device != device and buffer.device.type != "meta":
-                    module._buffers[name] = buffer.to(device)
+                    module._buffers[name] = buffer.to(device)  # noqa: SLF001 - as nn.Module._apply does
 
 
 # ---- the dynamic class --------------------------------------------------------------------------
@@ -348,27 +352,30 @@ class _GroupUnshardHandle(UnshardHandle):
             self._group = None
 
 
-class FSDPModule:
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
+
+
+class FSDPModule(_ModuleBase):
     """Mixin added to every module passed to ``fully_shard`` (as ``FSDP<Name>``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing FSDP<Name> (e.g. Sequential slicing calls type(self)(...)) builds the original
         # class: the new module has not been through fully_shard.
         orig_cls = cls.__mro__[2]
-        instance = orig_cls.__new__(orig_cls)
+        instance: Any = object.__new__(orig_cls)
         instance.__init__(*args, **kwargs)
         return instance
 
     def _get_fsdp_state(self) -> FSDPState:
-        state = get_state(self)  # type: ignore[arg-type]  # reason: self is an nn.Module at runtime
-        if state is None:
-            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
-        return state
+        return _require_state(self)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
             return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]  # reason: nn.Module
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (not its FSDP children's) ahead of use.
@@ -403,17 +410,19 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
         for module in self._fsdp_modules(recurse):
-            group = module._get_fsdp_state().group
+            group = _require_state(module).group
             if group is not None:
                 group.reduce_grads = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (bool only); also stops the root's automatic choice."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward should be a bool, got {_describe(reshard_after_forward)}.")
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {_describe(reshard_after_forward)}."
+            )
         for module in self._fsdp_modules(recurse):
-            state = module._get_fsdp_state()
-            state._auto_reshard = False
+            state = _require_state(module)
+            state.auto_reshard = False
             if state.group is not None:
                 info = state.group.mesh_info
                 state.group.post_forward_mesh_info = info if reshard_after_forward else None
@@ -421,7 +430,7 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
         for module in self._fsdp_modules(recurse):
-            group = module._get_fsdp_state().group
+            group = _require_state(module).group
             if group is not None:
                 group.reshard_after_backward = reshard_after_backward
 
@@ -440,7 +449,9 @@ class FSDPModule:
 
         A non-empty list replaces this module's default backward prefetch.
         """
-        self._get_fsdp_state().backward_prefetch = _prefetch_states(modules, "set_modules_to_backward_prefetch")
+        self._get_fsdp_state().backward_prefetch = _prefetch_states(
+            modules, "set_modules_to_backward_prefetch"
+        )
 
     def reset_iter_state(self) -> None:
         """Root only: clear per-iteration state after an exception in forward or backward."""
@@ -454,13 +465,20 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
         self.reshard()
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]  # reason: nn.Module method
+        result = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]  # reason: untyped in torch
         group = self._get_fsdp_state().group
         if group is not None:
             with torch.no_grad():
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
         return result
+
+
+def _require_state(module: Any) -> FSDPState:
+    state = get_state(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
+    return state
 
 
 def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
@@ -473,5 +491,5 @@ def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
                 f"{method} expects FSDPModule entries (modules passed to fully_shard), got "
                 f"{type(module).__name__}. Call fully_shard on it first, or drop it from the list."
             )
-        states.append(module._get_fsdp_state())
+        states.append(_require_state(module))
     return states

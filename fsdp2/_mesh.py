@@ -36,8 +36,14 @@ class MeshInfo:
         if mesh.ndim == 1:
             return cls(mesh, 0, None, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
         return cls(
-            mesh, 1, 0, mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1),
-            mesh.get_group(0), mesh.size(0),
+            mesh,
+            1,
+            0,
+            mesh.get_group(1),
+            mesh.size(1),
+            mesh.get_local_rank(1),
+            mesh.get_group(0),
+            mesh.size(0),
         )
 
     @property
@@ -86,5 +92,7 @@ def post_forward_mesh_info(reshard_after_forward: bool | int, mesh_info: MeshInf
     if k == mesh_info.shard_size:
         return mesh_info
     ranks = mesh_info.mesh.mesh.flatten().view(-1, k)
-    mesh = DeviceMesh(mesh_info.mesh.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard"))
+    mesh = DeviceMesh(
+        mesh_info.mesh.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard")
+    )
     return MeshInfo.from_mesh(mesh)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ class FSDPParam:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.orig_size = param.size()
         self.orig_numel = param.numel()
+        self.orig_stride = param.stride()
         self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         rows = self.orig_size[0]
@@ -74,7 +76,9 @@ class FSDPParam:
         self._local_shard = torch.zeros(self.padded_shard_numel, dtype=param.dtype, device=param.device)
         if param.device.type != "meta":
             flat = param.detach().reshape(-1)
-            self._local_shard[: self.local_numel].copy_(flat[start * self.row_numel : start * self.row_numel + self.local_numel])
+            self._local_shard[: self.local_numel].copy_(
+                flat[start * self.row_numel : start * self.row_numel + self.local_numel]
+            )
         placements = (Replicate(), Shard(0)) if mesh_info.is_hsdp else (Shard(0),)
         self._spec = make_spec(mesh_info.mesh, placements, self.orig_size, param.stride(), param.dtype)
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
@@ -111,14 +115,14 @@ class FSDPParam:
         Re-pads its local tensor into a fresh local shard when it no longer views ours.
         """
         module, name = self.owners[0]
-        param = module._parameters[name]
+        param = module._parameters[name]  # noqa: SLF001 - the registered object, whatever its type
         if not isinstance(param, DTensor):
             raise RuntimeError(
                 f"Parameter {self.fqn} is no longer a DTensor after a module conversion: expected the "
                 f"sharded DTensor, got {type(param).__name__}. Load sharded (DTensor) state dicts into "
                 "fully_shard modules, or use torch.distributed.checkpoint.state_dict helpers."
             )
-        self.sharded_param = param  # type: ignore[assignment]  # reason: a DTensor nn.Parameter
+        self.sharded_param = param
         self._spec = spec_of(param)
         local = local_of(param)
         if local.is_meta:
@@ -173,14 +177,16 @@ class FSDPParam:
     def to_sharded_post_forward(self) -> None:
         """Keep this rank's 1/k slice of the padded unsharded data; register a placeholder DTensor."""
         info = self.post_forward_mesh_info
-        assert info is not None and self._unsharded_flat is not None, f"{self.fqn}: no post-forward mesh"
+        assert info is not None, f"{self.fqn}: no post-forward mesh"
+        assert self._unsharded_flat is not None, f"{self.fqn}: post-forward reshard before any unshard"
         per_rank = (self.mesh_info.shard_size // info.shard_size) * self.padded_shard_numel
         start = info.shard_rank * per_rank
         self._post_forward_slice = self._unsharded_flat.detach()[start : start + per_rank].clone()
         _, _, rows = chunk_rows(self.orig_size[0], info.shard_size, info.shard_rank)
         local = self._post_forward_slice[: rows * self.row_numel].view(rows, *self.orig_size[1:])
-        spec = make_spec(info.mesh, (Replicate(), Shard(0)), self.orig_size, self._spec.tensor_meta.stride,
-                         self.unsharded_dtype)  # type: ignore[union-attr]  # reason: spec built with meta
+        spec = make_spec(
+            info.mesh, (Replicate(), Shard(0)), self.orig_size, self.orig_stride, self.unsharded_dtype
+        )
         self._register(nn.Parameter(wrap_local(local, spec), requires_grad=False))
         self.free_unsharded()
 
@@ -193,7 +199,7 @@ class FSDPParam:
             # Hot path: nn.Module.__setattr__ re-checks types and dicts on every call (several µs);
             # for modules that do not customise it, writing the dict entry is the same operation.
             for module, name in self.owners:
-                module._parameters[name] = tensor  # type: ignore[assignment]  # reason: Parameter or DTensor
+                module._parameters[name] = tensor  # type: ignore[assignment]  # noqa: SLF001 - Parameter or DTensor
         else:
             for module, name in self.owners:
                 setattr(module, name, tensor)
@@ -217,8 +223,9 @@ class FSDPParam:
         if grad is None:
             param.grad = wrap_local(local_grad, self._spec)
         else:
-            local_of(grad).add_(local_grad)  # type: ignore[arg-type]  # reason: DTensor grad
-        hooks = param._post_accumulate_grad_hooks
+            local_of(cast(DTensor, grad)).add_(local_grad)
+        # Autograd never accumulates into the sharded parameter, so its hooks are ours to run.
+        hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
         if hooks:
             for hook in tuple(hooks.values()):
                 hook(param)

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _events
 from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._autograd import register_post_backward
+from ._autograd import in_backward_task_id, register_post_backward
 from ._collectives import (
     AllGatherResult,
     DivideFactors,
@@ -45,7 +45,6 @@ from ._param import FSDPParam
 _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _UNSHARDED = ShardedState.UNSHARDED
-_current_graph_task_id = torch._C._current_graph_task_id
 
 
 class FSDPParamGroup:
@@ -68,9 +67,9 @@ class FSDPParamGroup:
         self.fsdp_params = [FSDPParam(p, owners[id(p)], mesh_info, post_forward_mesh_info) for p in params]
         self._post_forward_mesh_info = post_forward_mesh_info
         self.comm_ctx = CommContext()
-        self._module_fqn = ""
-        self._training_state = TrainingState.IDLE
-        self._sharded_state = ShardedState.SHARDED
+        self.module_fqn = ""
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
         self._all_gather_result: AllGatherResult | None = None
         self._post_forward_indices: list[int] = []
         self._lazy_initialized = False
@@ -97,12 +96,12 @@ class FSDPParamGroup:
             fsdp_param.post_forward_mesh_info = info
 
     @property
-    def _reshard_after_forward(self) -> bool:
+    def reshard_after_forward(self) -> bool:
         return self._post_forward_mesh_info is not None
 
     def lazy_init(self) -> None:
         """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
-        if not self._lazy_initialized and self._sharded_state is ShardedState.SHARDED:
+        if not self._lazy_initialized and self.sharded_state is ShardedState.SHARDED:
             # Catch load_state_dict / to_empty done after fully_shard but before training.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.reset_sharded_param()
@@ -119,7 +118,7 @@ class FSDPParamGroup:
         if len(gather_dtypes) != 1:
             names = {p.fqn: str(p.unsharded_dtype) for p in self.fsdp_params}
             raise NotImplementedError(
-                f"fully_shard group {self._module_fqn or '<root>'} mixes parameter dtypes {names}; one "
+                f"fully_shard group {self.module_fqn or '<root>'} mixes parameter dtypes {names}; one "
                 "all-gather needs one dtype. Give parameters of another dtype their own fully_shard call."
             )
         self._all_gather_dtype = gather_dtypes.pop()
@@ -139,15 +138,15 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue this group's all-gather, unless one is pending or the group is already unsharded."""
-        if self._all_gather_result is not None or self._sharded_state is _UNSHARDED:
+        if self._all_gather_result is not None or self.sharded_state is _UNSHARDED:
             return
-        _events.record("unshard", self._module_fqn, self._training_state)
-        post_forward = self._sharded_state is ShardedState.SHARDED_POST_FORWARD
+        _events.record("unshard", self.module_fqn, self.training_state)
+        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         inputs = [p.all_gather_input(post_forward) for p in self.fsdp_params]
         ctx = self.comm_ctx
-        if ctx.use_streams and not async_op and self._training_state in (_FORWARD, _PRE_BACKWARD):
+        if ctx.use_streams and not async_op and self.training_state in (_FORWARD, _PRE_BACKWARD):
             self._all_gather_result = self._all_gather_on_streams(inputs, info)
         else:
             self._all_gather_result = foreach_all_gather(
@@ -157,7 +156,8 @@ class FSDPParamGroup:
     def _all_gather_on_streams(self, inputs: list[torch.Tensor], info: MeshInfo) -> AllGatherResult:
         ctx = self.comm_ctx
         copy_in_stream, gather_stream = ctx.all_gather_copy_in_stream, ctx.all_gather_stream
-        assert copy_in_stream is not None and gather_stream is not None, "streams not initialized"
+        assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
+        assert gather_stream is not None, "all-gather stream not initialized"
         with torch.cuda.stream(copy_in_stream):
             output, local, split_sizes = all_gather_copy_in(
                 inputs, info.shard_size, info.shard_rank, self._all_gather_dtype
@@ -176,19 +176,19 @@ class FSDPParamGroup:
         if result.work is not None:
             result.work.wait()
         if result.event is not None:
-            torch.cuda.current_stream().wait_event(result.event)  # type: ignore[arg-type]  # reason: CUDA event
+            torch.cuda.current_stream().wait_event(result.event)
         outputs = [p.all_gather_output() for p in self.fsdp_params]
         foreach_all_gather_copy_out(result, outputs)
         self._all_gather_result = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
-        self._sharded_state = _UNSHARDED
+        self.sharded_state = _UNSHARDED
         ctx = self.comm_ctx
         if ctx.use_streams:
             copy_out_event = torch.cuda.current_stream().record_event()
             ctx.release_deferred_all_gather()
             ctx.deferred_all_gather = (result.output, copy_out_event)
-            if self._training_state is not _FORWARD:
+            if self.training_state is not _FORWARD:
                 ctx.release_deferred_all_gather()
 
     def reshard(self) -> None:
@@ -197,39 +197,41 @@ class FSDPParamGroup:
         In forward this follows ``reshard_after_forward``: no-op for ``False``, the smaller
         post-forward shard for an int.
         """
-        if self._training_state is _FORWARD:
+        if self.training_state is _FORWARD:
             info = self._post_forward_mesh_info
             if info is None:
                 return
             if info is not self.mesh_info:
-                if self._sharded_state is _UNSHARDED:
+                if self.sharded_state is _UNSHARDED:
                     for fsdp_param in self.fsdp_params:
                         fsdp_param.to_sharded_post_forward()
-                    self._sharded_state = ShardedState.SHARDED_POST_FORWARD
-                    _events.record("reshard", self._module_fqn, self._training_state)
+                    self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+                    _events.record("reshard", self.module_fqn, self.training_state)
                 return
-        if self._sharded_state is not ShardedState.SHARDED:
+        if self.sharded_state is not ShardedState.SHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded()
-            self._sharded_state = ShardedState.SHARDED
-            _events.record("reshard", self._module_fqn, self._training_state)
+            self.sharded_state = ShardedState.SHARDED
+            _events.record("reshard", self.module_fqn, self.training_state)
 
     def prefetch(self, training_state: TrainingState) -> None:
         """Unshard ahead of use, showing ``training_state`` meanwhile (it picks streams and events)."""
         if training_state is _PRE_BACKWARD and not self.unshard_in_backward:
             return
-        previous = self._training_state
-        self._training_state = training_state
+        previous = self.training_state
+        self.training_state = training_state
         try:
             self.unshard(self.unshard_async_op)
         finally:
-            self._training_state = previous
+            self.training_state = previous
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        entering = self._training_state is not _FORWARD
-        self._training_state = _FORWARD
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        entering = self.training_state is not _FORWARD
+        self.training_state = _FORWARD
         self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
         if entering and torch.is_grad_enabled():
@@ -237,19 +239,19 @@ class FSDPParamGroup:
         return args, kwargs
 
     def post_forward(self) -> None:
-        if _current_graph_task_id() == -1:  # not a forward re-run inside backward
+        if in_backward_task_id() == -1:  # not a forward re-run inside backward
             self.reshard()
             order = self.comm_ctx.post_forward_order
             self._post_forward_indices.append(len(order))
             order.append(self)
-        self._training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
 
     # ---- backward --------------------------------------------------------------------------------
 
     def pre_backward(self, default_prefetch: bool) -> None:
-        if self._training_state is _PRE_BACKWARD:
+        if self.training_state is _PRE_BACKWARD:
             return
-        self._training_state = _PRE_BACKWARD
+        self.training_state = _PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
@@ -260,7 +262,7 @@ class FSDPParamGroup:
 
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
-        self._training_state = TrainingState.POST_BACKWARD
+        self.training_state = TrainingState.POST_BACKWARD
         if self.reduce_grads:
             reduced: list[FSDPParam] = []
             grads: list[torch.Tensor] = []
@@ -275,7 +277,7 @@ class FSDPParamGroup:
                 self._reduce(reduced, grads)
         elif self.reshard_after_backward:
             self.reshard()
-        _events.record("post_backward", self._module_fqn, self._training_state)
+        _events.record("post_backward", self.module_fqn, self.training_state)
 
     def _reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         ctx = self.comm_ctx
@@ -323,10 +325,10 @@ class FSDPParamGroup:
             if result.work is not None:
                 result.work.wait()
             if result.event is not None:
-                torch.cuda.current_stream().wait_event(result.event)  # type: ignore[arg-type]  # reason: CUDA event
+                torch.cuda.current_stream().wait_event(result.event)
             self._all_gather_result = None
         if self._post_reduce_event is not None:
-            torch.cuda.current_stream().wait_event(self._post_reduce_event)  # type: ignore[arg-type]  # reason: CUDA event
+            torch.cuda.current_stream().wait_event(self._post_reduce_event)
             self._post_reduce_event = None
         self._post_forward_indices.clear()
 
@@ -335,5 +337,5 @@ class FSDPParamGroup:
         self.finalize_backward()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
-        self._training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
         self.reshard()

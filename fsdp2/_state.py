@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
+from ._autograd import is_view, queue_end_of_backward_callback
 from ._lifecycle import ShardedState, TrainingState
 from ._param_group import FSDPParamGroup
 
@@ -46,16 +46,18 @@ class SharedContext:
 class FSDPState:
     """Hooks and lifecycle of one ``fully_shard`` call."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, auto_reshard: bool) -> None:
+    def __init__(
+        self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, auto_reshard: bool
+    ) -> None:
         self.modules = modules
         self.group = group
-        self._auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
-        self._training_state = _IDLE
-        self._is_root: bool | None = None  # None until the root's lazy init decides
+        self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
+        self.training_state = _IDLE
+        self.is_root: bool | None = None  # None until the root's lazy init decides
         self.ctx = SharedContext()
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
-        self._modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
+        self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
         self._hook_handles: list[Any] = []
         self._pre_backward_hook = self._make_pre_backward_hook()
         for module in modules:
@@ -66,16 +68,34 @@ class FSDPState:
                 pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
             self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
+            if group is not None:
+                # state_dict / load_state_dict always see (and write) the sharded parameters.
+                module.register_state_dict_pre_hook(self._reshard_for_state_dict)
+                module.register_load_state_dict_pre_hook(self._reshard_for_load)
+                module.register_load_state_dict_post_hook(self._adopt_loaded_params)
 
-    @property
-    def is_root(self) -> bool | None:
-        return self._is_root
+    # ---- state dict --------------------------------------------------------------------------------
+
+    def _reshard_for_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.group is not None:
+            self.group.reshard()
+
+    def _reshard_for_load(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if self.group is not None:
+            self.group.reshard()
+
+    def _adopt_loaded_params(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # load_state_dict(assign=True) installs new DTensors: re-pad them into local shards.
+        if self.group is not None:
+            with torch.no_grad():
+                for fsdp_param in self.group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
 
     # ---- lazy init -------------------------------------------------------------------------------
 
     def lazy_init(self) -> None:
         """Make this state the root of its module tree (first forward only)."""
-        if self._is_root is not None:
+        if self.is_root is not None:
             return
         if len(self.modules) > 1:
             names = ", ".join(type(m).__name__ for m in self.modules)
@@ -91,22 +111,21 @@ class FSDPState:
             state = get_state(module)
             if state is None or state in states:
                 continue
-            if state is not self:
-                if state._is_root is not None:
-                    raise RuntimeError(
-                        f"The fully_shard module {name!r} already ran forward on its own before its root "
-                        f"{type(root_module).__name__}. Run forward through the root module first."
-                    )
+            if state is not self and state.is_root is not None:
+                raise RuntimeError(
+                    f"The fully_shard module {name!r} already ran forward on its own before its root "
+                    f"{type(root_module).__name__}. Run forward through the root module first."
+                )
             states.append(state)
-        self._is_root = True
-        if self._auto_reshard and self.group is not None:
+        self.is_root = True
+        if self.auto_reshard and self.group is not None:
             self.group.post_forward_mesh_info = None
         comm_ctx = self.group.comm_ctx if self.group is not None else None
         device = _state_device(states)
         owners: dict[int, str] = {}
         for state in states:
             if state is not self:
-                state._is_root = False
+                state.is_root = False
             state.ctx = self.ctx
             group = state.group
             if group is None:
@@ -114,7 +133,7 @@ class FSDPState:
             if comm_ctx is None:
                 comm_ctx = group.comm_ctx
             group.comm_ctx = comm_ctx
-            group._module_fqn = ", ".join(module_names[m] for m in group.modules)
+            group.module_fqn = ", ".join(module_names[m] for m in group.modules)
             _name_params(group, module_names, owners)
         if comm_ctx is not None:
             comm_ctx.lazy_init(device)
@@ -125,16 +144,18 @@ class FSDPState:
 
     # ---- forward hooks ---------------------------------------------------------------------------
 
-    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
         group = self.group
-        if self._training_state is _PRE_BACKWARD:
+        if self.training_state is _PRE_BACKWARD:
             # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
             if group is not None:
                 group.unshard(group.unshard_async_op)
                 group.wait_for_unshard()
             return args, kwargs
-        first = self._training_state is not _FORWARD
-        self._training_state = _FORWARD
+        first = self.training_state is not _FORWARD
+        self.training_state = _FORWARD
         if first:
             self._root_pre_forward()
         if group is not None:
@@ -146,7 +167,7 @@ class FSDPState:
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
-        if self._is_root is None:
+        if self.is_root is None:
             self.lazy_init()
         ctx = self.ctx
         if ctx.iteration_root is None:
@@ -155,13 +176,13 @@ class FSDPState:
                 self.group.comm_ctx.wait_for_current_stream()
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self._training_state is _PRE_BACKWARD:
+        if self.training_state is _PRE_BACKWARD:
             return output
         if self.group is not None:
             self.group.post_forward()
         if torch.is_grad_enabled():
             self.register_pre_backward_hooks(output)
-        self._training_state = _IDLE
+        self.training_state = _IDLE
         if self.ctx.iteration_root is self:
             self._finish_iteration_forward(output)
         return output
@@ -170,32 +191,32 @@ class FSDPState:
         """Iteration root only: complete grouped states some member of which never ran."""
         ctx = self.ctx
         for state in reversed(ctx.all_states):
-            if state is self or not state._modules_to_run:
+            if state is self or not state.modules_to_run:
                 continue
             if state.group is not None:
                 state.group.post_forward()
             if torch.is_grad_enabled():
                 state.register_pre_backward_hooks(output)
-            state._training_state = _IDLE
-            state._modules_to_run.clear()
+            state.training_state = _IDLE
+            state.modules_to_run.clear()
         if self.group is not None:
             self.group.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            if not self._modules_to_run and self._training_state is not _PRE_BACKWARD:
-                self._modules_to_run.update(self.modules)
+            if not self.modules_to_run and self.training_state is not _PRE_BACKWARD:
+                self.modules_to_run.update(self.modules)
             return self._pre_forward(mod, args, kwargs)
 
         return hook
 
     def _grouped_post_forward(self, module: nn.Module) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if self._training_state is _PRE_BACKWARD or mod not in self._modules_to_run:
+            if self.training_state is _PRE_BACKWARD or mod not in self.modules_to_run:
                 return output
-            self._modules_to_run.discard(mod)
-            if self._modules_to_run:
+            self.modules_to_run.discard(mod)
+            if self.modules_to_run:
                 return output
             return self._post_forward(mod, args, output)
 
@@ -206,7 +227,7 @@ class FSDPState:
     def register_pre_backward_hooks(self, output: Any) -> None:
         hook = self._pre_backward_hook
         for tensor in _tensors_requiring_grad(output):
-            if tensor._base is not None:
+            if is_view(tensor):
                 warnings.warn(
                     "A forward output of an FSDP module is a view that requires grad; an in-place op on "
                     "it would drop FSDP's pre-backward hook. Return a non-view tensor (e.g. .clone()).",
@@ -222,12 +243,12 @@ class FSDPState:
         return hook
 
     def pre_backward(self) -> None:
-        self._training_state = _PRE_BACKWARD
+        self.training_state = _PRE_BACKWARD
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
             root = ctx.all_states[0] if ctx.all_states else self
-            Variable._execution_engine.queue_callback(root.finish_backward)
+            queue_end_of_backward_callback(root.finish_backward)
         if self.group is not None:
             self.group.pre_backward(default_prefetch=not self.backward_prefetch)
         for target in self.backward_prefetch:
@@ -240,15 +261,15 @@ class FSDPState:
         ctx.iteration_root = None
         last = ctx.is_last_backward
         for state in ctx.all_states:
-            state._modules_to_run.clear()
+            state.modules_to_run.clear()
             group = state.group
             if group is not None:
-                if group._training_state is not TrainingState.POST_BACKWARD:
+                if group.training_state is not TrainingState.POST_BACKWARD:
                     group.post_backward()
-                group._training_state = _IDLE
+                group.training_state = _IDLE
                 if last:
                     group.finalize_backward()
-            state._training_state = _IDLE
+            state.training_state = _IDLE
         if last:
             for state in ctx.all_states:
                 if state.group is not None:
@@ -262,8 +283,8 @@ class FSDPState:
         """Root only: recover from an exception in forward or backward."""
         ctx = self.ctx
         for state in ctx.all_states or [self]:
-            state._modules_to_run.clear()
-            state._training_state = _IDLE
+            state.modules_to_run.clear()
+            state.training_state = _IDLE
             if state.group is not None:
                 state.group.reset()
                 state.group.comm_ctx.post_forward_order.clear()
@@ -284,7 +305,7 @@ def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen
         if other is not None:
             raise ValueError(
                 f"Parameter {fsdp_param.fqn} is the same tensor as {other}, which another fully_shard "
-                f"group already manages (group {group._module_fqn or '<root>'}). Shard tied parameters "
+                f"group already manages (group {group.module_fqn or '<root>'}). Shard tied parameters "
                 "in one call: fully_shard([module_a, module_b])."
             )
         seen[key] = fsdp_param.fqn
@@ -316,4 +337,4 @@ def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
     return found
 
 
-__all__ = ["FSDPState", "SharedContext", "ShardedState", "get_state"]
+__all__ = ["FSDPState", "ShardedState", "SharedContext", "get_state"]
