@@ -114,9 +114,16 @@ def fully_shard(
     if params:
         owners = _owners(managed, params)
         group = FSDPParamGroup(
-            [p for p, _ in params.values()], owners, modules, mesh_info, post_info, mp_policy, offload_policy
+            [p for p, _ in params.values()],
+            owners,
+            modules,
+            mesh_info,
+            post_info,
+            mp_policy,
+            offload_policy,
+            device,
         )
-    FSDPState(modules, group, auto_reshard=reshard_after_forward is None)
+    FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True

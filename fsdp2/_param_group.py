@@ -39,7 +39,7 @@ from ._collectives import (
 )
 from ._comm_context import CommContext
 from ._lifecycle import ShardedState, TrainingState
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, mesh_device
 from ._param import FSDPParam
 
 _FORWARD = TrainingState.FORWARD
@@ -59,8 +59,11 @@ class FSDPParamGroup:
         post_forward_mesh_info: MeshInfo | None,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
+        device: torch.device | None = None,
     ) -> None:
         self.modules = modules
+        # the compute / communication device
+        self.device = device if device is not None else mesh_device(mesh_info.mesh)
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._api import MixedPrecisionPolicy
 from ._autograd import is_view, queue_end_of_backward_callback
+from ._cast import cast_floating, move_to_device
 from ._lifecycle import ShardedState, TrainingState
 from ._param_group import FSDPParamGroup
 
@@ -47,10 +49,18 @@ class FSDPState:
     """Hooks and lifecycle of one ``fully_shard`` call."""
 
     def __init__(
-        self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, auto_reshard: bool
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        auto_reshard: bool,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
         self.group = group
+        # dtypes forward inputs / outputs are cast to (None: leave them)
+        self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self.output_dtype = mp_policy.output_dtype
+        self._input_device: torch.device | None = None  # set at lazy init for accelerator roots
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
         self.training_state = _IDLE
         self.is_root: bool | None = None  # None until the root's lazy init decides
@@ -137,6 +147,8 @@ class FSDPState:
             _name_params(group, module_names, owners)
         if comm_ctx is not None:
             comm_ctx.lazy_init(device)
+        if device.type != "cpu":
+            self._input_device = device
         self.ctx.all_states = states
         for state in states:
             if state.group is not None:
@@ -153,11 +165,17 @@ class FSDPState:
             if group is not None:
                 group.unshard(group.unshard_async_op)
                 group.wait_for_unshard()
+            if self._input_dtype is not None:
+                args, kwargs = cast_floating((args, kwargs), self._input_dtype)
             return args, kwargs
         first = self.training_state is not _FORWARD
         self.training_state = _FORWARD
         if first:
             self._root_pre_forward()
+            if self.ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
+                args, kwargs = move_to_device((args, kwargs), self._input_device)
+        if self._input_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), self._input_dtype)
         if group is not None:
             args, kwargs = group.pre_forward(args, kwargs)
         if first:
@@ -177,17 +195,20 @@ class FSDPState:
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training_state is _PRE_BACKWARD:
-            return output
+            return self.cast_output(output)
         if self.group is not None:
             self.group.post_forward()
         if torch.is_grad_enabled():
             self.register_pre_backward_hooks(output)
         self.training_state = _IDLE
         if self.ctx.iteration_root is self:
-            self._finish_iteration_forward(output)
-        return output
+            output = self._finish_iteration_forward(output)
+        return self.cast_output(output)
 
-    def _finish_iteration_forward(self, output: Any) -> None:
+    def cast_output(self, output: Any) -> Any:
+        return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
+
+    def _finish_iteration_forward(self, output: Any) -> Any:
         """Iteration root only: complete grouped states some member of which never ran."""
         ctx = self.ctx
         for state in reversed(ctx.all_states):
@@ -199,9 +220,11 @@ class FSDPState:
                 state.register_pre_backward_hooks(output)
             state.training_state = _IDLE
             state.modules_to_run.clear()
+            output = state.cast_output(output)
         if self.group is not None:
             self.group.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
+        return output
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -214,10 +237,10 @@ class FSDPState:
     def _grouped_post_forward(self, module: nn.Module) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if self.training_state is _PRE_BACKWARD or mod not in self.modules_to_run:
-                return output
+                return self.cast_output(output)
             self.modules_to_run.discard(mod)
             if self.modules_to_run:
-                return output
+                return self.cast_output(output)
             return self._post_forward(mod, args, output)
 
         return hook
@@ -314,7 +337,7 @@ def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen
 def _state_device(states: list[FSDPState]) -> torch.device:
     for state in states:
         if state.group is not None:
-            return state.group.fsdp_params[0].sharded_param.device
+            return state.group.device
     return torch.device("cpu")
 
 

@@ -128,8 +128,12 @@ def assert_sharded_parity(ref: nn.Module, model: nn.Module, *, grads: bool = Fal
                 torch.testing.assert_close(t, ref_t, msg=lambda m, n=name: f"{n}: {m}")
 
 
-_COLLECTIVE_KINDS = {"AllGather": "all_gather", "ReduceScatter": "reduce_scatter", "AllReduce": "all_reduce",
-                     "Broadcast": "broadcast"}
+_COLLECTIVE_KINDS = {
+    "AllGather": "all_gather",
+    "ReduceScatter": "reduce_scatter",
+    "AllReduce": "all_reduce",
+    "Broadcast": "broadcast",
+}
 
 
 class _CollectiveCounter:
@@ -157,20 +161,22 @@ class _CollectiveCounter:
             counter = getattr(local, "counter", None)
             if counter is not None:
                 name = type(collective).__name__
-                counter[_COLLECTIVE_KINDS.get(name, name)] += 1
+                kind = _COLLECTIVE_KINDS.get(name, name)
+                counter[(kind, pg.size()) if local.by_group_size else kind] += 1
             return start(klass, collective, pg)
 
         cls._start_coll = classmethod(counting_start_coll)
 
     @contextlib.contextmanager
-    def count(self) -> Iterator[collections.Counter[str]]:
+    def count(self, by_group_size: bool) -> Iterator[collections.Counter[Any]]:
         if getattr(self._local, "counter", None) is not None:
             raise RuntimeError("count_collectives() is already active on this thread")
         with self._lock:
             if self._users == 0:
                 self._install()
             self._users += 1
-        counter: collections.Counter[str] = collections.Counter()
+        counter: collections.Counter[Any] = collections.Counter()
+        self._local.by_group_size = by_group_size
         self._local.counter = counter
         try:
             yield counter
@@ -185,9 +191,14 @@ class _CollectiveCounter:
 _COLLECTIVE_COUNTER = _CollectiveCounter()
 
 
-def count_collectives() -> contextlib.AbstractContextManager[collections.Counter[str]]:
-    """Count this rank's threaded-PG collectives by kind (``"all_gather"``, ``"reduce_scatter"``, ...)."""
-    return _COLLECTIVE_COUNTER.count()
+def count_collectives(
+    *, by_group_size: bool = False
+) -> contextlib.AbstractContextManager[collections.Counter[Any]]:
+    """Count this rank's threaded-PG collectives by kind (``"all_gather"``, ``"reduce_scatter"``, ...).
+
+    With ``by_group_size`` the keys are ``(kind, process group size)`` pairs instead.
+    """
+    return _COLLECTIVE_COUNTER.count(by_group_size)
 
 
 if sys.platform == "win32":  # pragma: no cover - the project targets Linux
