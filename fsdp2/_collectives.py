@@ -134,21 +134,39 @@ class DivideFactors:
 _AVG_SAFE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def divide_factors(world_size: int, dtype: torch.dtype) -> DivideFactors:
-    """``AVG`` where the backend averages safely; ``SUM`` with split pre/post division for fp16-like dtypes.
+def divide_factors(
+    world_size: int, dtype: torch.dtype, factor: float | None = None, force_sum: bool = False
+) -> DivideFactors:
+    """How to average gradients over ``world_size`` ranks (shard x replicate) in ``dtype``.
 
-    Pre-dividing by roughly ``sqrt(N)`` before summing keeps half-precision sums from overflowing
-    and post-dividing by the rest keeps them from underflowing.
+    - default: ``AVG`` where the backend averages safely (fp32, bf16, fp64), plain ``SUM`` for one rank;
+    - fp16-like dtypes: ``SUM`` with the divisor split into a pre- and a post-division, so the sum
+      neither overflows (pre) nor underflows (post);
+    - a custom ``factor`` (the *total* divisor): pre-scale by ``1/factor`` and ``SUM``, which is what a
+      ``PREMUL_SUM`` would do but works on every backend (gloo has no ``PREMUL_SUM``);
+    - ``force_sum``: only ``SUM`` collectives, then divide by ``factor`` (default ``world_size``) after.
     """
-    if world_size == 1:
-        return DivideFactors(ReduceOp.SUM, None, None)
-    if dtype in _AVG_SAFE_DTYPES:
-        return DivideFactors(ReduceOp.AVG, None, None)
+    if factor is None and not force_sum:
+        if world_size == 1:
+            return DivideFactors(ReduceOp.SUM, None, None)
+        if dtype in _AVG_SAFE_DTYPES:
+            return DivideFactors(ReduceOp.AVG, None, None)
+    total = float(factor) if factor is not None else float(world_size)
+    if dtype not in _AVG_SAFE_DTYPES:
+        pre, post = split_divide_factor(total)
+    elif force_sum:
+        pre, post = 1.0, total
+    else:
+        pre, post = total, 1.0
+    return DivideFactors(ReduceOp.SUM, pre if pre != 1 else None, post if post != 1 else None)
+
+
+def split_divide_factor(total: float) -> tuple[float, float]:
+    """``(pre, post)`` with ``pre * post == total`` and ``pre`` the largest power of two near ``sqrt``."""
     pre = 1
-    while world_size % pre == 0 and world_size / pre > pre:
+    while total % pre == 0 and total / pre > pre:
         pre *= 2
-    post = world_size / pre
-    return DivideFactors(ReduceOp.SUM, float(pre) if pre > 1 else None, post if post != 1 else None)
+    return float(pre), total / pre
 
 
 def view_out_shards(

@@ -91,6 +91,7 @@ class FSDPParam:
         self._unsharded_flat_data: torch.Tensor | None = None  # .data alias: refills keep the version
         self._unsharded_nbytes = 0
         self.unsharded_param: nn.Parameter | None = None  # ND, original shape, reused every step
+        self._accumulated_grad: torch.Tensor | None = None  # ND, reduce_dtype, no-sync accumulation
         # 1D, (shard_size / k) * padded_shard_numel; only between forward and backward with an int k
         self._post_forward_slice: torch.Tensor | None = None
         self._register(self.sharded_param)
@@ -207,18 +208,39 @@ class FSDPParam:
     # ---- gradients ---------------------------------------------------------------------------------
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Detach and return the gradient autograd accumulated on the unsharded parameter."""
+        """Detach and return this step's unsharded gradient, including no-sync accumulation."""
         param = self.unsharded_param
         if param is None:
             return None
         grad = param.grad
         if grad is not None:
             param.grad = None
-        return grad
+        accumulated = self._accumulated_grad
+        if accumulated is None:
+            return grad
+        self._accumulated_grad = None
+        if grad is not None:
+            accumulated.add_(grad)
+        return accumulated
+
+    def stash_unsharded_grad(self) -> None:
+        """No-sync step: move the gradient into a ``reduce_dtype`` accumulator when one is set."""
+        param = self.unsharded_param
+        reduce_dtype = self.reduce_dtype
+        if param is None or reduce_dtype is None or param.grad is None or param.grad.dtype == reduce_dtype:
+            return
+        grad = param.grad
+        param.grad = None
+        if self._accumulated_grad is None:
+            self._accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self._accumulated_grad.add_(grad)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Set, or add in place into, the sharded DTensor gradient; then run post-accumulate hooks."""
         param = self.sharded_param
+        if local_grad.dtype != self.orig_dtype:
+            local_grad = local_grad.to(self.orig_dtype)
         grad = param.grad
         if grad is None:
             param.grad = wrap_local(local_grad, self._spec)

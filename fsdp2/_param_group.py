@@ -15,6 +15,7 @@ after it in backward. Explicit lists replace that default (``FSDPState``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,6 @@ from ._autograd import in_backward_task_id, register_post_backward
 from ._collectives import (
     AllGatherResult,
     DivideFactors,
-    ReduceScatterResult,
     all_gather_copy_in,
     divide_factors,
     foreach_all_gather,
@@ -80,11 +80,17 @@ class FSDPParamGroup:
         self._reduce_dtype: torch.dtype | None = None
         self._divide_factors: dict[torch.dtype, DivideFactors] = {}
         self._post_reduce_event: torch.Event | None = None
+        # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
+        self._partial_reduce_outputs: dict[torch.dtype, torch.Tensor] = {}
         # user controls (FSDPModule setters)
         self.reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.unshard_async_op = False
+        self.all_reduce_grads = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -134,7 +140,8 @@ class FSDPParamGroup:
         factors = self._divide_factors.get(dtype)
         if factors is None:
             world = self.mesh_info.shard_size * self.mesh_info.replicate_size
-            factors = self._divide_factors[dtype] = divide_factors(world, dtype)
+            factors = divide_factors(world, dtype, self.gradient_divide_factor, self.force_sum_reduction)
+            self._divide_factors[dtype] = factors
         return factors
 
     # ---- unshard / reshard -----------------------------------------------------------------------
@@ -266,51 +273,75 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
         self.training_state = TrainingState.POST_BACKWARD
-        if self.reduce_grads:
-            reduced: list[FSDPParam] = []
-            grads: list[torch.Tensor] = []
+        if not self.reduce_grads:
+            # No-sync step: gradients stay unsharded (in reduce_dtype where one is set) and keep
+            # accumulating until a step with gradient sync reduces their sum.
             for fsdp_param in self.fsdp_params:
-                grad = fsdp_param.take_unsharded_grad()
-                if grad is not None:
-                    reduced.append(fsdp_param)
-                    grads.append(grad)
+                fsdp_param.stash_unsharded_grad()
             if self.reshard_after_backward:
                 self.reshard()
-            if grads:
-                self._reduce(reduced, grads)
-        elif self.reshard_after_backward:
+            _events.record("post_backward", self.module_fqn, self.training_state)
+            return
+        reduced: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for fsdp_param in self.fsdp_params:
+            grad = fsdp_param.take_unsharded_grad()
+            if grad is not None:
+                reduced.append(fsdp_param)
+                grads.append(grad)
+        if self.reshard_after_backward:
             self.reshard()
+        if grads:
+            self._reduce(reduced, grads)
         _events.record("post_backward", self.module_fqn, self.training_state)
 
     def _reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """One reduce-scatter per reduce dtype (normally exactly one), then assign sharded grads."""
         ctx = self.comm_ctx
-        info = self.mesh_info
-        dtype = self._reduce_dtype or grads[0].dtype
         ctx.retire_reduce_scatters(keep=0)
-        buffer = reduce_scatter_copy_in(grads, info.shard_size, dtype)
-        grads.clear()  # free the unsharded gradients as soon as they are packed
-        stream = ctx.reduce_scatter_stream if ctx.use_streams else None
-        if stream is None:
-            result = self._reduce_and_assign(buffer, params)
-        else:
+        buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
+        for fsdp_param, grad in zip(params, grads, strict=True):
+            dtype = fsdp_param.reduce_dtype or grad.dtype
+            bucket = buckets.get(dtype)
+            if bucket is None:
+                bucket = buckets[dtype] = ([], [])
+            bucket[0].append(fsdp_param)
+            bucket[1].append(grad)
+        grads.clear()
+        for dtype, (bucket_params, bucket_grads) in buckets.items():
+            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype)
+            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
+            stream = ctx.reduce_scatter_stream if ctx.use_streams else None
+            if stream is None:
+                self._reduce_and_assign(buffer, bucket_params)
+                continue
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                result = self._reduce_and_assign(buffer, params)
-                result.event = stream.record_event()
-            ctx.pending_reduce_scatters.append((result.input, result.event))
-        self._post_reduce_event = result.event
+                self._reduce_and_assign(buffer, bucket_params)
+                event = stream.record_event()
+            ctx.pending_reduce_scatters.append((buffer, event))
+            self._post_reduce_event = event
 
-    def _reduce_and_assign(self, buffer: torch.Tensor, params: list[FSDPParam]) -> ReduceScatterResult:
+    def _reduce_and_assign(self, buffer: torch.Tensor, params: list[FSDPParam]) -> None:
         info = self.mesh_info
         factors = self._factors(buffer.dtype)
         output = reduce_scatter(buffer, info.shard_group, info.shard_size, factors.op, factors.predivide)
-        if info.replicate_group is not None and info.replicate_size > 1:
-            dist.all_reduce(output, op=factors.op, group=info.replicate_group)
+        if info.replicate_group is not None:
+            partial = self._partial_reduce_outputs.pop(buffer.dtype, None)
+            if not self.all_reduce_grads:
+                # HSDP without all-reduce: keep summing shard-reduced gradients until one that syncs.
+                self._partial_reduce_outputs[buffer.dtype] = (
+                    output if partial is None else partial.add_(output)
+                )
+                return
+            if partial is not None:
+                output.add_(partial)
+            if info.replicate_size > 1:
+                dist.all_reduce(output, op=factors.op, group=info.replicate_group)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(output)
         if factors.postdivide is not None:
             output.div_(factors.postdivide)
-        orig_dtype = params[0].orig_dtype
-        if output.dtype != orig_dtype:
-            output = output.to(orig_dtype)
         views = view_out_shards(
             output,
             [p.padded_shard_numel for p in params],
@@ -319,7 +350,6 @@ class FSDPParamGroup:
         )
         for fsdp_param, view in zip(params, views, strict=True):
             fsdp_param.accumulate_sharded_grad(view)
-        return ReduceScatterResult(buffer, output, None)
 
     def finalize_backward(self) -> None:
         """End of the last backward: drain a mis-targeted prefetch and forget forward indices."""
@@ -336,9 +366,18 @@ class FSDPParamGroup:
         self._post_forward_indices.clear()
 
     def reset(self) -> None:
-        """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``."""
+        """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``.
+
+        Unlike torch's, this also drops the unsharded gradients of groups whose post-backward never
+        ran, so they cannot leak into the next step's reduction.
+        """
         self.finalize_backward()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
+        self._partial_reduce_outputs.clear()
         self.training_state = TrainingState.IDLE
         self.reshard()
+
+    def invalidate_divide_factors(self) -> None:
+        """Recompute reduce ops and factors at the next reduction (after a setter changed them)."""
+        self._divide_factors.clear()

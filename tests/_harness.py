@@ -72,12 +72,18 @@ def _run_threaded_locked(world_size: int, fn: Callable[..., Any], args: tuple[An
         multi_threaded_pg._uninstall_threaded_pg()
     if errors:
         # Report the root cause, not the "terminated" errors of the other ranks.
-        errors.sort(key=lambda e: ("Terminating" in str(e[1]) or "exception" in type(e[1]).__name__.lower(), e[0]))
+        errors.sort(key=lambda e: (_is_secondary(e[1]), e[0]))
         rank, exc, tb = errors[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}") from exc
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {_THREAD_TIMEOUT_S}s (hang)")
     return results
+
+
+def _is_secondary(exc: BaseException) -> bool:
+    """Errors other ranks raise because one rank failed (the threaded backend's termination event)."""
+    text = str(exc).lower()
+    return isinstance(exc, SystemExit) or "terminat" in text or "exception" in type(exc).__name__.lower()
 
 
 def _free_port() -> int:

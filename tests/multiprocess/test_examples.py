@@ -1,0 +1,81 @@
+"""Smoke tests of examples/train.py, the README's main job, in two real gloo processes.
+
+One test imports the example and calls its ``main()`` inside ranks spawned by the harness; the
+other runs the exact ``torchrun`` command line a user types. Both use a model small enough to take
+a few seconds per rank, so the cost is dominated by process start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch.distributed as dist
+
+from tests._harness import run_multiprocess
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAIN_PY = REPO_ROOT / "examples" / "train.py"
+SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "8"]
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def _load_train() -> ModuleType:
+    # examples/ is not a package: load train.py from its path. The module must be in sys.modules
+    # before it runs, because dataclasses look their module up there.
+    spec = importlib.util.spec_from_file_location("fsdp2_example_train", TRAIN_PY)
+    assert spec is not None, f"cannot load {TRAIN_PY}"
+    assert spec.loader is not None, f"cannot load {TRAIN_PY}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train_and_check(runs: list[list[str]]) -> None:
+    """Runs on every spawned rank; an assertion error here fails the spawn and so the test."""
+    train = _load_train()
+    for argv in runs:
+        losses: list[float] = train.main(argv)
+        per_rank: list[list[float] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, losses)
+        steps = int(argv[argv.index("--steps") + 1])
+        assert len(losses) == steps, f"{argv}: expected {steps} losses, got {losses}"
+        assert all(math.isfinite(x) for x in losses), f"{argv}: non-finite loss: {losses}"
+        assert all(other == losses for other in per_rank), (
+            f"{argv}: ranks disagree on the mean loss: {per_rank}"
+        )
+        assert losses[-1] < losses[0], f"{argv}: loss did not fall: {losses}"
+
+
+def test_main_trains_in_two_gloo_processes() -> None:
+    # Both prefetching modes in one spawn: starting processes is what costs here.
+    runs = [
+        ["--steps", "8", *SMALL],
+        ["--steps", "8", "--explicit-prefetching", "--prefetch-depth", "2", *SMALL],
+    ]
+    run_multiprocess(2, _train_and_check, runs)
+
+
+def test_torchrun_command_line() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    command = [*launcher, "--standalone", "--nproc-per-node", "2", str(TRAIN_PY), "--steps", "5", *SMALL]
+    # The checkout's fsdp2 first, as pytest itself imports it (also when it is not pip-installed).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
+    assert "final: first loss" in result.stdout, f"no final loss line in:\n{output[-4000:]}"
