@@ -5,7 +5,13 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._events import Event, record_events
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ._lifecycle import TrainingState
 
 __version__ = "0.1.0"
@@ -21,4 +27,6 @@ __all__ = [
     "__version__",
     "fully_shard",
     "record_events",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

@@ -55,13 +55,18 @@ class CommContext:
         self.pending_reduce_scatters.clear()
         self.post_forward_order.clear()
 
-    def wait_for_current_stream(self) -> None:
-        """All-gather streams wait for work already queued on the current stream (the optimizer)."""
+    def wait_for_current_stream(self, event: torch.Event | None = None) -> None:
+        """All-gather streams wait for the optimizer: on ``event`` if given, else the current stream."""
         copy_in_stream, gather_stream = self.all_gather_copy_in_stream, self.all_gather_stream
-        if copy_in_stream is not None and gather_stream is not None:
-            current = torch.cuda.current_stream()
-            copy_in_stream.wait_stream(current)
-            gather_stream.wait_stream(current)
+        if copy_in_stream is None or gather_stream is None:
+            return
+        if event is not None:
+            copy_in_stream.wait_event(event)
+            gather_stream.wait_event(event)
+            return
+        current = torch.cuda.current_stream()
+        copy_in_stream.wait_stream(current)
+        gather_stream.wait_stream(current)
 
     def release_deferred_all_gather(self) -> None:
         """Let the all-gather streams reuse the last forward buffer once its copy-out is done."""

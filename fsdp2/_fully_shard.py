@@ -8,7 +8,9 @@ Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, overload
 
@@ -441,6 +443,62 @@ class FSDPModule(_ModuleBase):
             if group is not None:
                 group.reshard_after_backward = reshard_after_backward
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
+        for module in self._fsdp_modules(recurse):
+            group = _require_state(module).group
+            if group is not None:
+                group.all_reduce_grads = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` instead of the number of ranks.
+
+        Not recursive. Works on every backend: gradients are pre-scaled by ``1/factor`` and summed.
+        """
+        value: object = factor
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {_describe(factor)}.")
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.gradient_divide_factor = float(factor)
+            group.invalidate_divide_factors()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use only SUM collectives, dividing explicitly afterwards (not recursive)."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.force_sum_reduction = enable
+            group.invalidate_divide_factors()
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Run ``hook(reduced_output)`` on each reduced gradient buffer of this module.
+
+        The hook runs after the reduce-scatter (and the HSDP all-reduce), before the post-division
+        and the cast back to the parameter dtype. ``stream`` is accepted for API compatibility; the
+        hook runs on the reduce-scatter stream.
+        """
+        group = self._get_fsdp_state().group
+        if group is None:
+            return
+        if stream is not None and group.mesh_info.is_hsdp:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP.")
+        group.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""
+        self._get_fsdp_state().ctx.post_optim_event = event
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""
         group = self._get_fsdp_state().group
@@ -500,3 +558,48 @@ def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
             )
         states.append(_require_state(module))
     return states
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` gather and reshard like ``forward`` does (e.g. ``generate``).
+
+    A no-op for modules that are not :class:`FSDPModule`, so code runs with and without sharding.
+
+    Raises:
+        ValueError: the module has no attribute ``method_name``.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r} to register.")
+    method = getattr(module, method_name)
+    state = _require_state(module)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state.post_forward(module, args, output)
+
+    module.__dict__[method_name] = wrapped
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make several roots (pipeline stages) share the first one's streams and in-flight buffers.
+
+    Call it before the first forward. Raises ``ValueError`` for a non-``FSDPModule`` entry.
+    """
+    if not modules:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx expects a list of FSDPModules, got a {type(module).__name__}. Call "
+                "fully_shard on every stage first."
+            )
+    shared = _require_state(modules[0]).comm_ctx
+    for module in modules[1:]:
+        state = _require_state(module)
+        state.comm_ctx = shared
+        if state.group is not None:
+            state.group.comm_ctx = shared

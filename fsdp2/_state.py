@@ -20,6 +20,7 @@ from torch import nn
 from ._api import MixedPrecisionPolicy
 from ._autograd import is_view, queue_end_of_backward_callback
 from ._cast import cast_floating, move_to_device
+from ._comm_context import CommContext
 from ._lifecycle import ShardedState, TrainingState
 from ._param_group import FSDPParamGroup
 
@@ -43,6 +44,7 @@ class SharedContext:
         self.iteration_root: FSDPState | None = None
         self.callback_queued = False
         self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
 
 
 class FSDPState:
@@ -65,6 +67,7 @@ class FSDPState:
         self.training_state = _IDLE
         self.is_root: bool | None = None  # None until the root's lazy init decides
         self.ctx = SharedContext()
+        self.comm_ctx = group.comm_ctx if group is not None else CommContext()
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
@@ -73,7 +76,7 @@ class FSDPState:
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             if len(modules) == 1:
-                pre, post = self._pre_forward, self._post_forward
+                pre, post = self.pre_forward, self.post_forward
             else:
                 pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
             self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
@@ -130,23 +133,21 @@ class FSDPState:
         self.is_root = True
         if self.auto_reshard and self.group is not None:
             self.group.post_forward_mesh_info = None
-        comm_ctx = self.group.comm_ctx if self.group is not None else None
+        comm_ctx = self.comm_ctx
         device = _state_device(states)
         owners: dict[int, str] = {}
         for state in states:
             if state is not self:
                 state.is_root = False
             state.ctx = self.ctx
+            state.comm_ctx = comm_ctx
             group = state.group
             if group is None:
                 continue
-            if comm_ctx is None:
-                comm_ctx = group.comm_ctx
             group.comm_ctx = comm_ctx
             group.module_fqn = ", ".join(module_names[m] for m in group.modules)
             _name_params(group, module_names, owners)
-        if comm_ctx is not None:
-            comm_ctx.lazy_init(device)
+        comm_ctx.lazy_init(device)
         if device.type != "cpu":
             self._input_device = device
         self.ctx.all_states = states
@@ -156,7 +157,7 @@ class FSDPState:
 
     # ---- forward hooks ---------------------------------------------------------------------------
 
-    def _pre_forward(
+    def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
         group = self.group
@@ -190,10 +191,10 @@ class FSDPState:
         ctx = self.ctx
         if ctx.iteration_root is None:
             ctx.iteration_root = self
-            if self.group is not None:
-                self.group.comm_ctx.wait_for_current_stream()
+            self.comm_ctx.wait_for_current_stream(ctx.post_optim_event)
+            ctx.post_optim_event = None
 
-    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training_state is _PRE_BACKWARD:
             return self.cast_output(output)
         if self.group is not None:
@@ -221,8 +222,7 @@ class FSDPState:
             state.training_state = _IDLE
             state.modules_to_run.clear()
             output = state.cast_output(output)
-        if self.group is not None:
-            self.group.comm_ctx.release_deferred_all_gather()
+        self.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
         return output
 
@@ -230,7 +230,7 @@ class FSDPState:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
             if not self.modules_to_run and self.training_state is not _PRE_BACKWARD:
                 self.modules_to_run.update(self.modules)
-            return self._pre_forward(mod, args, kwargs)
+            return self.pre_forward(mod, args, kwargs)
 
         return hook
 
@@ -241,7 +241,7 @@ class FSDPState:
             self.modules_to_run.discard(mod)
             if self.modules_to_run:
                 return self.cast_output(output)
-            return self._post_forward(mod, args, output)
+            return self.post_forward(mod, args, output)
 
         return hook
 
@@ -294,12 +294,8 @@ class FSDPState:
                     group.finalize_backward()
             state.training_state = _IDLE
         if last:
-            for state in ctx.all_states:
-                if state.group is not None:
-                    comm_ctx = state.group.comm_ctx
-                    comm_ctx.post_forward_order.clear()
-                    comm_ctx.retire_reduce_scatters(keep=0)
-                    break
+            self.comm_ctx.post_forward_order.clear()
+            self.comm_ctx.retire_reduce_scatters(keep=0)
         ctx.callback_queued = False
 
     def reset_iteration(self) -> None:
@@ -310,9 +306,9 @@ class FSDPState:
             state.training_state = _IDLE
             if state.group is not None:
                 state.group.reset()
-                state.group.comm_ctx.post_forward_order.clear()
-                state.group.comm_ctx.retire_reduce_scatters(keep=0)
-                state.group.comm_ctx.deferred_all_gather = None
+        self.comm_ctx.post_forward_order.clear()
+        self.comm_ctx.retire_reduce_scatters(keep=0)
+        self.comm_ctx.deferred_all_gather = None
         ctx.iteration_root = None
         ctx.callback_queued = False
 
