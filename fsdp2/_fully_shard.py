@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._composable import register_fully_shard, registered_apis
 from ._mesh import MeshInfo, default_mesh, mesh_device, post_forward_mesh_info
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
@@ -105,8 +106,12 @@ def fully_shard(
     device = mesh_device(mesh)
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
-    for param, name in params.values():
-        _validate_param(param, name, device, shard_placement_fn)
+    shard_dims: dict[int, int] = {}
+    for key, (param, name) in params.items():
+        _validate_param(param, name, device)
+        dim = _shard_dim(param, name, shard_placement_fn, mesh_info.shard_size, reshard_after_forward)
+        if dim:
+            shard_dims[key] = dim
     # ---- no state has changed up to here ----
     _move_to_device(managed, params, device)
     post_info = post_forward_mesh_info(
@@ -124,12 +129,14 @@ def fully_shard(
             mp_policy,
             offload_policy,
             device,
+            shard_dims,
         )
     FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True
     for root in modules:
+        register_fully_shard(root)
         root.__class__ = _fsdp_class(type(root))
     return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
 
@@ -157,6 +164,11 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: each block first, then the root)."
+            )
+        if _is_replicated(m):
+            raise ValueError(
+                f"This {type(m).__name__} is already managed by replicate(); a module is either "
+                "replicated or sharded. Apply fully_shard to its children before replicate(), or drop one."
             )
     return modules
 
@@ -215,11 +227,6 @@ def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {_describe(mp_policy)}.")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {_describe(offload_policy)}.")
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"{type(offload_policy).__name__} is not supported yet by fsdp2; use OffloadPolicy() "
-            "(no offload)."
-        )
 
 
 def _validate_ignored(ignored_params: Any) -> set[int]:
@@ -232,7 +239,7 @@ def _validate_ignored(ignored_params: Any) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _validate_param(param: nn.Parameter, name: str, device: torch.device, placement_fn: Any) -> None:
+def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
     if param.ndim == 0:
         raise ValueError(
             f"fully_shard cannot shard the scalar parameter {name}: expected at least 1 dim, got shape (). "
@@ -249,13 +256,43 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device, placem
             f"fully_shard does not support the non-contiguous parameter {name} (stride {param.stride()}); "
             "make it contiguous first, e.g. nn.Parameter(p.contiguous())."
         )
-    if placement_fn is not None:
-        placement = placement_fn(param)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(
-                f"shard_placement_fn returned {placement!r} for {name}; fsdp2 supports only Shard(0) or None "
-                "for now."
-            )
+    if param.device.type not in ("meta", "cpu") and param.device != device:
+        raise ValueError(
+            f"Parameter {name} is on {param.device}, but the mesh communicates on {device}. Move the "
+            f"module to {device} (or call torch.{device.type}.set_device) before fully_shard."
+        )
+
+
+def _shard_dim(param: nn.Parameter, name: str, placement_fn: Any, shard_size: int, reshard: Any) -> int:
+    """The dim ``shard_placement_fn`` asks to shard ``param`` on (0 by default), validated."""
+    if placement_fn is None:
+        return 0
+    placement = placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for {name}: expected a Shard(dim) placement or None."
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for {name} of shape {tuple(param.shape)}: "
+            f"expected a dim in [{-param.ndim}, {param.ndim})."
+        )
+    if dim == 0:
+        return 0
+    if param.size(dim) % shard_size:
+        raise NotImplementedError(
+            f"Shard({dim}) for {name} needs its size on dim {dim} ({param.size(dim)}) to be divisible by "
+            f"the shard world size {shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
+        )
+    if not isinstance(reshard, bool) and reshard is not None and reshard != shard_size:
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with Shard({dim}) for {name}; "
+            "use True or False."
+        )
+    return dim
 
 
 # ---- collection and set-up ---------------------------------------------------------------------
@@ -282,8 +319,7 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 
 def _is_replicated(module: nn.Module) -> bool:
-    registry = module.__dict__.get("_distributed_api_registry") or {}
-    return "replicate" in registry
+    return "replicate" in registered_apis(module)
 
 
 def _managed_params(modules: Iterable[nn.Module], ignored: set[int]) -> dict[int, tuple[nn.Parameter, str]]:

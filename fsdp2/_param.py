@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._api import CPUOffloadPolicy, OffloadPolicy
 from ._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
 from ._mesh import MeshInfo
 
@@ -55,6 +57,9 @@ class FSDPParam:
         owners: list[tuple[nn.Module, str]],
         mesh_info: MeshInfo,
         post_forward_mesh_info: MeshInfo | None,
+        device: torch.device,
+        shard_dim: int = 0,
+        offload: OffloadPolicy | None = None,
     ) -> None:
         self.owners = owners  # every (module, attribute) the parameter is registered under
         self.source_id = _source_id(param)  # identifies the original tensor across fully_shard calls
@@ -65,21 +70,39 @@ class FSDPParam:
         self.orig_numel = param.numel()
         self.orig_stride = param.stride()
         self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
+        self.device = device  # compute device: where all-gather outputs and unsharded params live
+        self.shard_dim = shard_dim
+        self.offload_to_cpu = isinstance(offload, CPUOffloadPolicy)
+        self._pin_memory = self.offload_to_cpu and _can_pin(offload)
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         rows = self.orig_size[0]
         self.row_numel = self.orig_numel // rows if rows else math.prod(self.orig_size[1:])
-        padded_rows, start, local_rows = chunk_rows(rows, world, rank)
-        self.padded_shard_numel = padded_rows * self.row_numel
-        self.local_shard_size = torch.Size((local_rows, *self.orig_size[1:]))
-        self.local_numel = local_rows * self.row_numel
+        if shard_dim == 0:
+            padded_rows, start, local_rows = chunk_rows(rows, world, rank)
+            self.padded_shard_numel = padded_rows * self.row_numel
+            self.local_shard_size = torch.Size((local_rows, *self.orig_size[1:]))
+        else:  # even sharding on a later dim (validated by fully_shard): no padding
+            sizes = list(self.orig_size)
+            sizes[shard_dim] //= world
+            self.local_shard_size = torch.Size(sizes)
+            self.padded_shard_numel = math.prod(sizes)
+        self.local_numel = self.local_shard_size.numel()
         # 1D, padded to padded_shard_numel; the all-gather source in the SHARDED state
         self._local_shard = torch.zeros(self.padded_shard_numel, dtype=param.dtype, device=param.device)
         if param.device.type != "meta":
-            flat = param.detach().reshape(-1)
-            self._local_shard[: self.local_numel].copy_(
-                flat[start * self.row_numel : start * self.row_numel + self.local_numel]
-            )
-        placements = (Replicate(), Shard(0)) if mesh_info.is_hsdp else (Shard(0),)
+            if shard_dim == 0:
+                flat = param.detach().reshape(-1)
+                first = start * self.row_numel
+                self._local_shard[: self.local_numel].copy_(flat[first : first + self.local_numel])
+            else:
+                piece = param.detach().chunk(world, dim=shard_dim)[rank]
+                self._local_shard.view(self.local_shard_size).copy_(piece)
+        if self.offload_to_cpu:
+            self._local_shard = self._local_shard.cpu()
+            if self._pin_memory:
+                self._local_shard = self._local_shard.pin_memory()
+        shard = Shard(shard_dim)
+        placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
         self._spec = make_spec(mesh_info.mesh, placements, self.orig_size, param.stride(), param.dtype)
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
@@ -90,6 +113,8 @@ class FSDPParam:
         self._unsharded_flat: torch.Tensor | None = None
         self._unsharded_flat_data: torch.Tensor | None = None  # .data alias: refills keep the version
         self._unsharded_nbytes = 0
+        self._unsharded_full: torch.Tensor | None = None  # ND, Shard(d > 0) only: the parameter storage
+        self._unsharded_full_nbytes = 0
         self.unsharded_param: nn.Parameter | None = None  # ND, original shape, reused every step
         self._accumulated_grad: torch.Tensor | None = None  # ND, reduce_dtype, no-sync accumulation
         # 1D, (shard_size / k) * padded_shard_numel; only between forward and backward with an int k
@@ -142,22 +167,48 @@ class FSDPParam:
         if post_forward:
             assert self._post_forward_slice is not None, f"{self.fqn}: no post-forward slice to gather"
             return self._post_forward_slice
+        if self.offload_to_cpu and self.device.type != "cpu":
+            return self._local_shard.to(self.device, non_blocking=self._pin_memory)
         return self._local_shard
 
     def all_gather_output(self) -> torch.Tensor:
-        """The per-parameter output buffer, allocated or re-allocated as needed (``.data`` alias)."""
+        """The per-parameter output buffer, allocated or re-allocated as needed (``.data`` alias).
+
+        For ``Shard(0)`` it is the unsharded parameter's own storage (rank blocks are consecutive
+        rows); for ``Shard(d > 0)`` it is a staging buffer that ``finish_unshard`` rearranges.
+        """
         data = self._unsharded_flat_data
         if data is None:
             numel = self.mesh_info.shard_size * self.padded_shard_numel
-            flat = torch.empty(numel, dtype=self.unsharded_dtype, device=self._local_shard.device)
+            flat = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
             self._unsharded_flat = flat
             self._unsharded_flat_data = data = flat.data
             self._unsharded_nbytes = flat.untyped_storage().nbytes()
-            view = flat[: self.orig_numel].view(self.orig_size)
+            if self.shard_dim == 0:
+                view = flat[: self.orig_numel].view(self.orig_size)
+            else:
+                full = torch.empty(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+                self._unsharded_full = full
+                self._unsharded_full_nbytes = full.untyped_storage().nbytes()
+                view = full
             self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
         elif data.untyped_storage().nbytes() == 0:
             data.untyped_storage().resize_(self._unsharded_nbytes)
+            if self._unsharded_full is not None:
+                self._unsharded_full.untyped_storage().resize_(self._unsharded_full_nbytes)
         return data
+
+    def finish_unshard(self) -> None:
+        """``Shard(d > 0)`` only: concatenate the gathered rank blocks along ``d`` into the parameter."""
+        staging, full = self._unsharded_flat_data, self._unsharded_full
+        assert staging is not None, f"{self.fqn}: finish_unshard before an all-gather"
+        assert full is not None, f"{self.fqn}: finish_unshard on a dim-0 sharded parameter"
+        blocks = staging.view(self.mesh_info.shard_size, *self.local_shard_size).unbind(0)
+        torch.cat(blocks, dim=self.shard_dim, out=full.data)
+
+    def dim0_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``Shard(d > 0)``: the gradient rearranged so rank ``j``'s piece is the ``j``-th dim-0 chunk."""
+        return torch.stack(grad.chunk(self.mesh_info.shard_size, dim=self.shard_dim))
 
     # ---- registered-state transitions -------------------------------------------------------------
 
@@ -194,6 +245,8 @@ class FSDPParam:
     def free_unsharded(self) -> None:
         if self._unsharded_flat_data is not None:
             self._unsharded_flat_data.untyped_storage().resize_(0)
+        if self._unsharded_full is not None:
+            self._unsharded_full.untyped_storage().resize_(0)
 
     def _register(self, tensor: torch.Tensor) -> None:
         if self._fast_register:
@@ -241,6 +294,8 @@ class FSDPParam:
         param = self.sharded_param
         if local_grad.dtype != self.orig_dtype:
             local_grad = local_grad.to(self.orig_dtype)
+        if self.offload_to_cpu:
+            local_grad = local_grad.to("cpu")
         grad = param.grad
         if grad is None:
             param.grad = wrap_local(local_grad, self._spec)
@@ -251,6 +306,27 @@ class FSDPParam:
         if hooks:
             for hook in tuple(hooks.values()):
                 hook(param)
+
+
+_warned_no_pinning = False
+
+
+def _can_pin(policy: OffloadPolicy | None) -> bool:
+    """Whether to pin offloaded shards: asked for, and possible (pinning needs an accelerator)."""
+    global _warned_no_pinning
+    if not getattr(policy, "pin_memory", False):
+        return False
+    if torch.cuda.is_available():
+        return True
+    if not _warned_no_pinning:
+        _warned_no_pinning = True
+        warnings.warn(
+            "CPUOffloadPolicy(pin_memory=True): this machine has no accelerator, so there is no pinned "
+            "memory; fsdp2 keeps the offloaded shards in ordinary CPU memory. Pass pin_memory=False to "
+            "silence this warning.",
+            stacklevel=5,
+        )
+    return False
 
 
 _source_ids = itertools.count()

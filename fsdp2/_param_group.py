@@ -60,6 +60,7 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         device: torch.device | None = None,
+        shard_dims: dict[int, int] | None = None,
     ) -> None:
         self.modules = modules
         # the compute / communication device
@@ -67,7 +68,22 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
-        self.fsdp_params = [FSDPParam(p, owners[id(p)], mesh_info, post_forward_mesh_info) for p in params]
+        dims = shard_dims or {}
+        self.fsdp_params = [
+            FSDPParam(
+                p,
+                owners[id(p)],
+                mesh_info,
+                post_forward_mesh_info,
+                self.device,
+                dims.get(id(p), 0),
+                offload_policy,
+            )
+            for p in params
+        ]
+        # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
+        self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
+        self._byte_gather = False  # parameters of several dtypes: all-gather their bytes
         self._post_forward_mesh_info = post_forward_mesh_info
         self.comm_ctx = CommContext()
         self.module_fqn = ""
@@ -123,14 +139,17 @@ class FSDPParamGroup:
         policy = self.mp_policy
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
+        if any(p.offload_to_cpu for p in self.fsdp_params):
+            misplaced = [p.fqn for p in self.fsdp_params if p.sharded_param.device.type != "cpu"]
+            if misplaced:
+                raise RuntimeError(
+                    f"CPUOffloadPolicy keeps sharded parameters on the CPU, but {misplaced} are not. "
+                    "Materialize them on the CPU, e.g. module.to_empty(device='cpu')."
+                )
         gather_dtypes = {p.unsharded_dtype for p in self.fsdp_params}
-        if len(gather_dtypes) != 1:
-            names = {p.fqn: str(p.unsharded_dtype) for p in self.fsdp_params}
-            raise NotImplementedError(
-                f"fully_shard group {self.module_fqn or '<root>'} mixes parameter dtypes {names}; one "
-                "all-gather needs one dtype. Give parameters of another dtype their own fully_shard call."
-            )
-        self._all_gather_dtype = gather_dtypes.pop()
+        # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
+        self._byte_gather = len(gather_dtypes) > 1
+        self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
         trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
         self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
         self._divide_factors.clear()
@@ -155,6 +174,8 @@ class FSDPParamGroup:
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         inputs = [p.all_gather_input(post_forward) for p in self.fsdp_params]
+        if self._byte_gather:
+            inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, self.fsdp_params, strict=True)]
         ctx = self.comm_ctx
         if ctx.use_streams and not async_op and self.training_state in (_FORWARD, _PRE_BACKWARD):
             self._all_gather_result = self._all_gather_on_streams(inputs, info)
@@ -188,7 +209,11 @@ class FSDPParamGroup:
         if result.event is not None:
             torch.cuda.current_stream().wait_event(result.event)
         outputs = [p.all_gather_output() for p in self.fsdp_params]
+        if self._byte_gather:
+            outputs = [o.view(torch.uint8) for o in outputs]
         foreach_all_gather_copy_out(result, outputs)
+        for fsdp_param in self._staged_params:
+            fsdp_param.finish_unshard()
         self._all_gather_result = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
@@ -249,12 +274,20 @@ class FSDPParamGroup:
         return args, kwargs
 
     def post_forward(self) -> None:
-        if in_backward_task_id() == -1:  # not a forward re-run inside backward
+        if in_backward_task_id() != -1:  # a forward re-run inside backward (checkpoint recompute)
+            self.training_state = TrainingState.IDLE
+            return
+        if torch.is_grad_enabled():
             self.reshard()
             order = self.comm_ctx.post_forward_order
             self._post_forward_indices.append(len(order))
             order.append(self)
-        self.training_state = TrainingState.IDLE
+            self.training_state = TrainingState.IDLE
+        else:
+            # No backward can follow a no-grad forward: always go back to the sharded parameters, so
+            # model.parameters() (an optimizer built now, a state dict) never sees unsharded tensors.
+            self.training_state = TrainingState.IDLE
+            self.reshard()
 
     # ---- backward --------------------------------------------------------------------------------
 
@@ -302,6 +335,8 @@ class FSDPParamGroup:
         buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for fsdp_param, grad in zip(params, grads, strict=True):
             dtype = fsdp_param.reduce_dtype or grad.dtype
+            if fsdp_param.shard_dim != 0:
+                grad = fsdp_param.dim0_grad(grad)
             bucket = buckets.get(dtype)
             if bucket is None:
                 bucket = buckets[dtype] = ([], [])
@@ -381,3 +416,8 @@ class FSDPParamGroup:
     def invalidate_divide_factors(self) -> None:
         """Recompute reduce ops and factors at the next reduction (after a setter changed them)."""
         self._divide_factors.clear()
+
+
+def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, viewed as bytes (for a group that gathers several dtypes at once)."""
+    return (tensor if tensor.dtype == dtype else tensor.to(dtype)).view(torch.uint8)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import CPUOffloadPolicy, FSDPModule, fully_shard
-from tests._harness import run_threaded
+from tests._harness import broadcast_module_, run_threaded
 
 WORLD_SIZE = 2
 
@@ -171,8 +171,6 @@ VALIDATION_CASES = [
           r"mp_policy must be a MixedPrecisionPolicy, got dtype"),
     _case("offload-policy-type", lambda: {"offload_policy": None}, TypeError,
           r"offload_policy must be an OffloadPolicy, got NoneType"),
-    _case("cpu-offload", lambda: {"offload_policy": CPUOffloadPolicy()}, NotImplementedError,
-          r"CPUOffloadPolicy is not supported yet"),
     _case("ignored-params", lambda: {"ignored_params": {1, 2}}, TypeError,
           r"ignored_params must be a set of parameters"),
     _case("scalar", dict, ValueError, r"cannot shard the scalar parameter _WithParam\.odd: .* got shape \(\)",
@@ -180,10 +178,18 @@ VALIDATION_CASES = [
     _case("non-contiguous", dict, NotImplementedError,
           r"does not support the non-contiguous parameter _WithParam\.odd \(stride \(1, 3\)\)",
           build=_noncontiguous),
-    _case("placement-shard1", lambda: {"shard_placement_fn": lambda p: Shard(1)}, NotImplementedError,
-          r"shard_placement_fn returned Shard\(dim=1\) for Linear\.weight; .* only Shard\(0\)"),
-    _case("placement-replicate", lambda: {"shard_placement_fn": lambda p: Replicate()}, NotImplementedError,
-          r"shard_placement_fn returned Replicate\(\)"),
+    _case("placement-shard1-uneven", lambda: {"shard_placement_fn": lambda p: Shard(1)}, NotImplementedError,
+          r"Shard\(1\) for Linear\.weight needs its size on dim 1 \(3\) to be divisible by the shard world "
+          r"size 2", build=lambda: nn.Linear(3, 4)),
+    _case("placement-dim-out-of-range", lambda: {"shard_placement_fn": lambda p: Shard(2)}, ValueError,
+          r"returned Shard\(2\) for Linear\.weight of shape \(4, 3\): expected a dim in \[-2, 2\)",
+          build=lambda: nn.Linear(3, 4)),
+    _case("placement-replicate", lambda: {"shard_placement_fn": lambda p: Replicate()}, ValueError,
+          r"shard_placement_fn returned Replicate\(\) for .*: expected a Shard\(dim\) placement or None"),
+    _case("placement-int-reshard", lambda: {"shard_placement_fn": lambda p: Shard(p.ndim - 1),
+                                            "reshard_after_forward": 2}, NotImplementedError,
+          r"reshard_after_forward=2 \(an int\) is not supported with Shard\(1\)",
+          build=lambda: nn.Linear(4, 4), world_size=4),
 ]
 # fmt: on
 
@@ -364,17 +370,32 @@ def test_meta_parameters_not_materialized() -> None:
     run_threaded(WORLD_SIZE, body)
 
 
-def test_mixed_dtypes_in_one_group() -> None:
+class _MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).double())
+
+
+def test_mixed_dtypes_in_one_group_train_like_the_reference() -> None:
+    # torch 2.13 rejects trainable parameters of several dtypes in one group; fsdp2 gathers their bytes
+    # in one all-gather and reduces each dtype in its own reduce-scatter.
     def body() -> None:
-        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
+        model = broadcast_module_(_MixedDtypes())
+        ref = copy.deepcopy(model)
         fully_shard(model, mesh=_mesh())
-        with pytest.raises(
-            NotImplementedError,
-            match=r"mixes parameter dtypes .*'0\.weight': 'torch\.float32'.*"
-            r"'1\.weight': 'torch\.float64'",
-        ):
-            model(torch.ones(2, 3))
-        assert dist.get_world_size() == WORLD_SIZE
+        x = torch.full((2, 3), float(dist.get_rank() + 1))
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        for ref_param, param in zip(ref.parameters(), model.parameters(), strict=True):
+            assert ref_param.grad is not None and param.grad is not None
+            dist.all_reduce(ref_param.grad, op=dist.ReduceOp.AVG)
+            assert param.grad.dtype == ref_param.dtype
+            torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad)
+            torch.testing.assert_close(param.full_tensor(), ref_param)
 
     run_threaded(WORLD_SIZE, body)
 
