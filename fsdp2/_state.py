@@ -130,6 +130,7 @@ class FSDPState:
                     f"{type(root_module).__name__}. Run forward through the root module first."
                 )
             states.append(state)
+        _check_prefetch_targets(states, module_names)
         self.is_root = True
         if self.auto_reshard and self.group is not None:
             self.group.post_forward_mesh_info = None
@@ -328,6 +329,21 @@ def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen
                 "in one call: fully_shard([module_a, module_b])."
             )
         seen[key] = fsdp_param.fqn
+
+
+def _check_prefetch_targets(states: list[FSDPState], module_names: dict[nn.Module, str]) -> None:
+    """Refuse prefetch lists that name modules outside this root (they would never be waited on)."""
+    members = set(states)
+    for state in states:
+        for kind, targets in (("forward", state.forward_prefetch), ("backward", state.backward_prefetch)):
+            for target in targets:
+                if target not in members:
+                    owner = module_names.get(state.modules[0], "?")
+                    raise ValueError(
+                        f"The {kind} prefetch list of {owner or '<root>'} names a "
+                        f"{type(target.modules[0]).__name__} that is not under this root module. Prefetch "
+                        f"only fully_shard modules of the same model (set_modules_to_{kind}_prefetch)."
+                    )
 
 
 def _state_device(states: list[FSDPState]) -> torch.device:
