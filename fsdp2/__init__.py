@@ -5,14 +5,9 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._events import Event, record_events
-from ._fully_shard import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
+from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 
 __version__ = "0.1.0"
 

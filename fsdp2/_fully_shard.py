@@ -8,11 +8,8 @@ Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
 
 from __future__ import annotations
 
-import functools
-import threading
-import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -22,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._composable import register_fully_shard, registered_apis
 from ._mesh import MeshInfo, default_mesh, mesh_device, post_forward_mesh_info
+from ._module import FSDPModule, describe, fsdp_class
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
@@ -137,7 +135,7 @@ def fully_shard(
         managed_module.__dict__["_fsdp_use_orig_params"] = True
     for root in modules:
         register_fully_shard(root)
-        root.__class__ = _fsdp_class(type(root))
+        root.__class__ = fsdp_class(type(root))
     return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
 
 
@@ -157,7 +155,7 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
         modules = _list_roots(module)
     else:
         raise TypeError(
-            f"fully_shard expects an nn.Module or a non-empty list of nn.Module, got {_describe(module)}."
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Module, got {describe(module)}."
         )
     for m in modules:
         if get_state(m) is not None:
@@ -185,18 +183,9 @@ def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
     return tuple(roots)
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, list):
-        kinds = sorted({type(v).__name__ for v in value})
-        return f"a list of {', '.join(kinds)}" if value else "an empty list"
-    return (
-        f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
-    )
-
-
 def _validate_mesh(mesh: Any) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard mesh must be a DeviceMesh, got {_describe(mesh)}.")
+        raise TypeError(f"fully_shard mesh must be a DeviceMesh, got {describe(mesh)}.")
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
@@ -214,7 +203,7 @@ def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int):
-        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {_describe(value)}.")
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {describe(value)}.")
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard world size {shard_size} (1 <= k <= "
@@ -224,9 +213,9 @@ def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:
 
 def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {_describe(mp_policy)}.")
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {describe(mp_policy)}.")
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy, got {_describe(offload_policy)}.")
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {describe(offload_policy)}.")
 
 
 def _validate_ignored(ignored_params: Any) -> set[int]:
@@ -235,7 +224,7 @@ def _validate_ignored(ignored_params: Any) -> set[int]:
     if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
         isinstance(p, torch.Tensor) for p in ignored_params
     ):
-        raise TypeError(f"ignored_params must be a set of parameters, got {_describe(ignored_params)}.")
+        raise TypeError(f"ignored_params must be a set of parameters, got {describe(ignored_params)}.")
     return {id(p) for p in ignored_params}
 
 
@@ -353,289 +342,3 @@ def _move_to_device(
             for name, buffer in module._buffers.items():  # noqa: SLF001 - direct buffers only
                 if buffer is not None and buffer.device != device and buffer.device.type != "meta":
                     module._buffers[name] = buffer.to(device)  # noqa: SLF001 - as nn.Module._apply does
-
-
-# ---- the dynamic class --------------------------------------------------------------------------
-
-_class_cache: dict[type, type] = {}
-_class_lock = threading.Lock()
-
-
-def _fsdp_class(cls: type) -> type:
-    fsdp_cls = _class_cache.get(cls)
-    if fsdp_cls is None:
-        with _class_lock:
-            fsdp_cls = _class_cache.get(cls)
-            if fsdp_cls is None:
-                fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
-                _class_cache[cls] = fsdp_cls
-    return fsdp_cls
-
-
-def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
-    raise RuntimeError(
-        f"copy.deepcopy of the fully_shard module {type(self).__name__} is not supported: its parameters are "
-        "shards tied to process groups. Copy the model before fully_shard, or save and load a state dict."
-    )
-
-
-class UnshardHandle:
-    """Handle for ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters usable."""
-
-    def wait(self) -> None:
-        """Nothing to wait for (a module with no parameters)."""
-
-
-class _GroupUnshardHandle(UnshardHandle):
-    def __init__(self, group: FSDPParamGroup) -> None:
-        self._group: FSDPParamGroup | None = group
-
-    def wait(self) -> None:
-        """Finish the all-gather and register the unsharded parameters (idempotent)."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
-
-
-if TYPE_CHECKING:
-    _ModuleBase = nn.Module
-else:
-    _ModuleBase = object
-
-
-class FSDPModule(_ModuleBase):
-    """Mixin added to every module passed to ``fully_shard`` (as ``FSDP<Name>``)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Constructing FSDP<Name> (e.g. Sequential slicing calls type(self)(...)) builds the original
-        # class: the new module has not been through fully_shard.
-        orig_cls = cls.__mro__[2]
-        instance: Any = object.__new__(orig_cls)
-        instance.__init__(*args, **kwargs)
-        return instance
-
-    def _get_fsdp_state(self) -> FSDPState:
-        return _require_state(self)
-
-    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters (not its FSDP children's) ahead of use.
-
-        Args:
-            async_op: return a handle at once; its ``wait()`` (or the next forward) finishes the unshard.
-
-        Returns:
-            An :class:`UnshardHandle` if ``async_op``, else ``None`` once the parameters are registered.
-        """
-        group = self._get_fsdp_state().group
-        if group is None:
-            return UnshardHandle() if async_op else None
-        group.lazy_init()
-        group.unshard(async_op)
-        handle = _GroupUnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free this module's unsharded parameters and register the sharded ones."""
-        group = self._get_fsdp_state().group
-        if group is not None:
-            group.reshard()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward ends the step (waits for reductions, drops prefetch state)."""
-        self._get_fsdp_state().ctx.is_last_backward = is_last_backward
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
-        for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
-                group.reduce_grads = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` (bool only); also stops the root's automatic choice."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward should be a bool, got {_describe(reshard_after_forward)}."
-            )
-        for module in self._fsdp_modules(recurse):
-            state = _require_state(module)
-            state.auto_reshard = False
-            if state.group is not None:
-                info = state.group.mesh_info
-                state.group.post_forward_mesh_info = info if reshard_after_forward else None
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
-        for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
-                group.reshard_after_backward = reshard_after_backward
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
-        for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
-                group.all_reduce_grads = requires_all_reduce
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's summed gradients by ``factor`` instead of the number of ranks.
-
-        Not recursive. Works on every backend: gradients are pre-scaled by ``1/factor`` and summed.
-        """
-        value: object = factor
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"gradient divide factor must be a positive number, got {_describe(factor)}.")
-        group = self._get_fsdp_state().group
-        if group is not None:
-            group.gradient_divide_factor = float(factor)
-            group.invalidate_divide_factors()
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
-        warnings.warn(
-            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Use only SUM collectives, dividing explicitly afterwards (not recursive)."""
-        group = self._get_fsdp_state().group
-        if group is not None:
-            group.force_sum_reduction = enable
-            group.invalidate_divide_factors()
-
-    def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
-    ) -> None:
-        """Run ``hook(reduced_output)`` on each reduced gradient buffer of this module.
-
-        The hook runs after the reduce-scatter (and the HSDP all-reduce), before the post-division
-        and the cast back to the parameter dtype. ``stream`` is accepted for API compatibility; the
-        hook runs on the reduce-scatter stream.
-        """
-        group = self._get_fsdp_state().group
-        if group is None:
-            return
-        if stream is not None and group.mesh_info.is_hsdp:
-            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP.")
-        group.all_reduce_hook = hook
-
-    def set_post_optim_event(self, event: torch.Event) -> None:
-        """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""
-        self._get_fsdp_state().ctx.post_optim_event = event
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Skip this module's all-gather in backward when its parameters are not needed there."""
-        group = self._get_fsdp_state().group
-        if group is not None:
-            group.unshard_in_backward = unshard_in_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Unshard ``modules`` right after this module's own unshard in forward (replaces the list)."""
-        self._get_fsdp_state().forward_prefetch = _prefetch_states(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Unshard ``modules`` right after this module's own unshard in backward.
-
-        A non-empty list replaces this module's default backward prefetch.
-        """
-        self._get_fsdp_state().backward_prefetch = _prefetch_states(
-            modules, "set_modules_to_backward_prefetch"
-        )
-
-    def reset_iter_state(self) -> None:
-        """Root only: clear per-iteration state after an exception in forward or backward."""
-        state = self._get_fsdp_state()
-        if state.is_root is False:
-            raise RuntimeError(
-                f"reset_iter_state must be called on the root module, not on {type(self).__name__}."
-            )
-        state.reset_iteration()
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
-        self.reshard()
-        result = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]  # reason: untyped in torch
-        group = self._get_fsdp_state().group
-        if group is not None:
-            with torch.no_grad():
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.reset_sharded_param()
-        return result
-
-
-def _require_state(module: Any) -> FSDPState:
-    state = get_state(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
-    return state
-
-
-def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
-    if not isinstance(modules, (list, tuple)):
-        raise ValueError(f"{method} expects a list of FSDPModule, got {_describe(modules)}.")
-    states = []
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"{method} expects FSDPModule entries (modules passed to fully_shard), got "
-                f"{type(module).__name__}. Call fully_shard on it first, or drop it from the list."
-            )
-        states.append(_require_state(module))
-    return states
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` gather and reshard like ``forward`` does (e.g. ``generate``).
-
-    A no-op for modules that are not :class:`FSDPModule`, so code runs with and without sharding.
-
-    Raises:
-        ValueError: the module has no attribute ``method_name``.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r} to register.")
-    method = getattr(module, method_name)
-    state = _require_state(module)
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        output = method(*args, **kwargs)
-        return state.post_forward(module, args, output)
-
-    module.__dict__[method_name] = wrapped
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Make several roots (pipeline stages) share the first one's streams and in-flight buffers.
-
-    Call it before the first forward. Raises ``ValueError`` for a non-``FSDPModule`` entry.
-    """
-    if not modules:
-        return
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"share_comm_ctx expects a list of FSDPModules, got a {type(module).__name__}. Call "
-                "fully_shard on every stage first."
-            )
-    shared = _require_state(modules[0]).comm_ctx
-    for module in modules[1:]:
-        state = _require_state(module)
-        state.comm_ctx = shared
-        if state.group is not None:
-            state.group.comm_ctx = shared
