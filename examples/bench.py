@@ -34,8 +34,9 @@ def build(blocks: int, dim: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(blocks)])
 
 
-def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int, warmup: int,
-               sync_grads: bool) -> float:
+def time_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int, warmup: int, sync_grads: bool
+) -> float:
     """Median seconds per step (forward, backward, optional gradient all-reduce, optimizer)."""
     times = []
     for i in range(warmup + steps):
@@ -53,12 +54,15 @@ def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, st
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    import fsdp2
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp2
 
     x = torch.randn(8, args.dim)
     plain = build(args.blocks, args.dim)
-    t_plain = time_steps(plain, torch.optim.SGD(plain.parameters(), lr=1e-3), x, args.steps, args.warmup, True)
+    t_plain = time_steps(
+        plain, torch.optim.SGD(plain.parameters(), lr=1e-3), x, args.steps, args.warmup, True
+    )
     results = {"plain_ms": t_plain * 1e3}
     for name, shard in (("torch", torch_fully_shard), ("fsdp2", fsdp2.fully_shard)):
         model = build(args.blocks, args.dim)
@@ -93,13 +97,19 @@ def main_in_group(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--world-size", type=int, default=1,
-                        help="1 isolates CPU overhead (no collective latency); 2 adds gloo latency")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="1 isolates CPU overhead (no collective latency); 2 adds gloo latency",
+    )
     args = parser.parse_args()
     if "RANK" in os.environ:
         main_in_group(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -48,11 +49,14 @@ def _run_threaded_locked(world_size: int, fn: Callable[..., Any], args: tuple[An
     def worker(rank: int) -> None:
         try:
             dist.init_process_group(
-                "threaded", rank=rank, world_size=world_size, store=store,
+                "threaded",
+                rank=rank,
+                world_size=world_size,
+                store=store,
                 timeout=timedelta(seconds=_THREAD_TIMEOUT_S),
             )
             results[rank] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the main thread below
+        except BaseException as exc:
             errors.append((rank, exc, traceback.format_exc()))
             multi_threaded_pg.ProcessLocalGroup.exception_handle(exc)
         finally:
@@ -92,21 +96,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _process_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _process_entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         fn(*args)
     finally:
+        # Collect DTensor/mesh garbage first: gloo teardown with live references sometimes aborts.
+        gc.collect()
         dist.destroy_process_group()
 
 
 def run_multiprocess(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` in ``world_size`` spawned gloo processes (``fn`` must be importable)."""
     port = _free_port()
-    mp.start_processes(_process_entry, args=(world_size, port, fn, args), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _process_entry, args=(world_size, port, fn, args), nprocs=world_size, join=True, start_method="spawn"
+    )
 
 
 def broadcast_module_(module: nn.Module, src: int = 0) -> nn.Module:
@@ -119,14 +133,16 @@ def broadcast_module_(module: nn.Module, src: int = 0) -> nn.Module:
 
 def assert_sharded_parity(ref: nn.Module, model: nn.Module, *, grads: bool = False) -> None:
     """Each sharded parameter (and grad) of ``model`` equals the same rows of ``ref``'s."""
-    for (ref_name, ref_param), (name, param) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+    for (ref_name, ref_param), (name, param) in zip(
+        ref.named_parameters(), model.named_parameters(), strict=True
+    ):
         assert ref_name == name.replace("_checkpoint_wrapped_module.", ""), (ref_name, name)
         pairs = [(ref_param, param)]
         if grads:
             pairs.append((ref_param.grad, param.grad))
         for ref_t, t in pairs:
             if ref_t is None or t is None:
-                assert ref_t is None and t is None, f"grad presence differs for {name}"
+                assert (ref_t is None) == (t is None), f"grad presence differs for {name}"
                 continue
             if isinstance(t, DTensor):
                 torch.testing.assert_close(t.full_tensor(), ref_t, msg=lambda m, n=name: f"{n}: {m}")

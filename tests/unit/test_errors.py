@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp2 import CPUOffloadPolicy, FSDPModule, fully_shard
+from fsdp2 import FSDPModule, fully_shard
 from tests._harness import broadcast_module_, run_threaded
 
 WORLD_SIZE = 2
@@ -391,7 +391,8 @@ def test_mixed_dtypes_in_one_group_train_like_the_reference() -> None:
         model(x).sum().backward()
         ref(x).sum().backward()
         for ref_param, param in zip(ref.parameters(), model.parameters(), strict=True):
-            assert ref_param.grad is not None and param.grad is not None
+            assert ref_param.grad is not None
+            assert param.grad is not None
             dist.all_reduce(ref_param.grad, op=dist.ReduceOp.AVG)
             assert param.grad.dtype == ref_param.dtype
             torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad)

@@ -1,0 +1,330 @@
+"""Train a tiny character-level GPT with fsdp2, on CPUs (gloo) or GPUs (NCCL).
+
+    torchrun --standalone --nproc-per-node 2 examples/train.py            # 2 CPU processes, ~1 minute
+    torchrun --standalone --nproc-per-node 8 examples/train.py            # 8 GPUs: NCCL, cuda:LOCAL_RANK
+    torchrun --standalone --nproc-per-node 2 examples/train.py --explicit-prefetching
+
+Read it top to bottom: data, model, sharding, initialisation, training loop. Everything FSDP-specific is
+in `shard_model` (fully_shard bottom-up, optional prefetch lists) and `init_weights` (why a model built
+on the meta device and then sharded needs an init of its own).
+The text it learns from ships in examples/data/; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp2 import fully_shard
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (must divide --dim)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
+    p.add_argument("--seed", type=int, default=1337, help="model seed (same on all ranks)")
+    p.add_argument("--explicit-prefetching", action="store_true", help="prefetch the next k blocks")
+    p.add_argument("--prefetch-depth", type=int, default=2, help="k for --explicit-prefetching")
+    p.add_argument("--sample-chars", type=int, default=0, help="characters to generate after training")
+    return p.parse_args(argv)
+
+
+# -----------------------------------------------------------------------------
+# data: every .txt file in examples/data, one character = one token
+
+
+class CharData:
+    def __init__(self, data_dir: Path) -> None:
+        text = "".join(path.read_text(encoding="utf-8") for path in sorted(data_dir.glob("*.txt")))
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.tokens = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)  # (N,)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        # Random windows; the target is the window shifted by one character.
+        starts = torch.randint(len(self.tokens) - seq_len - 1, (batch_size,), generator=gen)
+        x = torch.stack([self.tokens[s : s + seq_len] for s in starts.tolist()])  # (B, T)
+        y = torch.stack([self.tokens[s + 1 : s + 1 + seq_len] for s in starts.tolist()])  # (B, T)
+        return x, y
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+# -----------------------------------------------------------------------------
+# model: a decoder-only transformer, pre-norm, learned positions
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    dim: int
+    layers: int
+    heads: int
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # batch, time, channels
+        H = self.heads
+        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # 3 x (B, H, T, C/H)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.down = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))  # (B, T, C)
+        return x + self.mlp(self.norm2(x))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        return self.head(self.norm(x))  # (B, T, vocab)
+
+
+# -----------------------------------------------------------------------------
+# sharding and initialisation
+
+
+def shard_model(model: GPT, mesh: DeviceMesh, prefetch_depth: int) -> None:
+    # Bottom-up: each block becomes one all-gather / reduce-scatter unit, then the root picks up
+    # what is left (embeddings, final norm, head). Parameters become DTensors sharded on dim 0.
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if prefetch_depth > 0:
+        # By default FSDP prefetches one block ahead, implicitly. Here we say which blocks to
+        # all-gather early: the next k in forward, and the previous k (next in backward order) in backward.
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch_depth])
+        reversed_blocks = blocks[::-1]
+        for i, block in enumerate(reversed_blocks):
+            block.set_modules_to_backward_prefetch(reversed_blocks[i + 1 : i + 1 + prefetch_depth])
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    # The model was built on the meta device and `to_empty` gave it uninitialised memory, so every
+    # parameter is written here. Each *full* tensor is drawn from one CPU generator, identical on every
+    # rank, and each rank keeps only its own shard: the model is the same whatever the world size or
+    # device. (DTensor's random ops, e.g. nn.init.normal_ on a sharded parameter, run too, but on a CPU
+    # mesh every rank draws the same numbers for its shard, so the full weight repeats itself.)
+    # One full tensor at a time is fine at this size; a model too big for that would initialise on
+    # rank 0 and broadcast, or use DTensor's RNG on GPU.
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # GPT-2 scales the init of the layers that write into the residual stream.
+            std = 0.02 / math.sqrt(2 * model.cfg.layers) if name.endswith(("proj", "down")) else 0.02
+            set_full(module.weight, torch.randn(module.weight.shape, generator=gen) * std)
+        elif isinstance(module, nn.LayerNorm):
+            set_full(module.weight, torch.ones(module.weight.shape))
+        if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+            set_full(module.bias, torch.zeros(module.bias.shape))
+
+
+def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Writes the full (unsharded) value `full` into `param`, which may be a sharded DTensor."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank already holds the full tensor, so cut locally, no scatter.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
+
+
+# -----------------------------------------------------------------------------
+# distributed set-up: torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+
+
+def setup_distributed() -> tuple[torch.device, bool]:
+    """Returns this rank's device and whether we created the process group (and must destroy it)."""
+    created = not dist.is_initialized()  # the test harness creates the group itself
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if created and "RANK" in os.environ:
+        dist.init_process_group(backend)
+    elif created:  # plain `python examples/train.py`: a world of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Several ranks share this machine's cores; oversubscribing them makes every rank slower.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return device, created
+
+
+class Progress:
+    """Rank 0's progress line: redrawn in place on a terminal, a line every ~10% otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.start = total, enabled, time.perf_counter()
+        self.tty = sys.stdout.isatty()
+        self.every = max(1, total // 10)
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            bar = "#" * (30 * done // self.total)
+            line = f"[{bar:<30}] step {done}/{self.total} loss {loss:.4f} {elapsed:.0f}s"
+            print("\r" + line, end="\n" if done == self.total else "", flush=True)
+        elif done == 1 or done % self.every == 0 or done == self.total:
+            print(f"step {done:>5}/{self.total} loss {loss:.4f} {elapsed:6.1f}s", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Trains and returns the per-step loss, averaged over ranks (so identical on every rank)."""
+    args = parse_args(argv)
+    device, created_group = setup_distributed()
+    try:
+        return train(args, device)
+    finally:
+        if created_group:
+            # The model, optimizer and mesh died with train()'s frame, but DTensor leaves reference
+            # cycles that still hold the process groups. Collect them while the groups can be torn down
+            # cleanly: with gloo, a group freed only at interpreter exit sometimes aborts the process.
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> list[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,))
+
+    data = CharData(DATA_DIR)
+    cfg = GPTConfig(data.vocab_size, args.seq_len, args.dim, args.layers, args.heads)
+    with torch.device("meta"):
+        model = GPT(cfg)  # shapes only, no memory yet
+    shard_model(model, mesh, args.prefetch_depth if args.explicit_prefetching else 0)
+    model.to_empty(device=device)  # allocates only this rank's shards
+    init_weights(model, args.seed)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, {world_size} rank(s), {device}")
+
+    # AdamW sees the sharded parameters: its state is sharded too.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    warmup = max(1, args.steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
+    )
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # different batches on every rank
+
+    losses: list[float] = []
+    progress = Progress(args.steps, enabled=rank == 0)
+    model.train()
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch(args.batch_size, args.seq_len, gen))  # (B, T) each
+        logits = model(x)  # (B, T, vocab); all-gathers each block's parameters just in time
+        loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
+        loss.backward()  # reduce-scatters gradients: each rank ends with the mean gradient of its shard
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
+        losses.append(mean_loss.item() / world_size)
+        progress.update(step, losses[-1])
+
+    if args.sample_chars > 0:
+        text = sample(model, data, args.sample_chars, device, args.seed)
+        if rank == 0:
+            print(f"--- sample ---\n{text}\n--------------")
+    if rank == 0 and losses:
+        print(f"final: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} after {len(losses)} steps")
+    return losses
+
+
+@torch.no_grad()
+def sample(model: GPT, data: CharData, n_chars: int, device: torch.device, seed: int) -> str:
+    # Every rank runs every forward (each one all-gathers), with the same generator, so all agree.
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    idx = [data.stoi["\n"]]
+    for _ in range(n_chars):
+        context = torch.tensor([idx[-model.cfg.seq_len :]], device=device)  # (1, T)
+        probs = F.softmax(model(context)[0, -1].float().cpu(), dim=-1)  # (vocab,)
+        idx.append(int(torch.multinomial(probs, 1, generator=gen)))
+    model.train()
+    return data.decode(idx[1:])
+
+
+if __name__ == "__main__":
+    main()
