@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from typing_extensions import TypedDict, Unpack
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._composable import register_fully_shard, registered_apis
@@ -23,31 +24,24 @@ from ._module import FSDPModule, describe, fsdp_class
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
+PlacementFn = Callable[[nn.Parameter], "Shard | None"]
+
+
+class _Options(TypedDict, total=False):
+    """The keyword arguments of ``fully_shard`` (for the typed overloads below)."""
+
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | int | None
+    shard_placement_fn: PlacementFn | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: set[nn.Parameter] | None
+
 
 @overload
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-) -> FSDPModule: ...
-
-
+def fully_shard(module: nn.Module, **options: Unpack[_Options]) -> FSDPModule: ...
 @overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-) -> list[FSDPModule]: ...
+def fully_shard(module: list[nn.Module], **options: Unpack[_Options]) -> list[FSDPModule]: ...
 
 
 def fully_shard(
@@ -55,7 +49,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: PlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared safely
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared safely
     ignored_params: set[nn.Parameter] | None = None,
