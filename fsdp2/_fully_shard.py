@@ -185,6 +185,12 @@ def _validate_mesh(mesh: Any) -> MeshInfo:
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice the data-parallel dims out of it."
         )
+    device_module = getattr(torch, mesh.device_type, None)
+    if mesh.device_type != "cpu" and not (device_module is not None and device_module.is_available()):
+        raise ValueError(
+            f"fully_shard got a mesh on device type {mesh.device_type!r}, which this process cannot use. "
+            "Build the mesh on an available device type (e.g. 'cpu' with gloo)."
+        )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError(
             "fully_shard got a 2-D mesh without dim names; HSDP needs them to tell the replicate dim from "

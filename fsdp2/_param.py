@@ -289,23 +289,32 @@ class FSDPParam:
         else:
             self._accumulated_grad.add_(grad)
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Set, or add in place into, the sharded DTensor gradient; then run post-accumulate hooks."""
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> bool:
+        """Set, or add in place into, the sharded DTensor gradient; then run post-accumulate hooks.
+
+        Returns whether a non-blocking device-to-host copy is still in flight (CPU offload): the caller
+        must synchronize before the optimizer reads the gradient.
+        """
         param = self.sharded_param
         if local_grad.dtype != self.orig_dtype:
             local_grad = local_grad.to(self.orig_dtype)
-        if self.offload_to_cpu:
-            local_grad = local_grad.to("cpu")
+        hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
+        in_flight = False
+        if self.offload_to_cpu and local_grad.device.type != "cpu":
+            # Only a fresh gradient without hooks may arrive asynchronously: an in-place add or a
+            # hook would read the host copy before it lands.
+            in_flight = self._pin_memory and param.grad is None and not hooks
+            local_grad = local_grad.to("cpu", non_blocking=in_flight)
         grad = param.grad
         if grad is None:
             param.grad = wrap_local(local_grad, self._spec)
         else:
             local_of(cast(DTensor, grad)).add_(local_grad)
         # Autograd never accumulates into the sharded parameter, so its hooks are ours to run.
-        hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
         if hooks:
             for hook in tuple(hooks.values()):
                 hook(param)
+        return in_flight
 
 
 _warned_no_pinning = False

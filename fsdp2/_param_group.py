@@ -98,6 +98,7 @@ class FSDPParamGroup:
         self._post_reduce_event: torch.Event | None = None
         # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
         self._partial_reduce_outputs: dict[torch.dtype, torch.Tensor] = {}
+        self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         # user controls (FSDPModule setters)
         self.reduce_grads = True
         self.reshard_after_backward = True
@@ -384,7 +385,8 @@ class FSDPParamGroup:
             [p.local_shard_size for p in params],
         )
         for fsdp_param, view in zip(params, views, strict=True):
-            fsdp_param.accumulate_sharded_grad(view)
+            if fsdp_param.accumulate_sharded_grad(view):
+                self._offload_copies_in_flight = True
 
     def finalize_backward(self) -> None:
         """End of the last backward: drain a mis-targeted prefetch and forget forward indices."""
@@ -396,8 +398,12 @@ class FSDPParamGroup:
                 torch.cuda.current_stream().wait_event(result.event)
             self._all_gather_result = None
         if self._post_reduce_event is not None:
+            if self._offload_copies_in_flight:
+                # Non-blocking copies of offloaded gradients: the CPU optimizer reads them next.
+                self._post_reduce_event.synchronize()
             torch.cuda.current_stream().wait_event(self._post_reduce_event)
             self._post_reduce_event = None
+        self._offload_copies_in_flight = False
         self._post_forward_indices.clear()
 
     def reset(self) -> None:
