@@ -4,7 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 """
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._events import Event, record_events
+from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
@@ -23,5 +23,6 @@ __all__ = [
     "fully_shard",
     "record_events",
     "register_fsdp_forward_method",
+    "save_chrome_trace",
     "share_comm_ctx",
 ]

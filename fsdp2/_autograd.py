@@ -8,7 +8,7 @@ Does not own: pre-backward hooks (tensor hooks on outputs, registered by ``FSDPS
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -27,6 +27,14 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # noqa: SLF001 - no public API
 
 
+_Fn = TypeVar("_Fn", bound="Callable[..., Any]")
+
+
+def eager(fn: _Fn) -> _Fn:
+    """``fn`` marked so torch.compile never traces it (FSDP hooks mutate storages and modules)."""
+    return cast(_Fn, torch.compiler.disable(fn))
+
+
 def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None  # noqa: SLF001 - no public API for "is a view"
 
@@ -41,9 +49,16 @@ class _PostBackwardNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        # Dispatch through the instance so class-level instrumentation sees every call.
-        ctx.group.post_backward()
+        _run_post_backward(ctx.group)
         return (None, *grads)
+
+
+def _post_backward(group: FSDPParamGroup) -> None:
+    # Dispatch through the instance so class-level instrumentation sees every call.
+    group.post_backward()
+
+
+_run_post_backward = eager(_post_backward)
 
 
 def register_post_backward(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import nn
 
+from ._autograd import eager
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
@@ -287,12 +288,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(f"{type(module).__name__} does not have a method {method_name!r} to register.")
     method = getattr(module, method_name)
     state = _require_state(module)
+    pre_forward = eager(state.pre_forward)
+    post_forward = eager(state.post_forward)
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
+        args, kwargs = pre_forward(module, args, kwargs)
         output = method(*args, **kwargs)
-        return state.post_forward(module, args, output)
+        return post_forward(module, args, output)
 
     module.__dict__[method_name] = wrapped
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ._api import MixedPrecisionPolicy
-from ._autograd import is_view, queue_end_of_backward_callback
+from ._autograd import eager, is_view, queue_end_of_backward_callback
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
 from ._lifecycle import ShardedState, TrainingState
@@ -73,12 +73,16 @@ class FSDPState:
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
         self._hook_handles: list[Any] = []
         self._pre_backward_hook = self._make_pre_backward_hook()
+        self.eager_finish_backward = eager(self.finish_backward)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             if len(modules) == 1:
                 pre, post = self.pre_forward, self.post_forward
             else:
                 pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
+            # FSDP hooks mutate storages and module registrations: torch.compile must run them
+            # eagerly (a graph break at each FSDP module), never trace them. ~0.4 µs per call.
+            pre, post = eager(pre), eager(post)
             self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
             if group is not None:
@@ -264,7 +268,7 @@ class FSDPState:
             self.pre_backward()
             return grad
 
-        return hook
+        return eager(hook)
 
     def pre_backward(self) -> None:
         self.training_state = _PRE_BACKWARD
@@ -272,7 +276,7 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             root = ctx.all_states[0] if ctx.all_states else self
-            queue_end_of_backward_callback(root.finish_backward)
+            queue_end_of_backward_callback(root.eager_finish_backward)
         if self.group is not None:
             self.group.pre_backward(default_prefetch=not self.backward_prefetch)
         for target in self.backward_prefetch:

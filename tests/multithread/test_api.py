@@ -292,3 +292,34 @@ def test_list_call_makes_one_group(impl: Impl) -> None:
     separate = run_threaded(2, _grouped_call, impl, False)
     assert grouped == [{"all_gathers": 2, "unshards": ["", "0, 1"]}] * 2
     assert separate == [{"all_gathers": 3, "unshards": ["", "0", "1"]}] * 2
+
+
+def _trace_one_step(path: str) -> list[str]:
+    import json
+
+    import fsdp2
+
+    model = broadcast_module_(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    fsdp2.fully_shard(model[0])
+    fsdp2.fully_shard(model[2])
+    fsdp2.fully_shard(model)
+    with fsdp2.record_events() as events:
+        model(torch.ones(2, 4)).sum().backward()
+    times = [e.time_us for e in events]
+    assert times == sorted(times)
+    assert times[0] > 0
+    if dist.get_rank() == 0:
+        fsdp2.save_chrome_trace(events, path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+        markers = [e for e in trace if e["ph"] == "i"]
+        assert [m["name"] for m in markers] == [f"{e.kind} ({e.training_state.name})" for e in events]
+        tracks = {e["args"]["name"] for e in trace if e["ph"] == "M"}
+        assert tracks == {"0", "2"}  # the root owns no parameters: no group, no track
+    return [str(e) for e in events]
+
+
+def test_chrome_trace_of_one_step(tmp_path: Any) -> None:
+    lines = run_threaded(2, _trace_one_step, str(tmp_path / "trace.json"))[0]
+    assert lines[0].startswith("unshard")
+    assert lines[0].endswith("0 (FORWARD)")
