@@ -82,15 +82,6 @@ def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Ten
     torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=[o.view(world, -1) for o in outputs])
 
 
-@dataclass
-class ReduceScatterResult:
-    """A finished (CPU) or issued (CUDA) reduce-scatter and the buffers it keeps alive."""
-
-    input: torch.Tensor  # 1D, world_size * sum(padded shard numels), reduce dtype
-    output: torch.Tensor  # 1D, sum(padded shard numels), reduce dtype
-    event: torch.Event | None
-
-
 def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``."""
     numel = sum(world_size * _padded_shard_numel(g, world_size) for g in grads)

@@ -12,6 +12,9 @@ allocated on the copy-in stream; it is kept (with a copy-out event) until the ne
 both all-gather streams wait on that event: the next copy-in must not overwrite the buffer while the
 copy-out still reads it. The iteration's root makes the all-gather streams wait on the current stream
 before the first copy-in, so the optimizer step that wrote the sharded parameters finishes first.
+Inputs are produced on the copy-in stream itself (host-to-device copies under CPU offload, casts);
+slices kept after forward for an int ``reshard_after_forward`` are written on the current stream, so
+the next all-gather of that group first waits on an event recorded right after them.
 Gradients: the reduce-scatter stream waits on the current stream (the unsharded gradients are ready),
 reduces, views out and records a post-reduce event; the input buffer is kept until the next group's
 post-backward makes the current stream wait on that event, and the end of backward waits on them all.

@@ -93,12 +93,12 @@ class FSDPParamGroup:
         self._post_forward_indices: list[int] = []
         self._lazy_initialized = False
         self._all_gather_dtype = self.fsdp_params[0].orig_dtype
-        self._reduce_dtype: torch.dtype | None = None
         self._divide_factors: dict[torch.dtype, DivideFactors] = {}
         self._post_reduce_event: torch.Event | None = None
         # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
         self._partial_reduce_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
+        self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
         # user controls (FSDPModule setters)
         self.reduce_grads = True
         self.reshard_after_backward = True
@@ -151,8 +151,6 @@ class FSDPParamGroup:
         # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
         self._byte_gather = len(gather_dtypes) > 1
         self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
-        trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
-        self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
         self._divide_factors.clear()
         self._lazy_initialized = True
 
@@ -174,25 +172,41 @@ class FSDPParamGroup:
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
+        ctx = self.comm_ctx
+        if ctx.use_streams and not async_op and self.training_state in (_FORWARD, _PRE_BACKWARD):
+            self._all_gather_result = self._all_gather_on_streams(info, post_forward)
+        else:
+            self._all_gather_result = foreach_all_gather(
+                self._all_gather_inputs(post_forward),
+                info.shard_group,
+                info.shard_size,
+                info.shard_rank,
+                self._all_gather_dtype,
+                async_op,
+            )
+
+    def _all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
         inputs = [p.all_gather_input(post_forward) for p in self.fsdp_params]
         if self._byte_gather:
             inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, self.fsdp_params, strict=True)]
-        ctx = self.comm_ctx
-        if ctx.use_streams and not async_op and self.training_state in (_FORWARD, _PRE_BACKWARD):
-            self._all_gather_result = self._all_gather_on_streams(inputs, info)
-        else:
-            self._all_gather_result = foreach_all_gather(
-                inputs, info.shard_group, info.shard_size, info.shard_rank, self._all_gather_dtype, async_op
-            )
+        return inputs
 
-    def _all_gather_on_streams(self, inputs: list[torch.Tensor], info: MeshInfo) -> AllGatherResult:
+    def _all_gather_on_streams(self, info: MeshInfo, post_forward: bool) -> AllGatherResult:
         ctx = self.comm_ctx
         copy_in_stream, gather_stream = ctx.all_gather_copy_in_stream, ctx.all_gather_stream
         assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
         assert gather_stream is not None, "all-gather stream not initialized"
+        if post_forward and self._post_forward_event is not None:
+            # The post-forward slices were cloned on the current stream after forward.
+            copy_in_stream.wait_event(self._post_forward_event)
+            self._post_forward_event = None
         with torch.cuda.stream(copy_in_stream):
+            # Inputs (host-to-device copies under CPU offload) are made on the copy-in stream too.
             output, local, split_sizes = all_gather_copy_in(
-                inputs, info.shard_size, info.shard_rank, self._all_gather_dtype
+                self._all_gather_inputs(post_forward),
+                info.shard_size,
+                info.shard_rank,
+                self._all_gather_dtype,
             )
         gather_stream.wait_stream(copy_in_stream)
         with torch.cuda.stream(gather_stream):
@@ -242,6 +256,8 @@ class FSDPParamGroup:
                     for fsdp_param in self.fsdp_params:
                         fsdp_param.to_sharded_post_forward()
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+                    if self.comm_ctx.use_streams:
+                        self._post_forward_event = torch.cuda.current_stream().record_event()
                     _events.record("reshard", self.module_fqn, self.training_state)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
