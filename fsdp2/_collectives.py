@@ -47,7 +47,7 @@ def all_gather_copy_in(
     block = sum(split_sizes)
     output = torch.empty(block * world_size, dtype=dtype, device=inputs[0].device)
     local = output.narrow(0, block * rank, block)
-    torch._foreach_copy_(list(local.split(split_sizes)), inputs)
+    torch._foreach_copy_(torch.split_with_sizes(local, split_sizes), inputs)
     return output, local, split_sizes
 
 
@@ -78,8 +78,13 @@ def foreach_all_gather(
 def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Tensor]) -> None:
     """Scatter the flat all-gather output into each parameter's 1-D output (``W * split`` elements)."""
     world = result.world_size
-    gathered = result.output.view(world, -1)
-    torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=[o.view(world, -1) for o in outputs])
+    copy_out_2d(result, [o.view(world, -1) for o in outputs])
+
+
+def copy_out_2d(result: AllGatherResult, outputs_2d: list[torch.Tensor]) -> None:
+    """Copy-out into outputs already viewed as ``(W, split)`` (callers may cache those views)."""
+    gathered = result.output.view(result.world_size, -1)
+    torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outputs_2d)
 
 
 def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -29,9 +29,9 @@ from ._collectives import (
     AllGatherResult,
     DivideFactors,
     all_gather_copy_in,
+    copy_out_2d,
     divide_factors,
     foreach_all_gather,
-    foreach_all_gather_copy_out,
     issue_all_gather,
     reduce_scatter,
     reduce_scatter_copy_in,
@@ -99,6 +99,7 @@ class FSDPParamGroup:
         self._partial_reduce_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
+        self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
         # user controls (FSDPModule setters)
         self.reduce_grads = True
         self.reshard_after_backward = True
@@ -152,6 +153,7 @@ class FSDPParamGroup:
         self._byte_gather = len(gather_dtypes) > 1
         self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
         self._divide_factors.clear()
+        self._copy_out_targets.clear()
         self._lazy_initialized = True
 
     def _factors(self, dtype: torch.dtype) -> DivideFactors:
@@ -223,10 +225,15 @@ class FSDPParamGroup:
             result.work.wait()
         if result.event is not None:
             torch.cuda.current_stream().wait_event(result.event)
-        outputs = [p.all_gather_output() for p in self.fsdp_params]
-        if self._byte_gather:
-            outputs = [o.view(torch.uint8) for o in outputs]
-        foreach_all_gather_copy_out(result, outputs)
+        outputs = [p.all_gather_output() for p in self.fsdp_params]  # (re)allocates storage
+        # Hot path: the (W, split) views survive storage resizes, so build them once per world size.
+        targets = self._copy_out_targets.get(result.world_size)
+        if targets is None:
+            if self._byte_gather:
+                outputs = [o.view(torch.uint8) for o in outputs]
+            targets = [o.view(result.world_size, -1) for o in outputs]
+            self._copy_out_targets[result.world_size] = targets
+        copy_out_2d(result, targets)
         for fsdp_param in self._staged_params:
             fsdp_param.finish_unshard()
         self._all_gather_result = None
