@@ -135,30 +135,30 @@ class FSDPState:
                 )
             states.append(state)
         _check_prefetch_targets(states, module_names)
-        self.is_root = True
-        if self.auto_reshard and self.group is not None:
-            self.group.post_forward_mesh_info = None
-        comm_ctx = self.comm_ctx
-        device = _state_device(states)
+        # Validate every group before changing any state, so a failed first forward can be retried.
         owners: dict[int, str] = {}
         for state in states:
-            if state is not self:
-                state.is_root = False
+            group = state.group
+            if group is not None:
+                group.module_fqn = ", ".join(module_names[m] for m in group.modules)
+                _name_params(group, module_names, owners)
+        if self.auto_reshard and self.group is not None:
+            self.group.post_forward_mesh_info = None
+        for state in states:
+            if state.group is not None:
+                state.group.lazy_init()
+        comm_ctx = self.comm_ctx
+        device = _state_device(states)
+        for state in states:
+            state.is_root = state is self
             state.ctx = self.ctx
             state.comm_ctx = comm_ctx
-            group = state.group
-            if group is None:
-                continue
-            group.comm_ctx = comm_ctx
-            group.module_fqn = ", ".join(module_names[m] for m in group.modules)
-            _name_params(group, module_names, owners)
+            if state.group is not None:
+                state.group.comm_ctx = comm_ctx
         comm_ctx.lazy_init(device)
         if device.type != "cpu":
             self._input_device = device
         self.ctx.all_states = states
-        for state in states:
-            if state.group is not None:
-                state.group.lazy_init()
 
     # ---- forward hooks ---------------------------------------------------------------------------
 
@@ -175,11 +175,11 @@ class FSDPState:
                 args, kwargs = cast_floating((args, kwargs), self._input_dtype)
             return args, kwargs
         first = self.training_state is not _FORWARD
-        self.training_state = _FORWARD
         if first:
-            self._root_pre_forward()
+            self._root_pre_forward()  # may raise (first-forward validation): no state set before it
             if self.ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
                 args, kwargs = move_to_device((args, kwargs), self._input_device)
+        self.training_state = _FORWARD
         if self._input_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self._input_dtype)
         if group is not None:

@@ -366,6 +366,21 @@ def test_meta_parameters_not_materialized() -> None:
         with pytest.raises(RuntimeError, match=rf"Parameters {names} are still on the meta device"):
             model(torch.ones(2, 3))
         _assert_all_sharded(model)
+        # The failed first forward changed nothing: materialize, then the same model trains and its
+        # forward equals the unsharded reference built from the same full weights.
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(0.1 * param.ndim)  # a DTensor fill: every shard gets the value
+        ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        with torch.no_grad():
+            for param in ref.parameters():
+                param.fill_(0.1 * param.ndim)
+        x = torch.ones(2, 3)
+        out = model(x)
+        out.sum().backward()
+        torch.testing.assert_close(out, ref(x))
+        assert model._get_fsdp_state().is_root is True
 
     run_threaded(WORLD_SIZE, body)
 
