@@ -16,6 +16,7 @@ from torch import nn
 
 import fsdp2
 from tests._harness import run_multiprocess
+from tests._training import average_grads, forward_backward, step_all
 
 WORLD_SIZE = 2
 
@@ -58,17 +59,10 @@ def _offload_case() -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x = torch.full((4, 6), float(dist.get_rank() + 1))
     for _ in range(3):
-        loss = model(x).sum()
-        loss.backward()
-        ref_loss = ref(x).sum()
-        ref_loss.backward()
-        for param in ref.parameters():
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+        loss, ref_loss = forward_backward(x, model, ref)
+        average_grads(ref)
         torch.testing.assert_close(loss, ref_loss)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_all(opt, ref_opt)
     for ref_param, param in zip(ref.parameters(), model.parameters(), strict=True):
         assert param.to_local().device.type == "cpu"
         torch.testing.assert_close(param.full_tensor(), ref_param)

@@ -20,14 +20,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests._harness import assert_sharded_parity, broadcast_module_, count_collectives, run_threaded
 from tests._impls import Impl
+from tests._training import seeded
 from tests.models import MLP, make_input
 
 DIM = 6
-
-
-def _seeded(module_fn: Any) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(module_fn())
 
 
 def _assert_sharded_param(param: Any, *, mesh_ndim: int = 1) -> None:
@@ -48,7 +44,7 @@ def _assert_plain_param(param: Any) -> None:
 
 
 def _return_value_and_class(impl: Impl) -> None:
-    model = _seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), MLP(DIM)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), MLP(DIM)))
     first, second = model[0], model[1]
     assert impl.fully_shard(first) is first
     modules = [model[2].in_proj, model[2].out_proj]
@@ -72,7 +68,7 @@ def test_returns_argument_and_swaps_class(impl: Impl) -> None:
 
 
 def _deepcopy_refused(impl: Impl) -> None:
-    model = _seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)))
     impl.fully_shard(model[0])
     for target in (model[0], model):  # the module itself, and a plain parent containing it
         with pytest.raises((AssertionError, RuntimeError), match=r"(?is)deepcopy.*state dict"):
@@ -90,7 +86,7 @@ def test_deepcopy_raises(impl: Impl) -> None:
 
 def _sharded_rows(impl: Impl, rows: int, expected_rows: list[int]) -> None:
     rank = dist.get_rank()
-    lin = _seeded(lambda: nn.Linear(3, rows))
+    lin = seeded(lambda: nn.Linear(3, rows))
     originals = {name: p.detach().clone() for name, p in lin.named_parameters()}
     impl.fully_shard(lin)
     for name, param in lin.named_parameters():
@@ -126,7 +122,7 @@ def test_sharded_parameters_follow_chunk_split(
 
 
 def _registered_types(impl: Impl, child_raf: Any) -> None:
-    model = _seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM)))
     impl.fully_shard(model[0], reshard_after_forward=child_raf)
     impl.fully_shard(model)  # root with the automatic value: keeps its parameters after forward
     for param in model.parameters():
@@ -164,7 +160,7 @@ def test_registered_parameters_after_forward_and_backward(
 
 
 def _unsharded_identity(impl: Impl) -> None:
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     impl.fully_shard(model.in_proj, reshard_after_forward=True)
     impl.fully_shard(model)
     seen: list[list[nn.Parameter]] = []
@@ -194,7 +190,7 @@ def test_unsharded_parameter_is_reused_across_iterations(impl: Impl) -> None:
 
 
 def _unshard_before_forward(impl: Impl, async_op: bool) -> None:
-    model = _seeded(lambda: MLP(DIM, hidden_dim=7))
+    model = seeded(lambda: MLP(DIM, hidden_dim=7))
     ref = copy.deepcopy(model)
     impl.fully_shard(model)
     handle = model.unshard(async_op=async_op)
@@ -220,7 +216,7 @@ def test_unshard_before_first_forward(impl: Impl, async_op: bool) -> None:
 
 
 def _unshard_without_params(impl: Impl) -> None:
-    model = _seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
     originals = [p.detach().clone() for p in model.parameters()]
     for lin in model:
         impl.fully_shard(lin)
@@ -247,7 +243,7 @@ def test_unshard_module_without_parameters(impl: Impl) -> None:
 
 
 def _sharded_grads(impl: Impl) -> None:
-    model = _seeded(lambda: MLP(5, hidden_dim=7))
+    model = seeded(lambda: MLP(5, hidden_dim=7))
     ref = copy.deepcopy(model)
     impl.fully_shard(model.in_proj)
     impl.fully_shard(model)
@@ -271,7 +267,7 @@ def test_sharded_gradients(impl: Impl, world_size: int) -> None:
 
 
 def _grouped_call(impl: Impl, grouped: bool) -> dict[str, Any]:
-    model = _seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 3)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 3)))
     ref = copy.deepcopy(model)
     if grouped:
         impl.fully_shard([model[0], model[1]])

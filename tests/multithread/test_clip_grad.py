@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests._harness import broadcast_module_, run_threaded
 from tests._impls import Impl, get_impl
+from tests._training import seeded, step_all
 from tests.models import ModelArgs, Transformer, make_tokens
 
 # max_seq_len 8: every dim 0 splits into non-empty shards over 4 ranks. torch's inf-norm cannot
@@ -38,8 +39,7 @@ def _clip(impl_name: str, norm_type: float, mesh_kind: str, args: ModelArgs = TF
     mesh = None
     if mesh_kind == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = broadcast_module_(Transformer(args))
+    model = seeded(lambda: Transformer(args))
     ref = copy.deepcopy(model)
     world = dist.get_world_size()
     placement = None
@@ -69,10 +69,7 @@ def _clip(impl_name: str, norm_type: float, mesh_kind: str, args: ModelArgs = TF
         # After clipping, the total norm is max_norm (up to clip_grad_norm_'s epsilon).
         clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
         torch.testing.assert_close(_norm_value(clipped), torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
         norms.append(want.item())
     for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(param.full_tensor(), ref_param, **TIGHT, msg=lambda m, n=name: f"{n}: {m}")

@@ -16,6 +16,7 @@ from torch import nn
 
 import fsdp2
 from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
+from tests._training import average_grads, forward_backward, step_all
 
 
 def _model() -> nn.Sequential:
@@ -38,18 +39,11 @@ def _train_compiled(where: str, reshard_after_forward: bool) -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(3):
         x = torch.randn(4, 8, generator=gen)
-        loss = model(x).sum()
-        loss.backward()
-        ref_loss = ref(x).sum()
-        ref_loss.backward()
-        for param in ref.parameters():
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+        loss, ref_loss = forward_backward(x, model, ref)
+        average_grads(ref)
         torch.testing.assert_close(loss, ref_loss)
         assert_sharded_parity(ref, model, grads=True)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_all(opt, ref_opt)
     assert_sharded_parity(ref, model)
 
 

@@ -31,18 +31,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests._harness import broadcast_module_, run_threaded
+from tests._harness import run_threaded
 from tests._impls import Impl, get_impl
+from tests._training import EXACT, TIGHT, seeded, step_all
 from tests.models import MLP, make_input
 
 DIM = 13
-TIGHT: dict[str, float] = {}
-EXACT = {"rtol": 0.0, "atol": 0.0}
-
-
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(build())
 
 
 def _fsdp2() -> Any:
@@ -96,10 +90,7 @@ def _train(
         ref(x).sum().backward()
         _reduce_grads(ref, divisor)
         _assert_parity(ref, model, grads=True)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
     _assert_parity(ref, model, grads=False)
 
 
@@ -112,7 +103,7 @@ def _divide_factor(multiple: int, force_sum: bool, deprecated: bool) -> None:
     world = dist.get_world_size()
     factor = float(multiple * world)
     impl = get_impl("fsdp2")
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model)
     for module in (model, model.in_proj):
@@ -146,7 +137,7 @@ def test_gradient_divide_factor(world_size: int, multiple: int, force_sum: bool,
 def _divide_factor_not_recursive() -> None:
     world = dist.get_world_size()
     impl = get_impl("fsdp2")
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model)
     model.set_gradient_divide_factor(3.0 * world)  # the root's own group (out_proj) only
@@ -161,7 +152,7 @@ def test_gradient_divide_factor_is_not_recursive(world_size: int) -> None:
 def _force_sum(impl_name: str) -> None:
     world = dist.get_world_size()
     impl = get_impl(impl_name)
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model)
     model.set_force_sum_reduction_for_comms(True)
@@ -183,7 +174,7 @@ def _all_reduce_hook(impl_name: str, hsdp: bool) -> list[int]:
     world = dist.get_world_size()
     impl = get_impl(impl_name)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model, mesh=mesh)
     calls = [0]
@@ -232,7 +223,7 @@ def _forward_method(impl_name: str) -> None:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
     register = _register_fn(impl_name)
-    model = _seeded(Generator)
+    model = seeded(Generator)
     ref = copy.deepcopy(model)
     impl.fully_shard(model.in_proj)
     impl.fully_shard(model)
@@ -281,7 +272,7 @@ def test_register_fsdp_forward_method_noop_and_missing_name() -> None:
     fsdp2.register_fsdp_forward_method(plain, "no_such_method")  # nothing to check on a plain module
 
     def body() -> None:
-        model = _seeded(Generator)
+        model = seeded(Generator)
         fsdp2.fully_shard(model)
         with pytest.raises(ValueError, match="no_such_method"):
             fsdp2.register_fsdp_forward_method(model, "no_such_method")
@@ -298,7 +289,7 @@ def _shared_comm_ctx() -> None:
     fsdp2 = _fsdp2()
     impl = get_impl("fsdp2")
     world = dist.get_world_size()
-    stage0, stage1 = _seeded(lambda: MLP(DIM)), _seeded(lambda: MLP(DIM))
+    stage0, stage1 = seeded(lambda: MLP(DIM)), seeded(lambda: MLP(DIM))
     ref0, ref1 = copy.deepcopy(stage0), copy.deepcopy(stage1)
     _shard_mlp(impl, stage0)
     _shard_mlp(impl, stage1)
@@ -317,10 +308,7 @@ def _shared_comm_ctx() -> None:
         _reduce_grads(ref1, lambda name: world)
         _assert_parity(ref0, stage0, grads=True)
         _assert_parity(ref1, stage1, grads=True)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
     shared = stage0._get_fsdp_state().comm_ctx
     for stage in (stage0, stage1):
         for module in stage.modules():
@@ -340,7 +328,7 @@ def test_share_comm_ctx_rejects_non_fsdp_module() -> None:
     fsdp2.share_comm_ctx([])  # empty: nothing to do
 
     def body() -> None:
-        model = _seeded(lambda: MLP(DIM))
+        model = seeded(lambda: MLP(DIM))
         fsdp2.fully_shard(model)
         with pytest.raises(ValueError, match="FSDPModule"):
             fsdp2.share_comm_ctx([model, nn.Linear(2, 2)])
@@ -356,7 +344,7 @@ def test_share_comm_ctx_rejects_non_fsdp_module() -> None:
 def _post_optim_event() -> None:
     impl = get_impl("fsdp2")
     world = dist.get_world_size()
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model)
     # A CPU event cannot be recorded; FSDP on CPU must accept it and not use it.
@@ -383,14 +371,14 @@ def _replicate_exclusive() -> None:
     from torch.distributed._composable import replicate
 
     fsdp2 = _fsdp2()
-    replicated = _seeded(lambda: MLP(DIM))
+    replicated = seeded(lambda: MLP(DIM))
     replicate(replicated)
     with pytest.raises(ValueError, match=r"replicate"):
         fsdp2.fully_shard(replicated)
     for name, param in replicated.named_parameters():
         assert not isinstance(param, DTensor), f"{name} sharded by a failed fully_shard"
 
-    sharded = _seeded(lambda: MLP(DIM))
+    sharded = seeded(lambda: MLP(DIM))
     fsdp2.fully_shard(sharded)
     with pytest.raises(RuntimeError, match=r"already managed by `fully_shard`"):
         replicate(sharded)
@@ -404,7 +392,7 @@ def test_replicate_and_fully_shard_are_exclusive() -> None:
 
 def _prefetch_other_root() -> None:
     impl = get_impl("fsdp2")
-    first, second = _seeded(lambda: MLP(DIM)), _seeded(lambda: MLP(DIM))
+    first, second = seeded(lambda: MLP(DIM)), seeded(lambda: MLP(DIM))
     _shard_mlp(impl, first)
     _shard_mlp(impl, second)
     first.in_proj.set_modules_to_forward_prefetch([second.in_proj])  # accepted when set
@@ -420,7 +408,7 @@ def _optimizer_after_no_grad_forward() -> None:
     rank = dist.get_rank()
     world = dist.get_world_size()
     impl = get_impl("fsdp2")
-    model = _seeded(lambda: MLP(DIM))
+    model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(impl, model)
     with torch.no_grad():

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests._harness import broadcast_module_, run_threaded
+from tests._harness import run_threaded
 from tests._impls import Event, Impl, shard_blocks_then_root
+from tests._training import seeded
 from tests.models import DoubleLinear, ModelArgs, Transformer, make_input, make_tokens
 
 F, PB, POST = "FORWARD", "PRE_BACKWARD", "POST_BACKWARD"
@@ -69,8 +70,7 @@ def _build_transformer(
     impl: Impl, n_layers: int, raf: bool | int | None, ac: str | None
 ) -> tuple[nn.Module, Any]:
     args = ModelArgs(n_layers=n_layers, checkpoint_activations=(ac == "utils"))
-    torch.manual_seed(0)
-    model = broadcast_module_(Transformer(args))
+    model = seeded(lambda: Transformer(args))
     shard_blocks_then_root(
         impl, model, model.layers, reshard_after_forward=raf, composable_checkpoint=(ac == "composable")
     )
@@ -93,6 +93,22 @@ def _train_and_record(
         optim.step()
         optim.zero_grad(set_to_none=(it % 2 == 0))
     return phases
+
+
+def _record_forward_backward(
+    impl: Impl, model: nn.Module, inputs: Any, iters: int, kinds_fwd: Sequence[str], kinds_bwd: Sequence[str]
+) -> Phases:
+    """``iters`` iterations of one forward and one backward of ``model(inputs).sum()``, recording
+    the ``kinds_fwd`` events of the forward and the ``kinds_bwd`` events of the backward."""
+    with impl.record_events() as events:
+
+        def step() -> dict[str, list[Event]]:
+            loss = model(inputs).sum()
+            fwd = events.take(kinds_fwd)
+            loss.backward()
+            return {"forward": fwd, "backward": events.take(kinds_bwd)}
+
+        return _train_and_record(impl, model, iters, step)
 
 
 def _expand(iters: int, per_iter: dict[str, list[Event]]) -> Phases:
@@ -132,15 +148,7 @@ def _sequence_a(
     impl: Impl, raf: bool | int | None, ac: str | None, kinds_fwd: Sequence[str], kinds_bwd: Sequence[str]
 ) -> Phases:
     model, tokens = _build_transformer(impl, 3, raf, ac)
-    with impl.record_events() as events:
-
-        def step() -> dict[str, list[Event]]:
-            loss = model(tokens).sum()
-            fwd = events.take(kinds_fwd)
-            loss.backward()
-            return {"forward": fwd, "backward": events.take(kinds_bwd)}
-
-        return _train_and_record(impl, model, 3, step)
+    return _record_forward_backward(impl, model, tokens, 3, kinds_fwd, kinds_bwd)
 
 
 # The sequences do not depend on the world size: every checkpointing variant runs on 2 ranks
@@ -249,8 +257,7 @@ C_PHASES = {
 
 def _sequence_c(impl: Impl) -> Phases:
     dim = 8
-    torch.manual_seed(0)
-    model = broadcast_module_(nn.Sequential(nn.Linear(dim, dim), DoubleLinear(dim)))
+    model = seeded(lambda: nn.Sequential(nn.Linear(dim, dim), DoubleLinear(dim)))
     for module in (model[0], model[1].lin1, model[1].lin2, model):
         impl.fully_shard(module, reshard_after_forward=True)
     x = make_input((4, dim), dist.get_rank())
@@ -356,15 +363,7 @@ def _sequence_prefetch(impl: Impl, direction: str, n: int) -> Phases:
                 layer.set_modules_to_forward_prefetch(targets)
         elif i >= n:
             layer.set_modules_to_backward_prefetch([layers[i - j] for j in range(1, n + 1)])
-    with impl.record_events() as events:
-
-        def step() -> dict[str, list[Event]]:
-            loss = model(tokens).sum()
-            fwd = events.take(ALL_KINDS)
-            loss.backward()
-            return {"forward": fwd, "backward": events.take(ALL_KINDS)}
-
-        return _train_and_record(impl, model, 2, step)
+    return _record_forward_backward(impl, model, tokens, 2, ALL_KINDS, ALL_KINDS)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -399,8 +398,7 @@ F_PHASES = {
 
 def _sequence_f(impl: Impl) -> Phases:
     args = ModelArgs(n_layers=5, checkpoint_activations=True, weight_tying=False)
-    torch.manual_seed(0)
-    model = broadcast_module_(Transformer(args))
+    model = seeded(lambda: Transformer(args))
     impl.fully_shard(model.layers[0])
     impl.fully_shard([model.layers[1], model.layers[2]])
     impl.fully_shard([model.layers[3], model.layers[4]])
@@ -408,15 +406,7 @@ def _sequence_f(impl: Impl) -> Phases:
     impl.fully_shard([model.norm, model.output], reshard_after_forward=False)
     impl.fully_shard(model)
     tokens = make_tokens(args, dist.get_rank())
-    with impl.record_events() as events:
-
-        def step() -> dict[str, list[Event]]:
-            loss = model(tokens).sum()
-            fwd = events.take(UNSHARD_ONLY)
-            loss.backward()
-            return {"forward": fwd, "backward": events.take(UNSHARD_AND_POST_BACKWARD)}
-
-        return _train_and_record(impl, model, 3, step)
+    return _record_forward_backward(impl, model, tokens, 3, UNSHARD_ONLY, UNSHARD_AND_POST_BACKWARD)
 
 
 def test_f_grouped_modules(impl: Impl) -> None:
@@ -453,23 +443,12 @@ G_PHASES = {
 
 def _sequence_g(impl: Impl) -> Phases:
     dim = 16
-    torch.manual_seed(0)
-    model = broadcast_module_(
-        nn.Sequential(WithUnusedLinear(dim), WithUnusedLinear(dim), nn.Linear(dim, dim))
-    )
+    model = seeded(lambda: nn.Sequential(WithUnusedLinear(dim), WithUnusedLinear(dim), nn.Linear(dim, dim)))
     impl.fully_shard([model[0].unused_lin, model[0].lin], reshard_after_forward=True)
     impl.fully_shard([model[1].unused_lin, model[1].lin], reshard_after_forward=True)
     impl.fully_shard(model)
     x = make_input((2, dim), dist.get_rank())
-    with impl.record_events() as events:
-
-        def step() -> dict[str, list[Event]]:
-            loss = model(x).sum()
-            fwd = events.take(ALL_KINDS)
-            loss.backward()
-            return {"forward": fwd, "backward": events.take(UNSHARD_AND_POST_BACKWARD)}
-
-        return _train_and_record(impl, model, 3, step)
+    return _record_forward_backward(impl, model, x, 3, ALL_KINDS, UNSHARD_AND_POST_BACKWARD)
 
 
 def test_g_never_run_member(impl: Impl) -> None:

@@ -27,23 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests._harness import broadcast_module_, count_collectives, run_threaded
+from tests._harness import count_collectives, run_threaded
 from tests._impls import Impl, get_impl, torch_impl
+from tests._training import EXACT, TIGHT, average_grads, mp_policy, seeded, step_all
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
 
-TIGHT: dict[str, float] = {}  # assert_close's float32 defaults
-EXACT = {"rtol": 0.0, "atol": 0.0}
 MICRO_STEPS = 4
-
-
-def mp_policy(impl: Impl, **kwargs: Any) -> Any:
-    if impl.name == "fsdp2":
-        import fsdp2
-
-        return fsdp2.MixedPrecisionPolicy(**kwargs)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -68,21 +57,10 @@ TF_SPEC = Spec(
 SPECS = [pytest.param(MLP_SPEC, id="mlp"), pytest.param(TF_SPEC, id="transformer")]
 
 
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(build())
-
-
 def _shard(impl: Impl, spec: Spec, model: nn.Module, **kwargs: Any) -> None:
     for block in spec.blocks(model):
         impl.fully_shard(block, **kwargs)
     impl.fully_shard(model, **kwargs)
-
-
-def _average_grads(ref: nn.Module) -> None:
-    for param in ref.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
 
 def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[str, float] = TIGHT) -> None:
@@ -110,7 +88,7 @@ def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[s
 def _accumulate(impl_name: str, spec: Spec, toggle_last_backward: bool, steps: int) -> list[int]:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
-    model = _seeded(spec.build)
+    model = seeded(spec.build)
     ref = copy.deepcopy(model)
     _shard(impl, spec, model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -134,12 +112,9 @@ def _accumulate(impl_name: str, spec: Spec, toggle_last_backward: bool, steps: i
                 for name, param in model.named_parameters():
                     assert isinstance(param, DTensor), name
                     assert param.grad is None, f"{name}: sharded grad set during a no-sync micro-step"
-        _average_grads(ref)
+        average_grads(ref)
         _assert_parity(ref, model, grads=True)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
     _assert_parity(ref, model, grads=False)
     return reduce_scatters
 
@@ -179,7 +154,7 @@ def _reference_fp32_accumulation(master: nn.Module, xs: list[torch.Tensor]) -> N
 def _accumulate_mixed(spec: Spec) -> None:
     rank = dist.get_rank()
     fsdp2, theirs_impl = get_impl("fsdp2"), torch_impl()
-    base = _seeded(spec.build)
+    base = seeded(spec.build)
     master, ours, theirs = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     _shard(fsdp2, spec, ours, mp_policy=mp_policy(fsdp2, **policy))
@@ -229,7 +204,7 @@ def test_no_sync_accumulates_in_reduce_dtype(world_size: int, spec: Spec) -> Non
 def _keep_unsharded(impl_name: str, world_size: int) -> list[int]:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
-    model = _seeded(MLP_SPEC.build)
+    model = seeded(MLP_SPEC.build)
     ref = copy.deepcopy(model)
     _shard(impl, MLP_SPEC, model)
     forward_gathers = []
@@ -250,7 +225,7 @@ def _keep_unsharded(impl_name: str, world_size: int) -> list[int]:
             for name, param in model.named_parameters():
                 assert type(param) is nn.Parameter, f"{name}: {type(param)}"
                 assert param.shape == dict(ref.named_parameters())[name].shape
-    _average_grads(ref)
+    average_grads(ref)
     _assert_parity(ref, model, grads=True)
     return forward_gathers
 
@@ -280,7 +255,7 @@ class EmbedHead(nn.Module):
 def _skip_backward_unshard(impl_name: str, unshard_in_backward: bool) -> int:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
-    model = _seeded(EmbedHead)
+    model = seeded(EmbedHead)
     ref = copy.deepcopy(model)
     impl.fully_shard(model.emb)
     impl.fully_shard(model)
@@ -295,12 +270,9 @@ def _skip_backward_unshard(impl_name: str, unshard_in_backward: bool) -> int:
             loss.backward()
         gathers += counts["all_gather"]
         ref(tokens).sum().backward()
-        _average_grads(ref)
+        average_grads(ref)
         _assert_parity(ref, model, grads=True)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
     _assert_parity(ref, model, grads=False)
     return gathers
 
@@ -376,7 +348,7 @@ def _forward_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _reset_after_exception(impl_name: str, where: str) -> None:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
-    base = _seeded(Stack)
+    base = seeded(Stack)
     ref, model, clean = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     for sharded in (model, clean):
         for block in sharded.blocks:
@@ -388,7 +360,7 @@ def _reset_after_exception(impl_name: str, where: str) -> None:
     # One clean step for everyone, so the failure hits a model in its steady state.
     for m in (ref, model, clean):
         _forward_backward(m, xs[0])
-    _average_grads(ref)
+    average_grads(ref)
     for optim in optims:
         optim.step()
         optim.zero_grad()
@@ -407,7 +379,7 @@ def _reset_after_exception(impl_name: str, where: str) -> None:
     losses = [_forward_backward(m, xs[2]) for m in (ref, model, clean)]
     torch.testing.assert_close(losses[1], losses[2], **EXACT)
     torch.testing.assert_close(losses[1], losses[0], **TIGHT)
-    _average_grads(ref)
+    average_grads(ref)
     for (name, param), clean_param in zip(model.named_parameters(), clean.parameters(), strict=True):
         torch.testing.assert_close(
             param.grad.full_tensor(),
@@ -423,7 +395,7 @@ def _reset_after_exception(impl_name: str, where: str) -> None:
     # And training goes on normally.
     for m in (ref, model):
         _forward_backward(m, xs[0])
-    _average_grads(ref)
+    average_grads(ref)
     _assert_parity(ref, model, grads=True)
 
 
@@ -441,7 +413,7 @@ def test_reset_iter_state_after_backward_exception(world_size: int) -> None:
 
 def _reset_on_non_root(impl_name: str) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(Stack)
+    model = seeded(Stack)
     for block in model.blocks:
         impl.fully_shard(block)
     impl.fully_shard(model)

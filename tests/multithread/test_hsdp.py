@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -21,14 +22,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tests._harness import broadcast_module_, count_collectives, run_threaded
+from tests._harness import count_collectives, run_threaded
 from tests._impls import Impl, get_impl, torch_impl
+from tests._training import EXACT, TIGHT, average_grads, forward_backward, seeded, step_all, train_in_lockstep
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
 
 WORLD = 4
 MESH_SHAPE = (2, 2)
-TIGHT: dict[str, float] = {}  # assert_close's float32 defaults
-EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
 def hsdp_mesh() -> DeviceMesh:
@@ -63,17 +63,6 @@ def _shard(impl: Impl, spec: Spec, model: nn.Module, mesh: DeviceMesh, raf: bool
     impl.fully_shard(model, mesh=mesh, reshard_after_forward=raf)
 
 
-def _build(spec: Spec) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(spec.build())
-
-
-def _average_over_world(ref: nn.Module) -> None:
-    for param in ref.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
-
-
 def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[str, float]) -> None:
     for (name, ref_param), (sharded_name, param) in zip(
         ref.named_parameters(), model.named_parameters(), strict=True
@@ -95,7 +84,7 @@ def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[s
 def _placements() -> None:
     mesh = hsdp_mesh()
     fsdp2 = get_impl("fsdp2")
-    model = _build(MLP_SPEC)
+    model = seeded(MLP_SPEC.build)
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
     _shard(fsdp2, MLP_SPEC, model, mesh)
     shard_rank = mesh.get_local_rank("shard")
@@ -119,31 +108,11 @@ def test_hsdp_placements() -> None:
 
 
 def _train(spec: Spec, raf: bool | None, steps: int) -> list[float]:
-    rank = dist.get_rank()
     mesh = hsdp_mesh()
-    model = _build(spec)
+    model = seeded(spec.build)
     ref = copy.deepcopy(model)
     _shard(get_impl("fsdp2"), spec, model, mesh, raf)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        x = spec.inputs(rank, step)
-        loss = model(x).sum()
-        ref_loss = ref(x).sum()
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, **(EXACT if step == 0 else TIGHT))
-        _average_over_world(ref)
-        if step == 0:
-            _assert_parity(ref, model, grads=True, tol=TIGHT)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
-        losses.append(loss.item())
-    _assert_parity(ref, model, grads=False, tol=TIGHT)
-    return losses
+    return train_in_lockstep(model, ref, spec.inputs, steps, partial(_assert_parity, tol=TIGHT))
 
 
 @pytest.mark.parametrize("raf", [None, False], ids=["raf_None", "raf_False"])
@@ -156,7 +125,7 @@ def test_hsdp_parity_with_unsharded_reference(spec: Spec, raf: bool | None) -> N
 def _differential(spec: Spec, steps: int) -> None:
     rank = dist.get_rank()
     mesh = hsdp_mesh()
-    ours = _build(spec)
+    ours = seeded(spec.build)
     theirs = copy.deepcopy(ours)
     _shard(get_impl("fsdp2"), spec, ours, mesh)
     _shard(torch_impl(), spec, theirs, mesh)
@@ -164,17 +133,12 @@ def _differential(spec: Spec, steps: int) -> None:
     their_optim = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     for step in range(steps):
         x = spec.inputs(rank, step)
-        our_loss, their_loss = ours(x).sum(), theirs(x).sum()
-        our_loss.backward()
-        their_loss.backward()
+        our_loss, their_loss = forward_backward(x, ours, theirs)
         torch.testing.assert_close(our_loss, their_loss, **TIGHT)
         for (name, ours_p), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             assert tuple(ours_p.grad.placements) == tuple(theirs_p.grad.placements), name
             torch.testing.assert_close(ours_p.grad.to_local(), theirs_p.grad.to_local(), **TIGHT)
-        our_optim.step()
-        their_optim.step()
-        our_optim.zero_grad()
-        their_optim.zero_grad()
+        step_all(our_optim, their_optim)
     for (name, ours_p), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(
             ours_p.to_local(), theirs_p.to_local(), **TIGHT, msg=lambda m, n=name: f"{n}: {m}"
@@ -197,7 +161,7 @@ def _deferred_all_reduce(impl_name: str, spec: Spec, steps: int) -> list[list[tu
     rank = dist.get_rank()
     impl = get_impl(impl_name)
     mesh = hsdp_mesh()
-    model = _build(spec)
+    model = seeded(spec.build)
     ref = copy.deepcopy(model)
     _shard(impl, spec, model, mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -215,13 +179,10 @@ def _deferred_all_reduce(impl_name: str, spec: Spec, steps: int) -> list[list[tu
             if not last:
                 for name, param in model.named_parameters():
                     assert param.grad is None, f"{name}: sharded grad assigned before the all-reduce"
-        _average_over_world(ref)
+        average_grads(ref)
         if step == 0:
             _assert_parity(ref, model, grads=True, tol=TIGHT)
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
     _assert_parity(ref, model, grads=False, tol=TIGHT)
     return counts
 
@@ -244,7 +205,7 @@ def test_requires_all_reduce_false_accumulates_partial_grads(spec: Spec, impl_na
 def _no_sync_hsdp() -> None:
     rank = dist.get_rank()
     mesh = hsdp_mesh()
-    model = _build(MLP_SPEC)
+    model = seeded(MLP_SPEC.build)
     ref = copy.deepcopy(model)
     _shard(get_impl("fsdp2"), MLP_SPEC, model, mesh)
     for micro in range(MICRO_STEPS):
@@ -258,7 +219,7 @@ def _no_sync_hsdp() -> None:
             # No reduce-scatter and no all-reduce at all while gradient sync is off.
             assert counted["reduce_scatter"] == counted["all_reduce"] == 0, counted
             assert all(p.grad is None for p in model.parameters())
-    _average_over_world(ref)
+    average_grads(ref)
     _assert_parity(ref, model, grads=True, tol=TIGHT)
 
 

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests._harness import broadcast_module_, run_threaded
+from tests._harness import run_threaded
 from tests._impls import Impl, get_impl, torch_impl
+from tests._training import mp_policy, seeded, step_all
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -34,22 +35,6 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # reduction order, which AdamW turns into at most ~lr * ulp(bf16) on the fp32 parameters.
 LOW_PRECISION = {"rtol": 1.6e-2, "atol": 1e-5}
 PARAMS_AFTER_STEPS = {"rtol": 1e-3, "atol": 1e-4}
-
-
-def mp_policy(impl: Impl, **kwargs: Any) -> Any:
-    """The implementation's own ``MixedPrecisionPolicy`` built from ``kwargs``."""
-    if impl.name == "fsdp2":
-        import fsdp2
-
-        return fsdp2.MixedPrecisionPolicy(**kwargs)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(**kwargs)
-
-
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(build())
 
 
 @dataclass(frozen=True)
@@ -88,7 +73,7 @@ def _shard(impl: Impl, spec: Spec, model: nn.Module, **policy: Any) -> None:
 
 
 def _dtypes(impl: Impl, param_dtype: torch.dtype, reduce_dtype: Any, output_dtype: Any) -> None:
-    model = _seeded(lambda: MLP(8, hidden_dim=6))
+    model = seeded(lambda: MLP(8, hidden_dim=6))
     policy = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "output_dtype": output_dtype}
     # output_dtype on the root only: the root's plain out_proj consumes in_proj's output.
     impl.fully_shard(model.in_proj, mp_policy=mp_policy(impl, **{**policy, "output_dtype": None}))
@@ -157,7 +142,7 @@ class EmbedAdd(nn.Module):
 
 def _input_casts(impl: Impl, cast_forward_inputs: bool) -> None:
     rank = dist.get_rank()
-    model = _seeded(EmbedAdd)
+    model = seeded(EmbedAdd)
     ref = copy.deepcopy(model).to(BF16)
     impl.fully_shard(
         model, mp_policy=mp_policy(impl, param_dtype=BF16, cast_forward_inputs=cast_forward_inputs)
@@ -197,7 +182,7 @@ def test_int_inputs_untouched_float_inputs_cast(impl: Impl, cast_forward_inputs:
 
 
 def _no_cast_leaves_inputs(impl: Impl) -> None:
-    model = _seeded(lambda: nn.Linear(6, 4))
+    model = seeded(lambda: nn.Linear(6, 4))
     impl.fully_shard(model, mp_policy=mp_policy(impl, param_dtype=BF16, cast_forward_inputs=False))
     seen: list[torch.dtype] = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
@@ -231,7 +216,7 @@ def _reference_step(master: nn.Module, x: torch.Tensor, param_dtype: torch.dtype
 def _against_reference(spec: Spec, param_dtype: torch.dtype, steps: int) -> list[float]:
     rank = dist.get_rank()
     fsdp2 = get_impl("fsdp2")
-    model = _seeded(spec.build)
+    model = seeded(spec.build)
     master = copy.deepcopy(model)
     _shard(fsdp2, spec, model, param_dtype=param_dtype, reduce_dtype=FP32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -254,10 +239,7 @@ def _against_reference(spec: Spec, param_dtype: torch.dtype, steps: int) -> list
                     atol=1e-6,
                     msg=lambda m, n=name: f"{n}: {m}",
                 )
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
         losses.append(loss.item())
     for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
         assert param.dtype == FP32
@@ -285,7 +267,7 @@ def test_fp32_reduce_matches_unsharded_reference(
 def _differential(spec: Spec, policy: dict[str, Any], steps: int) -> None:
     rank = dist.get_rank()
     ours_impl, theirs_impl = get_impl("fsdp2"), torch_impl()
-    ours = _seeded(spec.build)
+    ours = seeded(spec.build)
     theirs = copy.deepcopy(ours)
     _shard(ours_impl, spec, ours, **policy)
     _shard(theirs_impl, spec, theirs, **policy)
@@ -309,10 +291,7 @@ def _differential(spec: Spec, policy: dict[str, Any], steps: int) -> None:
                     **LOW_PRECISION,
                     msg=lambda m, n=name: f"{n}: {m}",
                 )
-        our_optim.step()
-        their_optim.step()
-        our_optim.zero_grad()
-        their_optim.zero_grad()
+        step_all(our_optim, their_optim)
     for (name, ours_p), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(
             ours_p.full_tensor(),
@@ -354,7 +333,7 @@ def _grads_with(base: nn.Module, reduce_dtype: Any, param_dtype: torch.dtype) ->
 
 def _same_as_no_reduce_cast(param_dtype: torch.dtype) -> None:
     # One build, copied: threads share the RNG, so two builds could differ.
-    base = _seeded(MLP_SPEC.build)
+    base = seeded(MLP_SPEC.build)
     same = _grads_with(base, param_dtype, param_dtype)
     none = _grads_with(base, None, param_dtype)
     for a, b in zip(same, none, strict=True):
@@ -375,7 +354,7 @@ def test_reduce_dtype_equal_to_param_dtype_is_no_cast(world_size: int, param_dty
 
 def _per_call_policies(impl: Impl) -> None:
     rank = dist.get_rank()
-    model = _seeded(lambda: MLP(MLP_DIM))
+    model = seeded(lambda: MLP(MLP_DIM))
     low = copy.deepcopy(model).to(BF16)
     impl.fully_shard(model.in_proj, mp_policy=mp_policy(impl, param_dtype=BF16, output_dtype=FP32))
     impl.fully_shard(model.out_proj, mp_policy=mp_policy(impl, param_dtype=BF16))

@@ -19,12 +19,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests._harness import broadcast_module_, run_threaded
+from tests._harness import run_threaded
 from tests._impls import Impl, get_impl, torch_impl
+from tests._training import EXACT, TIGHT, average_grads, forward_backward, mp_policy, seeded, step_all
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
 
-TIGHT: dict[str, float] = {}
-EXACT = {"rtol": 0.0, "atol": 0.0}
 MLP_DIM = 13
 TF_ARGS = ModelArgs(n_layers=2)
 
@@ -38,21 +37,6 @@ def offload_policy(impl_name: str, **kwargs: Any) -> Any:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return CPUOffloadPolicy(**kwargs)
-
-
-def mp_policy(impl_name: str, **kwargs: Any) -> Any:
-    if impl_name == "fsdp2":
-        import fsdp2
-
-        return fsdp2.MixedPrecisionPolicy(**kwargs)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(**kwargs)
-
-
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(build())
 
 
 MODELS: dict[
@@ -87,7 +71,7 @@ def _assert_on_cpu(model: nn.Module, *, grads: bool) -> None:
 def _train_offloaded(model_name: str, pin_memory: bool | None) -> list[float]:
     rank = dist.get_rank()
     build, blocks, inputs = MODELS[model_name]
-    model = _seeded(build)
+    model = seeded(build)
     ref = copy.deepcopy(model)
     kwargs = {} if pin_memory is None else {"pin_memory": pin_memory}
     _shard("fsdp2", model, blocks(model), offload_policy=offload_policy("fsdp2", **kwargs))
@@ -97,22 +81,15 @@ def _train_offloaded(model_name: str, pin_memory: bool | None) -> list[float]:
     losses = []
     for step in range(3):
         x = inputs(rank, step)
-        loss = model(x).sum()
-        ref_loss = ref(x).sum()
-        loss.backward()
-        ref_loss.backward()
+        loss, ref_loss = forward_backward(x, model, ref)
         torch.testing.assert_close(loss, ref_loss, **(EXACT if step == 0 else TIGHT))
-        for param in ref.parameters():
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+        average_grads(ref)
         _assert_on_cpu(model, grads=True)
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(
                 param.grad.full_tensor(), ref_param.grad, msg=lambda m, n=name: f"{n}: {m}"
             )
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
+        step_all(optim, ref_optim)
         losses.append(loss.item())
     # Optimizer state follows the parameters onto the CPU.
     for state in optim.state.values():
@@ -157,7 +134,7 @@ def test_offload_default_pinning_on_cpu_only_trains(
 def _torch_refuses_pinning() -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    model = _seeded(lambda: MLP(MLP_DIM))
+    model = seeded(lambda: MLP(MLP_DIM))
     with pytest.raises(RuntimeError, match=r"(?i)accelerator"):
         torch_impl().fully_shard(model, offload_policy=CPUOffloadPolicy())
 
@@ -171,7 +148,7 @@ def test_torch_raises_on_pinning_without_accelerator() -> None:
 def _differential(model_name: str, param_dtype: torch.dtype | None) -> None:
     rank = dist.get_rank()
     build, blocks, inputs = MODELS[model_name]
-    ours = _seeded(build)
+    ours = seeded(build)
     theirs = copy.deepcopy(ours)
     for impl_name, model in (("fsdp2", ours), ("torch", theirs)):
         _shard(
@@ -180,7 +157,9 @@ def _differential(model_name: str, param_dtype: torch.dtype | None) -> None:
             blocks(model),
             offload_policy=offload_policy(impl_name, pin_memory=False),
             mp_policy=mp_policy(
-                impl_name, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+                get_impl(impl_name),
+                param_dtype=param_dtype,
+                reduce_dtype=torch.float32 if param_dtype else None,
             ),
         )
     our_optim = torch.optim.AdamW(ours.parameters(), lr=1e-2)
@@ -188,17 +167,12 @@ def _differential(model_name: str, param_dtype: torch.dtype | None) -> None:
     tol = {"rtol": 1.6e-2, "atol": 1e-5} if param_dtype else TIGHT
     for step in range(3):
         x = inputs(rank, step)
-        our_loss, their_loss = ours(x).sum(), theirs(x).sum()
-        our_loss.backward()
-        their_loss.backward()
+        our_loss, their_loss = forward_backward(x, ours, theirs)
         torch.testing.assert_close(our_loss, their_loss, **tol)
         for (name, ours_p), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             assert ours_p.grad.to_local().device == theirs_p.grad.to_local().device, name
             torch.testing.assert_close(ours_p.grad.to_local(), theirs_p.grad.to_local(), **tol)
-        our_optim.step()
-        their_optim.step()
-        our_optim.zero_grad()
-        their_optim.zero_grad()
+        step_all(our_optim, their_optim)
     for (name, ours_p), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(
             ours_p.full_tensor(),
@@ -219,7 +193,7 @@ def test_offload_policy_shared_by_impl(impl: Impl) -> None:
     """Both implementations accept ``pin_memory=False`` and keep everything on the CPU."""
 
     def body() -> None:
-        model = _seeded(lambda: MLP(MLP_DIM))
+        model = seeded(lambda: MLP(MLP_DIM))
         _shard(impl.name, model, [model.in_proj], offload_policy=offload_policy(impl.name, pin_memory=False))
         model(make_input((2, MLP_DIM), dist.get_rank())).sum().backward()
         for name, param in model.named_parameters():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,37 +28,14 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tests._harness import broadcast_module_, run_threaded
+from tests._harness import run_threaded
 from tests._impls import Impl, get_impl, torch_impl
+from tests._training import EXACT, TIGHT, Inputs, mp_policy, seeded, train_in_lockstep
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
-
-TIGHT: dict[str, float] = {}
-EXACT = {"rtol": 0.0, "atol": 0.0}
-
-
-def mp_policy(impl: Impl, **kwargs: Any) -> Any:
-    if impl.name == "fsdp2":
-        import fsdp2
-
-        return fsdp2.MixedPrecisionPolicy(**kwargs)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(**kwargs)
-
-
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return broadcast_module_(build())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _average_grads(ref: nn.Module, skip: Collection[str] = ()) -> None:
-    for name, param in ref.named_parameters():
-        if param.grad is not None and name not in skip:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
 
 def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[str, float] = TIGHT) -> None:
@@ -79,40 +56,9 @@ def _assert_parity(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[s
             )
 
 
-def _train(
-    model: nn.Module,
-    ref: nn.Module,
-    inputs: Callable[[int, int], Any],
-    steps: int = 3,
-    local_grads: Collection[str] = (),
-    during: Callable[[], None] | None = None,
-) -> list[float]:
+def _train(model: nn.Module, ref: nn.Module, inputs: Inputs, steps: int = 3, **kwargs: Any) -> list[float]:
     """AdamW steps on both models, gradients compared after the first backward, params at the end."""
-    rank = dist.get_rank()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    ref_trainable = [p for p in ref.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(trainable, lr=1e-2)
-    ref_optim = torch.optim.AdamW(ref_trainable, lr=1e-2)
-    losses = []
-    for step in range(steps):
-        x = inputs(rank, step)
-        loss = model(x).sum()
-        ref_loss = ref(x).sum()
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, **(EXACT if step == 0 else TIGHT))
-        _average_grads(ref, local_grads)
-        if step == 0:
-            _assert_parity(ref, model, grads=True)
-        if during is not None:
-            during()
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
-        losses.append(loss.item())
-    _assert_parity(ref, model, grads=False)
-    return losses
+    return train_in_lockstep(model, ref, inputs, steps, _assert_parity, **kwargs)
 
 
 def _mlp_inputs(dim: int) -> Callable[[int, int], torch.Tensor]:
@@ -130,7 +76,7 @@ def _shard_dim1(impl_name: str, placement_dim: int) -> None:
     world = dist.get_world_size()
     rank = dist.get_rank()
     impl = get_impl(impl_name)
-    model = _seeded(lambda: MLP(SHARD1_DIM, hidden_dim=SHARD1_HIDDEN))
+    model = seeded(lambda: MLP(SHARD1_DIM, hidden_dim=SHARD1_HIDDEN))
     ref = copy.deepcopy(model)
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -165,7 +111,7 @@ def test_shard_dim1_placement(impl: Impl, world_size: int, placement_dim: int) -
 
 def _shard_dim1_grads_placement() -> None:
     impl = get_impl("fsdp2")
-    model = _seeded(lambda: MLP(SHARD1_DIM, hidden_dim=SHARD1_HIDDEN))
+    model = seeded(lambda: MLP(SHARD1_DIM, hidden_dim=SHARD1_HIDDEN))
     theirs = copy.deepcopy(model)
 
     def placement(param: nn.Parameter) -> Shard | None:
@@ -190,7 +136,7 @@ def test_shard_dim1_grads_match_torch(world_size: int) -> None:
 
 def _shard_dim1_uneven(impl_name: str) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(lambda: nn.Linear(6, 4))  # weight (4, 6): 6 does not divide by 4
+    model = seeded(lambda: nn.Linear(6, 4))  # weight (4, 6): 6 does not divide by 4
     with pytest.raises(NotImplementedError, match=r"(?i)divisible|evenly|even"):
         impl.fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
@@ -206,7 +152,7 @@ def test_shard_dim1_uneven_raises(impl: Impl) -> None:
 
 def _ignored(impl_name: str) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(lambda: MLP(7, hidden_dim=10))
+    model = seeded(lambda: MLP(7, hidden_dim=10))
     ref = copy.deepcopy(model)
     ignored = {model.out_proj.weight, model.in_proj.bias}
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -240,7 +186,7 @@ def test_ignored_params_stay_local(impl: Impl, world_size: int) -> None:
 
 def _frozen(impl_name: str) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(lambda: MLP(7, hidden_dim=10))
+    model = seeded(lambda: MLP(7, hidden_dim=10))
     model.in_proj.weight.requires_grad_(False)
     model.out_proj.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
@@ -273,7 +219,7 @@ class WithIntParam(nn.Module):
 
 def _int_param(impl_name: str) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(WithIntParam)
+    model = seeded(WithIntParam)
     ref = copy.deepcopy(model)
     impl.fully_shard(model)  # one group: fp32 weights and the int64 parameter
     perm = model.perm
@@ -299,7 +245,7 @@ TIED_ARGS = ModelArgs(n_layers=2, weight_tying=True)
 
 def _tied(impl_name: str, grouped: bool) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(lambda: Transformer(TIED_ARGS))
+    model = seeded(lambda: Transformer(TIED_ARGS))
     ref = copy.deepcopy(model)
     assert ref.output.weight is ref.tok_embeddings.weight
     for layer in model.layers:
@@ -351,7 +297,7 @@ class WithBuffers(nn.Module):
 
 def _buffers(impl_name: str, param_dtype: torch.dtype | None) -> None:
     impl = get_impl(impl_name)
-    model = _seeded(WithBuffers)
+    model = seeded(WithBuffers)
     model.bn.float()
     ref = copy.deepcopy(model)
     buffers = {n: b for n, b in model.named_buffers()}
@@ -407,7 +353,7 @@ class TwoDtypes(nn.Module):
 
 def _two_dtypes(nested: bool) -> None:
     impl = get_impl("fsdp2")
-    model = _seeded(TwoDtypes)
+    model = seeded(TwoDtypes)
     ref = copy.deepcopy(model)
     if nested:
         impl.fully_shard([model.lin32, model.lin64])
@@ -462,7 +408,7 @@ def stacks(draw: st.DrawFn) -> dict[str, Any]:
 
 def _random_stack(case: dict[str, Any]) -> None:
     impl = get_impl("fsdp2")
-    model = _seeded(lambda: Stack(case["widths"]))
+    model = seeded(lambda: Stack(case["widths"]))
     for layer, frozen in zip(model.layers, case["frozen"], strict=True):
         if frozen in ("weight", "both"):
             layer.weight.requires_grad_(False)

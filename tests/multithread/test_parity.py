@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
+from tests._harness import assert_sharded_parity, run_threaded
 from tests._impls import Impl, shard_blocks_then_root, torch_impl
+from tests._training import EXACT, TIGHT, average_grads, forward_backward, seeded, step_all
 from tests.models import MLP, ModelArgs, Transformer, make_input, make_tokens
-
-EXACT: dict[str, float] = {"rtol": 0.0, "atol": 0.0}
-TIGHT: dict[str, float] = {}  # assert_close's float32 defaults: rtol 1.3e-6, atol 1e-5
 
 Inputs = Callable[[int, int], torch.Tensor]  # (rank, call index) -> input
 
@@ -87,17 +85,10 @@ UNEVEN_MODEL = Model(
 
 
 def _make_pair(impl: Impl, spec: Model, raf: Any) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(0)
-    model = broadcast_module_(spec.build())
+    model = seeded(spec.build)
     ref = copy.deepcopy(model)
     spec.shard(impl, model, raf)
     return ref, model
-
-
-def _average_grads(ref: nn.Module) -> None:
-    for param in ref.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
 
 def train_against_reference(
@@ -124,13 +115,10 @@ def train_against_reference(
             # Until the first optimizer step both models hold identical parameters.
             torch.testing.assert_close(loss, ref_loss, **(EXACT if step == 0 else TIGHT))
             losses.append(loss.item())
-        _average_grads(ref)
+        average_grads(ref)
         if step == 0:
             assert_sharded_parity(ref, model, grads=True)
-        ref_optim.step()
-        optim.step()
-        ref_optim.zero_grad(set_to_none=recipe.set_to_none)
-        optim.zero_grad(set_to_none=recipe.set_to_none)
+        step_all(ref_optim, optim, set_to_none=recipe.set_to_none)
     assert_sharded_parity(ref, model)
     return losses
 
@@ -224,8 +212,7 @@ def test_backward_misprefetch(impl: Impl, world_size: int) -> None:
 
 def _differential(impl: Impl, raf: Any, steps: int) -> None:
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    ours = broadcast_module_(TRANSFORMER_MODEL.build())
+    ours = seeded(TRANSFORMER_MODEL.build)
     theirs = copy.deepcopy(ours)
     _shard_transformer(impl, ours, raf)
     _shard_transformer(torch_impl(), theirs, raf)
@@ -233,15 +220,10 @@ def _differential(impl: Impl, raf: Any, steps: int) -> None:
     their_optim = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     for step in range(steps):
         x = TRANSFORMER_MODEL.inputs(rank, step)
-        our_loss, their_loss = ours(x).sum(), theirs(x).sum()
-        our_loss.backward()
-        their_loss.backward()
+        our_loss, their_loss = forward_backward(x, ours, theirs)
         # Same collectives over the same buffer layout: identical numbers are expected.
         torch.testing.assert_close(our_loss, their_loss, **EXACT)
-        our_optim.step()
-        their_optim.step()
-        our_optim.zero_grad()
-        their_optim.zero_grad()
+        step_all(our_optim, their_optim)
     for (name, ours_p), (their_name, theirs_p) in zip(
         ours.named_parameters(), theirs.named_parameters(), strict=True
     ):
