@@ -11,6 +11,8 @@ counted as FSDP overhead), then divide by the number of groups:
 With the default --world-size 1 no collective leaves the process, so the difference is the CPU
 cost of the FSDP machinery itself (hooks, copy-in/out, registration, reduce-scatter copies).
 
+On a GPU machine the same script uses NCCL and also reports each implementation's peak memory.
+
 Run it with:  python examples/bench.py            (spawns --world-size gloo processes itself)
 or:           torchrun --standalone --nproc-per-node 2 examples/bench.py
 Options: --blocks 32 --dim 64 --steps 30 --warmup 5
@@ -34,12 +36,18 @@ def build(blocks: int, dim: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(blocks)])
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_steps(
     model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int, warmup: int, sync_grads: bool
 ) -> float:
     """Median seconds per step (forward, backward, optional gradient all-reduce, optimizer)."""
     times = []
     for i in range(warmup + steps):
+        _sync()
         dist.barrier()
         t0 = time.perf_counter()
         model(x).sum().backward()
@@ -48,6 +56,7 @@ def time_steps(
             dist.all_reduce(flat)
         opt.step()
         opt.zero_grad()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -58,8 +67,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
     import fsdp2
 
-    x = torch.randn(8, args.dim)
-    plain = build(args.blocks, args.dim)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    x = torch.randn(8, args.dim, device=device)
+    plain = build(args.blocks, args.dim).to(device)
     t_plain = time_steps(
         plain, torch.optim.SGD(plain.parameters(), lr=1e-3), x, args.steps, args.warmup, True
     )
@@ -70,8 +80,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             shard(block)
         shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if device is not None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t = time_steps(model, opt, x, args.steps, args.warmup, False)
         results[f"{name}_ms"] = t * 1e3
+        if device is not None:  # peak memory of the training steps (GPU only)
+            results[f"{name}_peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
         results[f"{name}_overhead_us_per_group"] = (t - t_plain) / (args.blocks + 1) * 1e6
     results["overhead_ratio_fsdp2_over_torch"] = (
         results["fsdp2_overhead_us_per_group"] / results["torch_overhead_us_per_group"]
@@ -86,7 +101,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 def main_in_group(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     try:
         results = run(args)
         if dist.get_rank() == 0:
