@@ -75,6 +75,14 @@ def foreach_all_gather(
     return AllGatherResult(output, split_sizes, world_size, None, work)
 
 
+def wait_all_gather(result: AllGatherResult) -> None:
+    """Make the current stream (and, for async work, the CPU) wait for an issued all-gather."""
+    if result.work is not None:
+        result.work.wait()
+    if result.event is not None:
+        torch.cuda.current_stream().wait_event(result.event)
+
+
 def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Tensor]) -> None:
     """Scatter the flat all-gather output into each parameter's 1-D output (``W * split`` elements)."""
     world = result.world_size
@@ -87,10 +95,16 @@ def copy_out_2d(result: AllGatherResult, outputs_2d: list[torch.Tensor]) -> None
     torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outputs_2d)
 
 
-def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``."""
-    numel = sum(world_size * _padded_shard_numel(g, world_size) for g in grads)
-    buffer = torch.empty(numel, dtype=dtype, device=grads[0].device)
+def reduce_scatter_copy_in(
+    grads: list[torch.Tensor], world_size: int, dtype: torch.dtype, shard_numel: int | None = None
+) -> torch.Tensor:
+    """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``.
+
+    ``shard_numel`` is ``S``, the sum of the padded shard numels, when the caller already knows it.
+    """
+    if shard_numel is None:
+        shard_numel = sum(_padded_shard_numel(g, world_size) for g in grads)
+    buffer = torch.empty(world_size * shard_numel, dtype=dtype, device=grads[0].device)
     # One fused pad-chunk-concatenate-cast kernel instead of a Python loop over gradients.
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))  # noqa: SLF001
     return buffer

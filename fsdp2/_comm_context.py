@@ -83,10 +83,10 @@ class CommContext:
             copy_in_stream.wait_event(event)
             gather_stream.wait_event(event)
 
-    def retire_reduce_scatters(self, keep: int) -> None:
-        """Make the current stream wait on, and drop, all but the newest ``keep`` reduce-scatter buffers."""
+    def retire_reduce_scatters(self) -> None:
+        """Make the current stream wait on, and drop, every reduce-scatter buffer still in flight."""
         pending = self.pending_reduce_scatters
-        while len(pending) > keep:
+        while pending:
             _, event = pending.pop(0)
             if event is not None:
                 torch.cuda.current_stream().wait_event(event)

@@ -36,6 +36,7 @@ from ._collectives import (
     reduce_scatter,
     reduce_scatter_copy_in,
     view_out_shards,
+    wait_all_gather,
 )
 from ._comm_context import CommContext
 from ._lifecycle import ShardedState, TrainingState
@@ -67,7 +68,6 @@ class FSDPParamGroup:
         self.device = device if device is not None else mesh_device(mesh_info.mesh)
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
-        self.offload_policy = offload_policy
         dims = shard_dims or {}
         self.fsdp_params = [
             FSDPParam(
@@ -221,10 +221,7 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        if result.work is not None:
-            result.work.wait()
-        if result.event is not None:
-            torch.cuda.current_stream().wait_event(result.event)
+        wait_all_gather(result)
         outputs = [p.all_gather_output() for p in self.fsdp_params]  # (re)allocates storage
         # Hot path: the (W, split) views survive storage resizes, so build them once per world size.
         targets = self._copy_out_targets.get(result.world_size)
@@ -301,16 +298,16 @@ class FSDPParamGroup:
         if in_backward_task_id() != -1:  # a forward re-run inside backward (checkpoint recompute)
             self.training_state = TrainingState.IDLE
             return
-        if torch.is_grad_enabled():
-            self.reshard()
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self.reshard()  # in FORWARD: follows reshard_after_forward
             order = self.comm_ctx.post_forward_order
             self._post_forward_indices.append(len(order))
             order.append(self)
-            self.training_state = TrainingState.IDLE
-        else:
-            # No backward can follow a no-grad forward: always go back to the sharded parameters, so
-            # model.parameters() (an optimizer built now, a state dict) never sees unsharded tensors.
-            self.training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
+        if not grad_enabled:
+            # No backward can follow a no-grad forward: a full reshard (now IDLE), so model.parameters()
+            # (an optimizer built now, a state dict) never sees unsharded tensors.
             self.reshard()
 
     # ---- backward --------------------------------------------------------------------------------
@@ -355,7 +352,7 @@ class FSDPParamGroup:
     def _reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         """One reduce-scatter per reduce dtype (normally exactly one), then assign sharded grads."""
         ctx = self.comm_ctx
-        ctx.retire_reduce_scatters(keep=0)
+        ctx.retire_reduce_scatters()
         buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for fsdp_param, grad in zip(params, grads, strict=True):
             dtype = fsdp_param.reduce_dtype or grad.dtype
@@ -368,7 +365,8 @@ class FSDPParamGroup:
             bucket[1].append(grad)
         grads.clear()
         for dtype, (bucket_params, bucket_grads) in buckets.items():
-            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype)
+            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
+            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel)
             bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
             stream = ctx.reduce_scatter_stream if ctx.use_streams else None
             if stream is None:
@@ -415,10 +413,7 @@ class FSDPParamGroup:
         """End of the last backward: drain a mis-targeted prefetch and forget forward indices."""
         result = self._all_gather_result
         if result is not None:
-            if result.work is not None:
-                result.work.wait()
-            if result.event is not None:
-                torch.cuda.current_stream().wait_event(result.event)
+            wait_all_gather(result)
             self._all_gather_result = None
         if self._post_reduce_event is not None:
             if self._offload_copies_in_flight:

@@ -300,7 +300,7 @@ class FSDPState:
             state.training_state = _IDLE
         if last:
             self.comm_ctx.post_forward_order.clear()
-            self.comm_ctx.retire_reduce_scatters(keep=0)
+            self.comm_ctx.retire_reduce_scatters()
         ctx.callback_queued = False
 
     def reset_iteration(self) -> None:
@@ -312,7 +312,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.reset()
         self.comm_ctx.post_forward_order.clear()
-        self.comm_ctx.retire_reduce_scatters(keep=0)
+        self.comm_ctx.retire_reduce_scatters()
         self.comm_ctx.deferred_all_gather = None
         ctx.iteration_root = None
         ctx.callback_queued = False
