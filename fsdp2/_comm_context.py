@@ -1,8 +1,10 @@
 """Communication context shared by every group under one root.
 
 Owns: the side streams (CUDA only), the all-gather buffer kept alive across one group boundary in
-forward, the reduce-scatter buffers still in flight, and the shared post-forward order used by
-backward prefetch. Does not own: issuing collectives (groups do, through ``_collectives``).
+forward, and the reduce-scatter buffers still in flight. Created once by the root's lazy init (or by
+``share_comm_ctx``) and handed to every state and group under it. Does not own: issuing collectives
+(groups do, through ``_collectives``) or cross-group order (``FSDPState``). A leaf: it imports nothing
+from fsdp2.
 
 [Note: Stream and event protocol]
 On CUDA, an unshard in FORWARD/PRE_BACKWARD runs its copy-in on ``all_gather_copy_in_stream`` and its
@@ -23,12 +25,7 @@ On CPU none of this exists: every event slot is ``None`` and work runs in progra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
 
 
 class CommContext:
@@ -43,20 +40,16 @@ class CommContext:
         self.deferred_all_gather: tuple[torch.Tensor, torch.Event | None] | None = None
         # (reduce-scatter input buffer, post-reduce event) still read by the reduce-scatter stream
         self.pending_reduce_scatters: list[tuple[torch.Tensor, torch.Event | None]] = []
-        # groups in the order their post-forward ran (one entry per use); backward walks it in reverse
-        self.post_forward_order: list[FSDPParamGroup] = []
 
     def lazy_init(self, device: torch.device) -> None:
-        """Create the side streams on CUDA and reset all per-iteration bookkeeping."""
-        self.use_streams = device.type == "cuda"
-        if self.use_streams:
-            high = -1  # high priority, so communication is not starved by compute kernels
-            self.all_gather_copy_in_stream = torch.cuda.Stream(device, priority=high)
-            self.all_gather_stream = torch.cuda.Stream(device, priority=high)
-            self.reduce_scatter_stream = torch.cuda.Stream(device, priority=high)
-        self.deferred_all_gather = None
-        self.pending_reduce_scatters.clear()
-        self.post_forward_order.clear()
+        """Create the side streams on CUDA (once: several roots may share this context)."""
+        if self.use_streams or device.type != "cuda":
+            return
+        self.use_streams = True
+        high = -1  # high priority, so communication is not starved by compute kernels
+        self.all_gather_copy_in_stream = torch.cuda.Stream(device, priority=high)
+        self.all_gather_stream = torch.cuda.Stream(device, priority=high)
+        self.reduce_scatter_stream = torch.cuda.Stream(device, priority=high)
 
     def wait_for_current_stream(self, event: torch.Event | None = None) -> None:
         """All-gather streams wait for the optimizer: on ``event`` if given, else the current stream."""
@@ -82,6 +75,11 @@ class CommContext:
         if event is not None and copy_in_stream is not None and gather_stream is not None:
             copy_in_stream.wait_event(event)
             gather_stream.wait_event(event)
+
+    def reset(self) -> None:
+        """Forget in-flight work after an aborted iteration (the current stream waits for it first)."""
+        self.retire_reduce_scatters()
+        self.deferred_all_gather = None
 
     def retire_reduce_scatters(self) -> None:
         """Make the current stream wait on, and drop, every reduce-scatter buffer still in flight."""

@@ -1,9 +1,12 @@
 """Event trace of unshard, reshard and post-backward calls.
 
-Owns: the ``Event`` record, the ``record_events()`` context manager and the cheap ``record`` call that
-parameter groups make. Does not own: deciding when an event happens (the parameter group does).
-Invariants: events land only in the sink of the thread that opened ``record_events()``; a backward
-running on an autograd worker thread (CUDA) lands in the single process-wide recorder, if any.
+Owns: the ``Event`` record, the ``record_events()`` context manager, ``EventScope`` (which recorder a
+root's backward reports to) and the cheap ``record`` call that parameter groups make. Does not own:
+deciding when an event happens (the parameter group does).
+Invariants: an event lands only in a recorder opened by the thread whose step produced it: the calling
+thread's own recorder, or, for a backward that autograd runs on a worker thread (CUDA), the recorder
+that thread had open when the root's forward started. There is no process-wide fallback, so ranks that
+are threads of one process never see each other's events.
 """
 
 from __future__ import annotations
@@ -25,8 +28,43 @@ from ._lifecycle import TrainingState
 EventKind = Literal["unshard", "reshard", "post_backward"]
 
 _local = threading.local()
-_process_sinks: list[list[Event]] = []
-_process_lock = threading.Lock()
+
+
+class _Recorder:
+    """One open ``record_events()`` context: its list, and whether it still accepts events."""
+
+    __slots__ = ("events", "open")
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.open = True
+
+
+def _thread_recorder() -> _Recorder | None:
+    recorder: _Recorder | None = getattr(_local, "recorder", None)
+    return recorder
+
+
+class EventScope:
+    """Where the events of one root's backward go when autograd runs it on another thread.
+
+    The root captures the calling thread's recorder when an iteration's forward starts; a backward
+    event raised on a thread with no recorder of its own (the CUDA autograd worker) goes there, if that
+    recorder is still open. One scope per root, shared by all its groups.
+    """
+
+    __slots__ = ("_captured",)
+
+    def __init__(self) -> None:
+        self._captured: _Recorder | None = None
+
+    def capture(self) -> None:
+        """Remember the calling thread's recorder (``None`` if it records nothing)."""
+        self._captured = _thread_recorder()
+
+    def backward_recorder(self) -> _Recorder | None:
+        captured = self._captured
+        return captured if captured is not None and captured.open else None
 
 
 @dataclass(frozen=True)
@@ -58,7 +96,11 @@ class Event:
 
 @contextmanager
 def record_events() -> Iterator[list[Event]]:
-    """Record this thread's FSDP events while the context is open.
+    """Record the FSDP events of the calling thread's steps while the context is open.
+
+    Events of other threads (other ranks, when ranks are threads of one process) never land here. A
+    backward that autograd runs on a worker thread (CUDA) reports to the recorder that was open when
+    the root's forward started, so open the context around forward and backward together.
 
     Yields:
         A list that fills with :class:`Event` objects in the order they happen.
@@ -68,30 +110,28 @@ def record_events() -> Iterator[list[Event]]:
         ...     model(x).sum().backward()
         >>> [e.as_tuple() for e in events]  # doctest: +SKIP
     """
-    events: list[Event] = []
-    previous = getattr(_local, "sink", None)
-    _local.sink = events
-    with _process_lock:
-        _process_sinks.append(events)
+    recorder = _Recorder()
+    previous = _thread_recorder()
+    _local.recorder = recorder
     try:
-        yield events
+        yield recorder.events
     finally:
-        _local.sink = previous
-        with _process_lock:
-            _process_sinks.remove(events)
+        recorder.open = False
+        _local.recorder = previous
 
 
-def record(kind: EventKind, module_fqn: str, training_state: TrainingState) -> None:
-    """Append an event to the active sink; costs one attribute lookup when nobody records."""
-    sink = getattr(_local, "sink", None)
-    if sink is None:
-        if not _process_sinks or in_backward_task_id() == -1:
+def record(
+    kind: EventKind, module_fqn: str, training_state: TrainingState, scope: EventScope | None = None
+) -> None:
+    """Append an event for the calling thread's step; costs one attribute lookup when nobody records."""
+    recorder = getattr(_local, "recorder", None)
+    if recorder is None:
+        if scope is None or in_backward_task_id() == -1:
             return
-        # An autograd worker thread (CUDA backward): attribute it only when unambiguous.
-        if len(_process_sinks) != 1:
+        recorder = scope.backward_recorder()
+        if recorder is None:
             return
-        sink = _process_sinks[0]
-    sink.append(Event(kind, module_fqn, training_state, time.perf_counter() * 1e6))
+    recorder.events.append(Event(kind, module_fqn, training_state, time.perf_counter() * 1e6))
 
 
 def save_chrome_trace(

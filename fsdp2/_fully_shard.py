@@ -19,6 +19,7 @@ from typing_extensions import TypedDict, Unpack
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._composable import register_fully_shard, registered_apis
+from ._config import GroupConfig, ParamSpec
 from ._mesh import MeshInfo, default_mesh, mesh_device, post_forward_mesh_info
 from ._module import FSDPModule, describe, fsdp_class
 from ._param_group import FSDPParamGroup
@@ -112,17 +113,13 @@ def fully_shard(
     group = None
     if params:
         owners = _owners(managed, params)
-        group = FSDPParamGroup(
-            [p for p, _ in params.values()],
-            owners,
-            modules,
-            mesh_info,
-            post_info,
-            mp_policy,
-            offload_policy,
-            device,
-            shard_dims,
-        )
+        specs = [
+            ParamSpec(param, tuple(owners[key]), shard_dims.get(key, 0)) for key, (param, _) in params.items()
+        ]
+        config = GroupConfig(mesh_info, mp_policy, offload_policy, device)
+        group = FSDPParamGroup(specs, modules, config, post_info)
+        # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
+        group.controls.reshard_after_no_grad_forward = reshard_after_forward is not False
     FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True

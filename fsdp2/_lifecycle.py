@@ -1,8 +1,11 @@
-"""Lifecycle enums shared by states and parameter groups.
+"""Lifecycle enums and the one place training states change.
 
-Owns: ``TrainingState`` (what the module is doing now) and ``ShardedState`` (what is registered).
-Does not own: the transitions themselves; ``FSDPParamGroup`` and ``FSDPState`` perform them.
-Invariants: every parameter of a group is in the group's ``ShardedState``.
+Owns: ``TrainingState`` (what a state or group is doing now), ``ShardedState`` (which parameters are
+registered), the table of allowed training-state transitions and ``transition()``, which every change of
+a ``TrainingState`` in fsdp2 goes through. Does not own: deciding *when* to transition (``FSDPState`` and
+``FSDPParamGroup`` do).
+Invariants: every parameter of a group is in the group's ``ShardedState``; a training state only ever
+moves along an edge of ``_ALLOWED``.
 """
 
 from __future__ import annotations
@@ -30,3 +33,46 @@ class ShardedState(Enum):
     SHARDED = auto()
     SHARDED_POST_FORWARD = auto()
     UNSHARDED = auto()
+
+
+_IDLE = TrainingState.IDLE
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_POST_BACKWARD = TrainingState.POST_BACKWARD
+
+# Edges a training state may take. IDLE is reachable from everywhere (end of forward, the end-of-backward
+# callback, reset_iter_state). The others:
+# - FORWARD again: nested or grouped modules re-enter forward before it ends;
+# - FORWARD -> PRE_BACKWARD: a backward run from inside a forward (e.g. a gradient penalty);
+# - PRE_BACKWARD again: one hook per forward output;
+# - IDLE -> POST_BACKWARD: the end-of-backward callback completes groups autograd never reached;
+# - POST_BACKWARD -> PRE_BACKWARD / POST_BACKWARD: a module used several times in one forward is
+#   reached again by the same backward.
+# Never allowed: PRE_BACKWARD/POST_BACKWARD -> FORWARD (a forward after an unfinished backward: the
+# states must be reset first, see FSDPState.check_iteration_finished).
+_ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
+    _IDLE: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD, _POST_BACKWARD}),
+    _FORWARD: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD}),
+    _PRE_BACKWARD: frozenset({_IDLE, _PRE_BACKWARD, _POST_BACKWARD}),
+    _POST_BACKWARD: frozenset({_IDLE, _PRE_BACKWARD, _POST_BACKWARD}),
+}
+
+
+def transition(current: TrainingState, new: TrainingState, owner: object) -> TrainingState:
+    """Return ``new`` if ``current -> new`` is an allowed edge; raise otherwise.
+
+    Args:
+        current: the state now.
+        new: the state asked for.
+        owner: who changes state; its ``str()`` names it in the message (built only on error).
+
+    Raises:
+        RuntimeError: the edge is not in the table (an fsdp2 bug or an iteration that was not reset).
+    """
+    if new not in _ALLOWED[current]:
+        raise RuntimeError(
+            f"fsdp2 internal error: {owner} cannot go from {current.name} to {new.name}. If a previous "
+            "forward or backward raised, call reset_iter_state() on the root module before continuing; "
+            "otherwise please report this with the traceback."
+        )
+    return new

@@ -128,14 +128,14 @@ class FSDPModule(_ModuleBase):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step (waits for reductions, drops prefetch state)."""
-        self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+        self._get_fsdp_state().shared_context().is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
         for module in self._fsdp_modules(recurse):
             group = _require_state(module).group
             if group is not None:
-                group.reduce_grads = requires_gradient_sync
+                group.controls.reduce_grads = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (bool only); also stops the root's automatic choice."""
@@ -149,20 +149,21 @@ class FSDPModule(_ModuleBase):
             if state.group is not None:
                 info = state.group.mesh_info
                 state.group.post_forward_mesh_info = info if reshard_after_forward else None
+                state.group.controls.reshard_after_no_grad_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
         for module in self._fsdp_modules(recurse):
             group = _require_state(module).group
             if group is not None:
-                group.reshard_after_backward = reshard_after_backward
+                group.controls.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
         for module in self._fsdp_modules(recurse):
             group = _require_state(module).group
             if group is not None:
-                group.all_reduce_grads = requires_all_reduce
+                group.controls.all_reduce_grads = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of the number of ranks.
@@ -174,8 +175,7 @@ class FSDPModule(_ModuleBase):
             raise ValueError(f"gradient divide factor must be a positive number, got {describe(factor)}.")
         group = self._get_fsdp_state().group
         if group is not None:
-            group.gradient_divide_factor = float(factor)
-            group.invalidate_divide_factors()
+            group.controls.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -190,8 +190,7 @@ class FSDPModule(_ModuleBase):
         """Use only SUM collectives, dividing explicitly afterwards (not recursive)."""
         group = self._get_fsdp_state().group
         if group is not None:
-            group.force_sum_reduction = enable
-            group.invalidate_divide_factors()
+            group.controls.force_sum_reduction = enable
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
@@ -207,17 +206,17 @@ class FSDPModule(_ModuleBase):
             return
         if stream is not None and group.mesh_info.is_hsdp:
             raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP.")
-        group.all_reduce_hook = hook
+        group.controls.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""
-        self._get_fsdp_state().ctx.post_optim_event = event
+        self._get_fsdp_state().shared_context().post_optim_event = event
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""
         group = self._get_fsdp_state().group
         if group is not None:
-            group.unshard_in_backward = unshard_in_backward
+            group.controls.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Unshard ``modules`` right after this module's own unshard in forward (replaces the list)."""
@@ -313,7 +312,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
                 f"share_comm_ctx expects a list of FSDPModules, got a {type(module).__name__}. Call "
                 "fully_shard on every stage first."
             )
-    shared = _require_state(modules[0]).comm_ctx
+    shared = _require_state(modules[0]).shared_comm_context()
     for module in modules[1:]:
         state = _require_state(module)
         state.comm_ctx = shared

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
+from ._config import ParamSpec
 from ._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
 from ._mesh import MeshInfo
 
@@ -53,14 +54,13 @@ class FSDPParam:
 
     def __init__(
         self,
-        param: nn.Parameter,
-        owners: list[tuple[nn.Module, str]],
+        spec: ParamSpec,
         mesh_info: MeshInfo,
         post_forward_mesh_info: MeshInfo | None,
         device: torch.device,
-        shard_dim: int = 0,
         offload: OffloadPolicy | None = None,
     ) -> None:
+        param, owners, shard_dim = spec.param, spec.owners, spec.shard_dim
         self.owners = owners  # every (module, attribute) the parameter is registered under
         self.source_id = _source_id(param)  # identifies the original tensor across fully_shard calls
         self.fqn = owners[0][1]  # replaced by the root-relative name at lazy init
@@ -205,6 +205,10 @@ class FSDPParam:
         assert full is not None, f"{self.fqn}: finish_unshard on a dim-0 sharded parameter"
         blocks = staging.view(self.mesh_info.shard_size, *self.local_shard_size).unbind(0)
         torch.cat(blocks, dim=self.shard_dim, out=full.data)
+
+    def empty_local_grad(self) -> torch.Tensor:
+        """The (zero-element) local gradient of a parameter whose shard holds no elements."""
+        return torch.zeros(self.local_shard_size, dtype=self.orig_dtype, device=self.device)
 
     def dim0_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """``Shard(d > 0)``: the gradient rearranged so rank ``j``'s piece is the ``j``-th dim-0 chunk."""

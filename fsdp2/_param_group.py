@@ -1,50 +1,41 @@
 """A communication group: the parameters of one ``fully_shard`` call.
 
 Owns: the group's ``TrainingState`` and ``ShardedState``; unshard (one all-gather), wait_for_unshard
-(copy-out and register), reshard, pre/post forward and backward, prefetch, and the reduce-scatter of
-gradients. Does not own: hooks, root logic or event ordering across groups (``FSDPState``).
+(copy-out and register), reshard, pre/post forward and backward of its own parameters, and prefetch.
+Gradient reduction is delegated to its ``GradientReducer``. Does not own: hooks, root logic, the
+cross-group forward order or default backward prefetch (``FSDPState``).
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
-pending (``_all_gather_result``); an unshard is a no-op while one is pending or when unsharded.
-
-[Note: Prefetch order]
-Every post-forward appends the group to the shared ``post_forward_order`` and remembers its index
-(one per forward use). A pre-backward without an explicit prefetch list pops its latest index ``i``
-and unshards ``post_forward_order[i - 1]``: the module that ran just before it in forward runs just
-after it in backward. Explicit lists replace that default (``FSDPState``).
+pending (``_all_gather_result``); an unshard is a no-op while one is pending or when unsharded; every
+training-state change goes through ``_lifecycle.transition``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import _events
-from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._autograd import in_backward_task_id, register_post_backward
+from ._autograd import in_backward_task_id
 from ._collectives import (
     AllGatherResult,
-    DivideFactors,
     all_gather_copy_in,
     copy_out_2d,
-    divide_factors,
     foreach_all_gather,
     issue_all_gather,
-    reduce_scatter,
-    reduce_scatter_copy_in,
-    view_out_shards,
     wait_all_gather,
 )
 from ._comm_context import CommContext
-from ._lifecycle import ShardedState, TrainingState
-from ._mesh import MeshInfo, mesh_device
+from ._config import GroupConfig, GroupControls, ParamSpec
+from ._events import EventScope
+from ._lifecycle import ShardedState, TrainingState, transition
+from ._mesh import MeshInfo
 from ._param import FSDPParam
+from ._reduce import GradientReducer
 
+_IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_POST_BACKWARD = TrainingState.POST_BACKWARD
 _UNSHARDED = ShardedState.UNSHARDED
 
 
@@ -53,62 +44,42 @@ class FSDPParamGroup:
 
     def __init__(
         self,
-        params: list[nn.Parameter],
-        owners: dict[int, list[tuple[nn.Module, str]]],
+        specs: list[ParamSpec],
         modules: tuple[nn.Module, ...],
-        mesh_info: MeshInfo,
+        config: GroupConfig,
         post_forward_mesh_info: MeshInfo | None,
-        mp_policy: MixedPrecisionPolicy,
-        offload_policy: OffloadPolicy,
-        device: torch.device | None = None,
-        shard_dims: dict[int, int] | None = None,
     ) -> None:
         self.modules = modules
-        # the compute / communication device
-        self.device = device if device is not None else mesh_device(mesh_info.mesh)
-        self.mesh_info = mesh_info
-        self.mp_policy = mp_policy
-        dims = shard_dims or {}
+        self.config = config
+        self.mesh_info = config.mesh_info
+        self.device = config.device  # the compute / communication device
         self.fsdp_params = [
-            FSDPParam(
-                p,
-                owners[id(p)],
-                mesh_info,
-                post_forward_mesh_info,
-                self.device,
-                dims.get(id(p), 0),
-                offload_policy,
-            )
-            for p in params
+            FSDPParam(spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy)
+            for spec in specs
         ]
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
         self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
         self._byte_gather = False  # parameters of several dtypes: all-gather their bytes
+        self._all_gather_dtype = self.fsdp_params[0].orig_dtype
         self._post_forward_mesh_info = post_forward_mesh_info
-        self.comm_ctx = CommContext()
+        self.controls = GroupControls()
+        self.reducer = GradientReducer(config.mesh_info)
+        # handed down by the root's lazy init; None before it (no streams: work runs in program order)
+        self.comm_ctx: CommContext | None = None
+        self.event_scope: EventScope | None = None
         self.module_fqn = ""
-        self.training_state = TrainingState.IDLE
+        self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather_result: AllGatherResult | None = None
-        self._post_forward_indices: list[int] = []
         self._lazy_initialized = False
-        self._all_gather_dtype = self.fsdp_params[0].orig_dtype
-        self._divide_factors: dict[torch.dtype, DivideFactors] = {}
-        self._post_reduce_event: torch.Event | None = None
-        # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
-        self._partial_reduce_outputs: dict[torch.dtype, torch.Tensor] = {}
-        self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
-        # user controls (FSDPModule setters)
-        self.reduce_grads = True
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.unshard_async_op = False
-        self.all_reduce_grads = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+
+    def __str__(self) -> str:
+        return f"group {self.module_fqn or '<root>'}"
+
+    def set_state(self, new: TrainingState) -> None:
+        self.training_state = transition(self.training_state, new, self)
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -138,7 +109,7 @@ class FSDPParamGroup:
                 f"Parameters {meta} are still on the meta device. Materialize them before training, "
                 "e.g. module.to_empty(device=...) followed by reset_parameters()."
             )
-        policy = self.mp_policy
+        policy = self.config.mp_policy
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
         if any(p.offload_to_cpu for p in self.fsdp_params):
@@ -152,31 +123,27 @@ class FSDPParamGroup:
         # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
         self._byte_gather = len(gather_dtypes) > 1
         self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
-        self._divide_factors.clear()
         self._copy_out_targets.clear()
         self._lazy_initialized = True
 
-    def _factors(self, dtype: torch.dtype) -> DivideFactors:
-        factors = self._divide_factors.get(dtype)
-        if factors is None:
-            world = self.mesh_info.shard_size * self.mesh_info.replicate_size
-            factors = divide_factors(world, dtype, self.gradient_divide_factor, self.force_sum_reduction)
-            self._divide_factors[dtype] = factors
-        return factors
-
     # ---- unshard / reshard -----------------------------------------------------------------------
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue this group's all-gather, unless one is pending or the group is already unsharded."""
+    def unshard(self, async_op: bool = False, as_state: TrainingState | None = None) -> None:
+        """Issue this group's all-gather, unless one is pending or the group is already unsharded.
+
+        ``as_state`` is the phase the all-gather serves (a prefetch issues it for the next forward or
+        backward use); it picks the streams and labels the event. Default: the group's own state.
+        """
         if self._all_gather_result is not None or self.sharded_state is _UNSHARDED:
             return
-        _events.record("unshard", self.module_fqn, self.training_state)
+        state = self.training_state if as_state is None else as_state
+        _events.record("unshard", self.module_fqn, state, self.event_scope)
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         ctx = self.comm_ctx
-        if ctx.use_streams and not async_op and self.training_state in (_FORWARD, _PRE_BACKWARD):
-            self._all_gather_result = self._all_gather_on_streams(info, post_forward)
+        if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
+            self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward)
         else:
             self._all_gather_result = foreach_all_gather(
                 self._all_gather_inputs(post_forward),
@@ -193,8 +160,7 @@ class FSDPParamGroup:
             inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, self.fsdp_params, strict=True)]
         return inputs
 
-    def _all_gather_on_streams(self, info: MeshInfo, post_forward: bool) -> AllGatherResult:
-        ctx = self.comm_ctx
+    def _all_gather_on_streams(self, ctx: CommContext, info: MeshInfo, post_forward: bool) -> AllGatherResult:
         copy_in_stream, gather_stream = ctx.all_gather_copy_in_stream, ctx.all_gather_stream
         assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
         assert gather_stream is not None, "all-gather stream not initialized"
@@ -238,7 +204,7 @@ class FSDPParamGroup:
             fsdp_param.to_unsharded()
         self.sharded_state = _UNSHARDED
         ctx = self.comm_ctx
-        if ctx.use_streams:
+        if ctx is not None and ctx.use_streams:
             copy_out_event = torch.cuda.current_stream().record_event()
             ctx.release_deferred_all_gather()
             ctx.deferred_all_gather = (result.output, copy_out_event)
@@ -260,81 +226,72 @@ class FSDPParamGroup:
                     for fsdp_param in self.fsdp_params:
                         fsdp_param.to_sharded_post_forward()
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
-                    if self.comm_ctx.use_streams:
+                    ctx = self.comm_ctx
+                    if ctx is not None and ctx.use_streams:
                         self._post_forward_event = torch.cuda.current_stream().record_event()
-                    _events.record("reshard", self.module_fqn, self.training_state)
+                    _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_sharded()
             self.sharded_state = ShardedState.SHARDED
-            _events.record("reshard", self.module_fqn, self.training_state)
+            _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
 
-    def prefetch(self, training_state: TrainingState) -> None:
-        """Unshard ahead of use, showing ``training_state`` meanwhile (it picks streams and events)."""
-        if training_state is _PRE_BACKWARD and not self.unshard_in_backward:
+    def prefetch(self, as_state: TrainingState) -> None:
+        """Unshard ahead of a use in ``as_state`` (``FORWARD`` or ``PRE_BACKWARD``)."""
+        if as_state is _PRE_BACKWARD and not self.controls.unshard_in_backward:
             return
-        previous = self.training_state
-        self.training_state = training_state
-        try:
-            self.unshard(self.unshard_async_op)
-        finally:
-            self.training_state = previous
+        self.unshard(False, as_state)
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def pre_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        entering = self.training_state is not _FORWARD
-        self.training_state = _FORWARD
-        self.unshard(self.unshard_async_op)
+    def pre_forward(self) -> None:
+        """Enter ``FORWARD`` and make the unsharded parameters available."""
+        self.set_state(_FORWARD)
+        self.unshard()
         self.wait_for_unshard()
-        if entering and torch.is_grad_enabled():
-            return register_post_backward(self, args, kwargs)
-        return args, kwargs
 
-    def post_forward(self) -> None:
+    def post_forward(self) -> bool:
+        """Reshard per policy and return to ``IDLE``; returns whether a backward may use this forward."""
         if in_backward_task_id() != -1:  # a forward re-run inside backward (checkpoint recompute)
-            self.training_state = TrainingState.IDLE
-            return
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
+            self.set_state(_IDLE)
+            return False
+        if torch.is_grad_enabled():
             self.reshard()  # in FORWARD: follows reshard_after_forward
-            order = self.comm_ctx.post_forward_order
-            self._post_forward_indices.append(len(order))
-            order.append(self)
-        self.training_state = TrainingState.IDLE
-        if not grad_enabled:
+            self.set_state(_IDLE)
+            return True
+        self.set_state(_IDLE)
+        if self.controls.reshard_after_no_grad_forward:
             # No backward can follow a no-grad forward: a full reshard (now IDLE), so model.parameters()
-            # (an optimizer built now, a state dict) never sees unsharded tensors.
+            # (an optimizer built now, a state dict) never sees unsharded tensors. Groups the user asked
+            # to keep unsharded (reshard_after_forward=False) keep them: eval loops gather once.
             self.reshard()
+        return False
 
     # ---- backward --------------------------------------------------------------------------------
 
-    def pre_backward(self, default_prefetch: bool) -> None:
+    def pre_backward(self) -> bool:
+        """Enter ``PRE_BACKWARD`` and unshard for backward; ``False`` if already in it (nothing done)."""
         if self.training_state is _PRE_BACKWARD:
-            return
-        self.training_state = _PRE_BACKWARD
-        if self.unshard_in_backward:
-            self.unshard(self.unshard_async_op)
+            return False
+        self.set_state(_PRE_BACKWARD)
+        if self.controls.unshard_in_backward:
+            self.unshard()
         self.wait_for_unshard()
-        if default_prefetch and self._post_forward_indices:
-            index = self._post_forward_indices.pop()
-            if index > 0:
-                self.comm_ctx.post_forward_order[index - 1].prefetch(_PRE_BACKWARD)
+        return True
 
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
-        self.training_state = TrainingState.POST_BACKWARD
-        if not self.reduce_grads:
+        self.set_state(_POST_BACKWARD)
+        controls = self.controls
+        if not controls.reduce_grads:
             # No-sync step: gradients stay unsharded (in reduce_dtype where one is set) and keep
             # accumulating until a step with gradient sync reduces their sum.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.stash_unsharded_grad()
-            if self.reshard_after_backward:
+            if controls.reshard_after_backward:
                 self.reshard()
-            _events.record("post_backward", self.module_fqn, self.training_state)
+            _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
             return
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
@@ -343,86 +300,30 @@ class FSDPParamGroup:
             if grad is not None:
                 reduced.append(fsdp_param)
                 grads.append(grad)
-        if self.reshard_after_backward:
+        if controls.reshard_after_backward:
             self.reshard()
         if grads:
-            self._reduce(reduced, grads)
-        _events.record("post_backward", self.module_fqn, self.training_state)
+            self.reducer.reduce(reduced, grads, self.comm_ctx, controls)
+        _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
-    def _reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
-        """One reduce-scatter per reduce dtype (normally exactly one), then assign sharded grads."""
-        ctx = self.comm_ctx
-        ctx.retire_reduce_scatters()
-        buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
-        for fsdp_param, grad in zip(params, grads, strict=True):
-            dtype = fsdp_param.reduce_dtype or grad.dtype
-            if fsdp_param.shard_dim != 0:
-                grad = fsdp_param.dim0_grad(grad)
-            bucket = buckets.get(dtype)
-            if bucket is None:
-                bucket = buckets[dtype] = ([], [])
-            bucket[0].append(fsdp_param)
-            bucket[1].append(grad)
-        grads.clear()
-        for dtype, (bucket_params, bucket_grads) in buckets.items():
-            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
-            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel)
-            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
-            stream = ctx.reduce_scatter_stream if ctx.use_streams else None
-            if stream is None:
-                self._reduce_and_assign(buffer, bucket_params)
-                continue
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._reduce_and_assign(buffer, bucket_params)
-                event = stream.record_event()
-            ctx.pending_reduce_scatters.append((buffer, event))
-            self._post_reduce_event = event
+    def finish_backward(self, last: bool) -> None:
+        """End-of-backward callback: post-backward if autograd never reached it, then ``IDLE``.
 
-    def _reduce_and_assign(self, buffer: torch.Tensor, params: list[FSDPParam]) -> None:
-        info = self.mesh_info
-        factors = self._factors(buffer.dtype)
-        output = reduce_scatter(buffer, info.shard_group, info.shard_size, factors.op, factors.predivide)
-        if info.replicate_group is not None:
-            partial = self._partial_reduce_outputs.pop(buffer.dtype, None)
-            if not self.all_reduce_grads:
-                # HSDP without all-reduce: keep summing shard-reduced gradients until one that syncs.
-                self._partial_reduce_outputs[buffer.dtype] = (
-                    output if partial is None else partial.add_(output)
-                )
-                return
-            if partial is not None:
-                output.add_(partial)
-            if info.replicate_size > 1:
-                dist.all_reduce(output, op=factors.op, group=info.replicate_group)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(output)
-        if factors.postdivide is not None:
-            output.div_(factors.postdivide)
-        views = view_out_shards(
-            output,
-            [p.padded_shard_numel for p in params],
-            [p.local_numel for p in params],
-            [p.local_shard_size for p in params],
-        )
-        for fsdp_param, view in zip(params, views, strict=True):
-            if fsdp_param.accumulate_sharded_grad(view):
-                self._offload_copies_in_flight = True
+        On the ``last`` backward of a step, also drain a mis-targeted prefetch and wait for reductions.
+        """
+        if self.training_state is not _POST_BACKWARD:
+            self.post_backward()
+        self.set_state(_IDLE)
+        if last:
+            self.finalize_backward()
 
     def finalize_backward(self) -> None:
-        """End of the last backward: drain a mis-targeted prefetch and forget forward indices."""
+        """Drain a mis-targeted prefetch and wait for this group's reductions."""
         result = self._all_gather_result
         if result is not None:
             wait_all_gather(result)
             self._all_gather_result = None
-        if self._post_reduce_event is not None:
-            if self._offload_copies_in_flight:
-                # Non-blocking copies of offloaded gradients: the CPU optimizer reads them next.
-                self._post_reduce_event.synchronize()
-            torch.cuda.current_stream().wait_event(self._post_reduce_event)
-            self._post_reduce_event = None
-        self._offload_copies_in_flight = False
-        self._post_forward_indices.clear()
+        self.reducer.finalize()
 
     def reset(self) -> None:
         """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``.
@@ -433,13 +334,9 @@ class FSDPParamGroup:
         self.finalize_backward()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
-        self._partial_reduce_outputs.clear()
-        self.training_state = TrainingState.IDLE
+        self.reducer.reset()
+        self.set_state(_IDLE)
         self.reshard()
-
-    def invalidate_divide_factors(self) -> None:
-        """Recompute reduce ops and factors at the next reduction (after a setter changed them)."""
-        self._divide_factors.clear()
 
 
 def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

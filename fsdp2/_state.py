@@ -1,11 +1,14 @@
 """Per-call state: hooks, root lazy init, and the end-of-backward callback.
 
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
-pre/post hooks, the pre-backward tensor hooks on outputs, explicit prefetch lists, root discovery at
-the first forward, and the final callback queued on the autograd engine. Also ``SharedContext``, the
-flags every state under one root shares. Does not own: parameters or collectives (its group does).
-Invariants: after lazy init every state under a root shares the root's ``SharedContext`` and
-``CommContext``; the final callback runs once per backward that reached an FSDP pre-backward hook.
+pre/post hooks, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
+default prefetch (the cross-group forward order), root discovery at the first forward, and the final
+callback queued on the autograd engine. Also ``SharedContext``, the flags and order every state under
+one root shares. Does not own: parameters or collectives (its group does).
+Invariants: the root's lazy init creates one ``SharedContext``, ``CommContext`` and ``EventScope`` and
+hands them to every state and group under it (none exist before, except those a setter or
+``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
+FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
 """
 
 from __future__ import annotations
@@ -18,10 +21,17 @@ import torch
 from torch import nn
 
 from ._api import MixedPrecisionPolicy
-from ._autograd import eager, is_view, queue_end_of_backward_callback
+from ._autograd import (
+    eager,
+    in_backward_task_id,
+    is_view,
+    queue_end_of_backward_callback,
+    register_post_backward,
+)
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
-from ._lifecycle import ShardedState, TrainingState
+from ._events import EventScope
+from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
 
 _STATE_ATTR = "_fsdp2_state"
@@ -37,7 +47,7 @@ def get_state(module: nn.Module) -> FSDPState | None:
 
 
 class SharedContext:
-    """Flags shared by all states under one root (replaced by the root's at lazy init)."""
+    """Flags and cross-group order shared by all states under one root (created by the root)."""
 
     def __init__(self) -> None:
         self.all_states: list[FSDPState] = []
@@ -45,6 +55,10 @@ class SharedContext:
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
+        # states (with a group) in the order their post-forward ran, one entry per use; the default
+        # backward prefetch walks it in reverse. See [Note: Prefetch order].
+        self.post_forward_order: list[FSDPState] = []
+        self.event_scope = EventScope()
 
 
 class FSDPState:
@@ -66,8 +80,12 @@ class FSDPState:
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
         self.training_state = _IDLE
         self.is_root: bool | None = None  # None until the root's lazy init decides
-        self.ctx = SharedContext()
-        self.comm_ctx = group.comm_ctx if group is not None else CommContext()
+        # Both handed down by the root's lazy init; before it only a root may hold its own (created
+        # on demand by a setter or share_comm_ctx), which its lazy init then shares.
+        self.ctx: SharedContext | None = None
+        self.comm_ctx: CommContext | None = None
+        self.post_forward_indices: list[int] = []  # positions in ctx.post_forward_order, per use
+        self._post_backward = eager(self._run_group_post_backward)
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
@@ -108,6 +126,24 @@ class FSDPState:
                 for fsdp_param in self.group.fsdp_params:
                     fsdp_param.reset_sharded_param()
 
+    def __str__(self) -> str:
+        return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"
+
+    def set_state(self, new: TrainingState) -> None:
+        self.training_state = transition(self.training_state, new, self)
+
+    def shared_context(self) -> SharedContext:
+        """The context shared under this state's root; a not-yet-initialized root creates its own."""
+        if self.ctx is None:
+            self.ctx = SharedContext()
+        return self.ctx
+
+    def shared_comm_context(self) -> CommContext:
+        """The communication context under this state's root (created on demand, see ``shared_context``)."""
+        if self.comm_ctx is None:
+            self.comm_ctx = CommContext()
+        return self.comm_ctx
+
     # ---- lazy init -------------------------------------------------------------------------------
 
     def lazy_init(self) -> None:
@@ -142,23 +178,25 @@ class FSDPState:
             if group is not None:
                 group.module_fqn = ", ".join(module_names[m] for m in group.modules)
                 _name_params(group, module_names, owners)
-        if self.auto_reshard and self.group is not None:
-            self.group.post_forward_mesh_info = None
         for state in states:
             if state.group is not None:
                 state.group.lazy_init()
-        comm_ctx = self.comm_ctx
-        device = _state_device(states)
+        # ---- validation done: hand the root's contexts down ----
+        if self.auto_reshard and self.group is not None:
+            self.group.post_forward_mesh_info = None
+        ctx, comm_ctx = self.shared_context(), self.shared_comm_context()
         for state in states:
             state.is_root = state is self
-            state.ctx = self.ctx
+            state.ctx = ctx
             state.comm_ctx = comm_ctx
             if state.group is not None:
                 state.group.comm_ctx = comm_ctx
+                state.group.event_scope = ctx.event_scope
+        device = _state_device(states)
         comm_ctx.lazy_init(device)
         if device.type != "cpu":
             self._input_device = device
-        self.ctx.all_states = states
+        ctx.all_states = states
 
     # ---- forward hooks ---------------------------------------------------------------------------
 
@@ -166,68 +204,87 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
         group = self.group
-        if self.training_state is _PRE_BACKWARD:
+        if self.training_state is _PRE_BACKWARD and in_backward_task_id() != -1:
             # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
             if group is not None:
-                group.unshard(group.unshard_async_op)
+                group.unshard()
                 group.wait_for_unshard()
             if self._input_dtype is not None:
                 args, kwargs = cast_floating((args, kwargs), self._input_dtype)
             return args, kwargs
         first = self.training_state is not _FORWARD
         if first:
-            self._root_pre_forward()  # may raise (first-forward validation): no state set before it
-            if self.ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
+            ctx = self._root_pre_forward()  # may raise (first-forward validation): no state set before it
+            if ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
                 args, kwargs = move_to_device((args, kwargs), self._input_device)
-        self.training_state = _FORWARD
+        self.set_state(_FORWARD)
         if self._input_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self._input_dtype)
         if group is not None:
-            args, kwargs = group.pre_forward(args, kwargs)
+            entering = group.training_state is not _FORWARD
+            group.pre_forward()
+            if entering and torch.is_grad_enabled():
+                args, kwargs = register_post_backward(self._post_backward, args, kwargs)
         if first:
             for target in self.forward_prefetch:
                 if target.group is not None:
                     target.group.prefetch(_FORWARD)
         return args, kwargs
 
-    def _root_pre_forward(self) -> None:
+    def _root_pre_forward(self) -> SharedContext:
         if self.is_root is None:
             self.lazy_init()
-        ctx = self.ctx
+        ctx = self.shared_context()
+        if ctx.callback_queued and in_backward_task_id() == -1:
+            raise RuntimeError(
+                "fsdp2: a forward started, but the previous backward never finished (an exception was "
+                "raised during it?). FSDP is still mid-iteration: parameters may be left unsharded and "
+                "the optimizer would silently stop updating them. Call reset_iter_state() on the root "
+                "module (e.g. in the except block that caught the error) before the next forward."
+            )
         if ctx.iteration_root is None:
             ctx.iteration_root = self
-            self.comm_ctx.wait_for_current_stream(ctx.post_optim_event)
+            ctx.event_scope.capture()
+            self.shared_comm_context().wait_for_current_stream(ctx.post_optim_event)
             ctx.post_optim_event = None
+        return ctx
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training_state is _PRE_BACKWARD:
             return self.cast_output(output)
-        if self.group is not None:
-            self.group.post_forward()
+        self.group_post_forward()
         if torch.is_grad_enabled():
             self.register_pre_backward_hooks(output)
-        self.training_state = _IDLE
-        if self.ctx.iteration_root is self:
-            output = self._finish_iteration_forward(output)
+        self.set_state(_IDLE)
+        ctx = self.ctx
+        if ctx is not None and ctx.iteration_root is self:
+            output = self._finish_iteration_forward(ctx, output)
         return self.cast_output(output)
+
+    def group_post_forward(self) -> None:
+        """The group's post-forward; a forward that backward may use is appended to the shared order."""
+        group, ctx = self.group, self.ctx
+        if group is not None and group.post_forward() and ctx is not None:
+            order = ctx.post_forward_order
+            self.post_forward_indices.append(len(order))
+            order.append(self)
 
     def cast_output(self, output: Any) -> Any:
         return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
 
-    def _finish_iteration_forward(self, output: Any) -> Any:
+    def _finish_iteration_forward(self, ctx: SharedContext, output: Any) -> Any:
         """Iteration root only: complete grouped states some member of which never ran."""
-        ctx = self.ctx
         for state in reversed(ctx.all_states):
             if state is self or not state.modules_to_run:
                 continue
-            if state.group is not None:
-                state.group.post_forward()
+            state.group_post_forward()
             if torch.is_grad_enabled():
                 state.register_pre_backward_hooks(output)
-            state.training_state = _IDLE
+            state.set_state(_IDLE)
             state.modules_to_run.clear()
             output = state.cast_output(output)
-        self.comm_ctx.release_deferred_all_gather()
+        if self.comm_ctx is not None:
+            self.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
         return output
 
@@ -270,52 +327,68 @@ class FSDPState:
 
         return eager(hook)
 
+    def _run_group_post_backward(self) -> None:
+        # Called by the post-backward autograd node; dispatches through the group instance.
+        if self.group is not None:
+            self.group.post_backward()
+
     def pre_backward(self) -> None:
-        self.training_state = _PRE_BACKWARD
-        ctx = self.ctx
+        self.set_state(_PRE_BACKWARD)
+        ctx = self.shared_context()
         if not ctx.callback_queued:
             ctx.callback_queued = True
             root = ctx.all_states[0] if ctx.all_states else self
             queue_end_of_backward_callback(root.eager_finish_backward)
-        if self.group is not None:
-            self.group.pre_backward(default_prefetch=not self.backward_prefetch)
+        group = self.group
+        if group is not None and group.pre_backward() and not self.backward_prefetch:
+            self._default_backward_prefetch(ctx)
         for target in self.backward_prefetch:
             if target.group is not None:
                 target.group.prefetch(_PRE_BACKWARD)
 
+    def _default_backward_prefetch(self, ctx: SharedContext) -> None:
+        """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
+        if not self.post_forward_indices:
+            return
+        index = self.post_forward_indices.pop()
+        if index > 0:
+            target = ctx.post_forward_order[index - 1].group
+            if target is not None:
+                target.prefetch(_PRE_BACKWARD)
+
     def finish_backward(self) -> None:
         """Final callback: post-backward for groups autograd never reached, then reset the iteration."""
-        ctx = self.ctx
+        ctx = self.shared_context()
         ctx.iteration_root = None
         last = ctx.is_last_backward
         for state in ctx.all_states:
             state.modules_to_run.clear()
-            group = state.group
-            if group is not None:
-                if group.training_state is not TrainingState.POST_BACKWARD:
-                    group.post_backward()
-                group.training_state = _IDLE
-                if last:
-                    group.finalize_backward()
-            state.training_state = _IDLE
+            if state.group is not None:
+                state.group.finish_backward(last)
+            if last:
+                state.post_forward_indices.clear()
+            state.set_state(_IDLE)
         if last:
-            self.comm_ctx.post_forward_order.clear()
-            self.comm_ctx.retire_reduce_scatters()
+            ctx.post_forward_order.clear()
+            if self.comm_ctx is not None:
+                self.comm_ctx.retire_reduce_scatters()
         ctx.callback_queued = False
 
     def reset_iteration(self) -> None:
         """Root only: recover from an exception in forward or backward."""
         ctx = self.ctx
-        for state in ctx.all_states or [self]:
+        for state in (ctx.all_states if ctx is not None else None) or [self]:
             state.modules_to_run.clear()
-            state.training_state = _IDLE
+            state.post_forward_indices.clear()
+            state.set_state(_IDLE)
             if state.group is not None:
                 state.group.reset()
-        self.comm_ctx.post_forward_order.clear()
-        self.comm_ctx.retire_reduce_scatters()
-        self.comm_ctx.deferred_all_gather = None
-        ctx.iteration_root = None
-        ctx.callback_queued = False
+        if self.comm_ctx is not None:
+            self.comm_ctx.reset()
+        if ctx is not None:
+            ctx.post_forward_order.clear()
+            ctx.iteration_root = None
+            ctx.callback_queued = False
 
 
 def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen: dict[int, str]) -> None:

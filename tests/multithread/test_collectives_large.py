@@ -29,6 +29,7 @@ from fsdp2._collectives import (
 from fsdp2._dtensor import local_of
 from fsdp2._lifecycle import ShardedState, TrainingState
 from fsdp2._mesh import MeshInfo, post_forward_mesh_info
+from fsdp2._config import GroupConfig, ParamSpec
 from fsdp2._param import chunk_rows
 from fsdp2._param_group import FSDPParamGroup
 from tests._harness import count_collectives, run_threaded
@@ -59,7 +60,9 @@ def _build_group(
     params = list(module.parameters())
     owners = {id(p): [(module, str(i))] for i, p in enumerate(params)}
     post_info = post_forward_mesh_info(reshard_after_forward, mesh_info)
-    group = FSDPParamGroup(params, owners, (module,), mesh_info, post_info, mp_policy, OffloadPolicy())
+    specs = [ParamSpec(p, tuple(owners[id(p)])) for p in params]
+    config = GroupConfig(mesh_info, mp_policy, OffloadPolicy(), torch.device("cpu"))
+    group = FSDPParamGroup(specs, (module,), config, post_info)
     group.lazy_init()
     return module, group
 

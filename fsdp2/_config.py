@@ -1,0 +1,70 @@
+"""Configuration records handed down from ``fully_shard`` to groups and parameters.
+
+Owns: ``ParamSpec`` (one parameter to manage: where it is registered, which dim to shard),
+``GroupConfig`` (what one ``fully_shard`` call fixed for its group) and ``GroupControls`` (the knobs the
+``FSDPModule`` setters turn at run time). Plain data: no communication, no module state.
+Invariants: ``ParamSpec`` and ``GroupConfig`` never change after construction; ``GroupControls`` changes
+only through ``FSDPModule`` setters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._mesh import MeshInfo
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter for a group to manage.
+
+    Attributes:
+        param: the original parameter.
+        owners: every ``(module, attribute name)`` it is registered under (several when tied).
+        shard_dim: the dim to shard on (``shard_placement_fn``); 0 by default.
+    """
+
+    param: nn.Parameter
+    owners: tuple[tuple[nn.Module, str], ...]
+    shard_dim: int = 0
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """What one ``fully_shard`` call fixed for its group: mesh, policies and compute device."""
+
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    device: torch.device
+
+
+@dataclass
+class GroupControls:
+    """Run-time controls of one group, set by the ``FSDPModule`` setters.
+
+    Attributes:
+        reduce_grads: reduce-scatter gradients after backward (``set_requires_gradient_sync``).
+        all_reduce_grads: HSDP: all-reduce across replicas too (``set_requires_all_reduce``).
+        reshard_after_backward: free unsharded parameters after backward.
+        unshard_in_backward: all-gather in backward (``set_unshard_in_backward``).
+        reshard_after_no_grad_forward: fully reshard after a forward under ``no_grad``; ``False`` only
+            when the user asked for ``reshard_after_forward=False`` (eval loops keep parameters).
+        gradient_divide_factor: divide summed gradients by this instead of the rank count.
+        force_sum_reduction: SUM collectives only, dividing afterwards.
+        all_reduce_hook: called on each reduced gradient buffer.
+    """
+
+    reduce_grads: bool = True
+    all_reduce_grads: bool = True
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    reshard_after_no_grad_forward: bool = True
+    gradient_divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None

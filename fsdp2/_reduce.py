@@ -1,0 +1,136 @@
+"""Gradient reduction of one parameter group.
+
+Owns: ``GradientReducer``: packing a group's unsharded gradients (one buffer per reduce dtype), the
+reduce-scatter (and HSDP all-reduce, with partial accumulation while all-reduce is off), divisions,
+the user's all-reduce hook, and assigning the sharded DTensor gradients; the divide-factor cache, the
+post-reduce event and the CPU-offload copies in flight. Does not own: when to reduce (the group's
+post-backward) or the shared reduce-scatter stream (``CommContext``).
+Invariants: at most one post-reduce event is outstanding per group; partial HSDP outputs exist only
+while ``all_reduce_grads`` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import (
+    DivideFactors,
+    divide_factors,
+    reduce_scatter,
+    reduce_scatter_copy_in,
+    view_out_shards,
+)
+from ._comm_context import CommContext
+from ._config import GroupControls
+from ._mesh import MeshInfo
+from ._param import FSDPParam
+
+
+class GradientReducer:
+    """Reduce-scatters one group's gradients and assigns the sharded results."""
+
+    def __init__(self, mesh_info: MeshInfo) -> None:
+        self.mesh_info = mesh_info
+        self._factors: dict[tuple[torch.dtype, float | None, bool], DivideFactors] = {}
+        self._post_reduce_event: torch.Event | None = None
+        # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
+        self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
+        self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
+
+    def _divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
+        key = (dtype, controls.gradient_divide_factor, controls.force_sum_reduction)
+        factors = self._factors.get(key)
+        if factors is None:
+            info = self.mesh_info
+            factors = divide_factors(info.shard_size * info.replicate_size, *key)
+            self._factors[key] = factors
+        return factors
+
+    def reduce(
+        self,
+        params: list[FSDPParam],
+        grads: list[torch.Tensor],
+        comm_ctx: CommContext | None,
+        controls: GroupControls,
+    ) -> None:
+        """One reduce-scatter per reduce dtype (normally exactly one), then assign sharded gradients.
+
+        Empties ``grads`` as it packs them, so the unsharded gradients are freed early.
+        """
+        if comm_ctx is not None:
+            comm_ctx.retire_reduce_scatters()
+        buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
+        for fsdp_param, grad in zip(params, grads, strict=True):
+            if fsdp_param.padded_shard_numel == 0:
+                continue  # a zero-element parameter: nothing to reduce, its gradient is empty
+            dtype = fsdp_param.reduce_dtype or grad.dtype
+            if fsdp_param.shard_dim != 0:
+                grad = fsdp_param.dim0_grad(grad)
+            bucket = buckets.setdefault(dtype, ([], []))
+            bucket[0].append(fsdp_param)
+            bucket[1].append(grad)
+        grads.clear()
+        for dtype, (bucket_params, bucket_grads) in buckets.items():
+            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
+            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel)
+            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
+            stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
+            if stream is None or comm_ctx is None:
+                self._reduce_and_assign(buffer, bucket_params, controls)
+                continue
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._reduce_and_assign(buffer, bucket_params, controls)
+                event = stream.record_event()
+            comm_ctx.pending_reduce_scatters.append((buffer, event))
+            self._post_reduce_event = event
+        for fsdp_param in params:
+            if fsdp_param.padded_shard_numel == 0:
+                fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
+
+    def _reduce_and_assign(
+        self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls
+    ) -> None:
+        info = self.mesh_info
+        factors = self._divide_factors(buffer.dtype, controls)
+        output = reduce_scatter(buffer, info.shard_group, info.shard_size, factors.op, factors.predivide)
+        if info.replicate_group is not None:
+            partial = self._partial_outputs.pop(buffer.dtype, None)
+            if not controls.all_reduce_grads:
+                # HSDP without all-reduce: keep summing shard-reduced gradients until one that syncs.
+                self._partial_outputs[buffer.dtype] = output if partial is None else partial.add_(output)
+                return
+            if partial is not None:
+                output.add_(partial)
+            if info.replicate_size > 1:
+                dist.all_reduce(output, op=factors.op, group=info.replicate_group)
+        if controls.all_reduce_hook is not None:
+            controls.all_reduce_hook(output)
+        if factors.postdivide is not None:
+            output.div_(factors.postdivide)
+        views = view_out_shards(
+            output,
+            [p.padded_shard_numel for p in params],
+            [p.local_numel for p in params],
+            [p.local_shard_size for p in params],
+        )
+        for fsdp_param, view in zip(params, views, strict=True):
+            if fsdp_param.accumulate_sharded_grad(view):
+                self._offload_copies_in_flight = True
+
+    def finalize(self) -> None:
+        """End of the last backward: make the current stream (and, for offload, the CPU) wait."""
+        event = self._post_reduce_event
+        if event is not None:
+            if self._offload_copies_in_flight:
+                # Non-blocking copies of offloaded gradients: the CPU optimizer reads them next.
+                event.synchronize()
+            torch.cuda.current_stream().wait_event(event)
+            self._post_reduce_event = None
+        self._offload_copies_in_flight = False
+
+    def reset(self) -> None:
+        """Forget the reductions of an aborted iteration, HSDP partial sums included."""
+        self.finalize()
+        self._partial_outputs.clear()
