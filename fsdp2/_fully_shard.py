@@ -1,8 +1,9 @@
 """``fully_shard()``: validate, build the group and state, swap the module's class.
 
 Owns: argument validation (all of it before any state changes), collecting managed modules and
-parameters, the dynamic ``FSDP<Name>`` classes, and the ``FSDPModule`` mixin whose methods call into
-``FSDPState``/``FSDPParamGroup``. Does not own: hooks or communication.
+parameters into ``ParamSpec``/``GroupConfig`` records, building the ``FSDPParamGroup`` and ``FSDPState``,
+and the class swap. Does not own: the ``FSDPModule`` mixin and ``FSDP<Name>`` classes (``_module.py``),
+hooks (``_state.py``) or communication.
 Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
 """
 

@@ -1,8 +1,8 @@
 """The two FSDP implementations every behaviour test runs against: ``fsdp2`` and ``torch``.
 
 Owns: the ``Impl`` record (``fully_shard``, ``FSDPModule``, ``record_events``), the lazy import
-of ``fsdp2`` (with the temporary skip while the engine does not exist yet), and the event
-recorder for torch's ``fully_shard``, which wraps the param-group class methods.
+of ``fsdp2``, and the event recorder for torch's ``fully_shard``, which wraps the param-group class
+methods.
 Invariants: both recorders yield the same thing, a live sequence of
 ``(kind, module_fqn, state_name)`` tuples holding only the calling thread's events.
 """
@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 from torch import nn
 
 Event = tuple[str, str, str]  # (kind, module_fqn, TrainingState name)
@@ -79,12 +78,7 @@ class Impl:
 
 
 def _load_fsdp2() -> Impl:
-    # ---- TEMPORARY: remove this skip once the fsdp2 engine has landed. -----------------------
-    try:
-        import fsdp2
-    except ImportError:
-        pytest.skip("fsdp2 not importable yet")
-    # ---- end of temporary skip ----------------------------------------------------------------
+    import fsdp2  # an import error fails every fsdp2 test: it must never turn into skips
 
     @contextlib.contextmanager
     def record_events() -> Iterator[EventLog]:
@@ -193,7 +187,7 @@ def _load_torch() -> Impl:
 
 
 def get_impl(name: str) -> Impl:
-    """Return the named implementation (``fsdp2`` skips the test while it is not importable)."""
+    """Return the named implementation."""
     if name == "fsdp2":
         return _load_fsdp2()
     if name == "torch":

@@ -40,5 +40,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=IMPL_NAMES)
 def impl(request: pytest.FixtureRequest) -> Impl:
-    """The implementation under test; ``fsdp2`` is skipped while it cannot be imported."""
+    """The implementation under test (``fsdp2`` or torch's ``fully_shard``)."""
     return get_impl(request.param)

@@ -26,10 +26,10 @@ from fsdp2._collectives import (
     reduce_scatter_copy_in,
     view_out_shards,
 )
+from fsdp2._config import GroupConfig, ParamSpec
 from fsdp2._dtensor import local_of
 from fsdp2._lifecycle import ShardedState, TrainingState
 from fsdp2._mesh import MeshInfo, post_forward_mesh_info
-from fsdp2._config import GroupConfig, ParamSpec
 from fsdp2._param import chunk_rows
 from fsdp2._param_group import FSDPParamGroup
 from tests._harness import count_collectives, run_threaded

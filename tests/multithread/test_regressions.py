@@ -1,0 +1,237 @@
+"""Bugs users hit when trying fsdp2, each pinned by a test that failed before its fix.
+
+- events of another rank's thread never land in this thread's ``record_events()`` (also for a
+  backward that autograd runs on a worker thread, as on CUDA);
+- ``reshard_after_forward=False`` eval loops gather once, like torch, instead of every forward;
+- zero-element parameters (``nn.Linear(4, 0)``, ``nn.Linear(0, 3)``) train like the reference;
+- a forward after a backward that raised, without ``reset_iter_state()``, raises a clear error instead
+  of training on with parameters the optimizer no longer updates.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tests._harness import assert_sharded_parity, count_collectives, run_threaded
+from tests._impls import Impl, get_impl, shard_blocks_then_root
+from tests._training import EXACT, average_grads, seeded, train_in_lockstep
+from tests.models import MLP, make_input
+from tests.multithread.test_grad_sync import BoomError, Stack
+
+# ---- events stay with the thread whose step produced them -------------------------------------
+
+
+class _Blocks(nn.Module):
+    def __init__(self, dim: int = 8, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLP(dim) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_ready = threading.Event()
+_done = threading.Event()
+
+
+def _forward_trace_while_peer_runs_backward(impl_name: str) -> list[Any]:
+    """Rank 0 records a forward and keeps recording while rank 1 runs its whole backward."""
+    impl = get_impl(impl_name)
+    rank = dist.get_rank()
+    model = seeded(_Blocks)
+    # No all-gather in backward (False) and no reduce-scatter (no sync): rank 1's backward runs alone.
+    shard_blocks_then_root(impl, model, model.layers, reshard_after_forward=False)
+    model.set_requires_gradient_sync(False)
+    x = make_input((2, 8), rank)
+    if rank == 0:
+        with impl.record_events() as events:
+            out = model(x)
+            _ready.set()
+            assert _done.wait(60), "rank 1 never finished its backward"
+        trace = list(events)
+        out.sum().backward()
+        return trace
+    out = model(x)
+    assert _ready.wait(60), "rank 0 never finished its forward"
+    try:
+        out.sum().backward()  # outside any recorder: its events belong to nobody
+    finally:
+        _done.set()
+    return []
+
+
+def test_events_of_another_rank_thread_never_leak(impl: Impl) -> None:
+    _ready.clear()
+    _done.clear()
+    trace = run_threaded(2, _forward_trace_while_peer_runs_backward, impl.name)[0]
+    assert trace == [  # the root has no parameters of its own, hence no group and no events
+        ("unshard", "layers.0", "FORWARD"),
+        ("unshard", "layers.1", "FORWARD"),
+    ]
+
+
+class _RecordInBackward(torch.autograd.Function):
+    """Identity whose backward records an event, as a group's post-backward does."""
+
+    @staticmethod
+    def forward(ctx: Any, scope: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.scope = scope
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        from fsdp2 import TrainingState, _events
+
+        _events.record("post_backward", "worker", TrainingState.POST_BACKWARD, ctx.scope)
+        return None, grad
+
+
+def test_backward_on_a_worker_thread_reports_to_the_forward_thread() -> None:
+    """A backward autograd runs on another thread (CUDA) lands with the thread that ran forward."""
+    from fsdp2 import _events
+
+    scope = _events.EventScope()
+    x = torch.ones(2, requires_grad=True)
+    with _events.record_events() as events:
+        scope.capture()  # what the root does when an iteration's forward starts
+        y = _RecordInBackward.apply(scope, x)
+        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker.start()
+        worker.join()
+        # A thread with no recorder and no captured scope records nothing anywhere.
+        other = threading.Thread(target=lambda: _RecordInBackward.apply(None, x).sum().backward())
+        other.start()
+        other.join()
+    assert [e.as_tuple() for e in events] == [("post_backward", "worker", "POST_BACKWARD")]
+    # Once the context is closed, the captured recorder takes no more events.
+    _RecordInBackward.apply(scope, x).sum().backward()
+    assert len(events) == 1
+
+
+# ---- eval loops with reshard_after_forward=False ----------------------------------------------
+
+
+def _eval_loop_gathers(impl_name: str, how: str) -> tuple[int, list[torch.Tensor]]:
+    impl = get_impl(impl_name)
+    rank = dist.get_rank()
+    ref = seeded(_Blocks)
+    model = copy.deepcopy(ref)
+    raf = False if how == "argument" else None
+    shard_blocks_then_root(impl, model, model.layers, reshard_after_forward=raf)
+    if how == "setter":
+        model.set_reshard_after_forward(False)
+    outputs = []
+    with count_collectives() as counts, torch.no_grad():
+        for step in range(3):
+            x = make_input((2, 8), rank, seed=step)
+            out = model(x)
+            torch.testing.assert_close(out, ref(x), **EXACT)
+            outputs.append(out)
+    # Training afterwards still matches the reference (the kept parameters are current).
+    x = make_input((2, 8), rank, seed=9)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    average_grads(ref)
+    assert_sharded_parity(ref, model, grads=True)
+    return counts["all_gather"], outputs
+
+
+@pytest.mark.parametrize("how", ["argument", "setter"])
+def test_eval_loop_with_reshard_after_forward_false_gathers_once(how: str) -> None:
+    fsdp2_gathers = run_threaded(2, _eval_loop_gathers, "fsdp2", how)[0][0]
+    torch_gathers = run_threaded(2, _eval_loop_gathers, "torch", how)[0][0]
+    assert fsdp2_gathers == torch_gathers == 2  # one per block (the root has none), for three forwards
+
+
+def _eval_loop_default(impl_name: str) -> None:
+    model = seeded(_Blocks)
+    shard_blocks_then_root(get_impl(impl_name), model, model.layers)
+    with count_collectives() as counts, torch.no_grad():
+        for step in range(3):
+            model(make_input((2, 8), dist.get_rank(), seed=step))
+    # The default reshards after every no-grad forward (so parameters() stays sharded).
+    assert counts["all_gather"] == 6  # two blocks, three forwards
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_eval_loop_with_default_reshards() -> None:
+    run_threaded(2, _eval_loop_default, "fsdp2")
+
+
+# ---- zero-element parameters ------------------------------------------------------------------
+
+
+class _ZeroWidth(nn.Module):
+    """A model with parameters of zero elements on either dim, in a gradient path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.no_out = nn.Linear(8, 0)  # weight (0, 8), bias (0,)
+        self.no_in = nn.Linear(0, 3)  # weight (3, 0), bias (3,)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.dense(x))
+        empty = self.no_out(h)  # (B, 0)
+        return self.head(h) * self.no_in(empty)  # no_in's output is its bias
+
+
+@pytest.mark.parametrize("layout", ["one_group", "own_groups"])
+def test_zero_element_parameters_train(layout: str) -> None:
+    def body() -> None:
+        impl = get_impl("fsdp2")
+        ref = seeded(_ZeroWidth)
+        model = copy.deepcopy(ref)
+        if layout == "own_groups":  # a group whose every parameter is empty, and a mixed one
+            impl.fully_shard(model.no_out)
+            impl.fully_shard(model.no_in)
+        impl.fully_shard(model)
+        losses = train_in_lockstep(
+            model, ref, lambda rank, step: make_input((4, 8), rank, seed=step), 3, assert_sharded_parity
+        )
+        assert len(losses) == 3  # gradients (present, with the reference's values) checked on step 0
+
+    run_threaded(2, body)
+
+
+# ---- a forward after a backward that raised ---------------------------------------------------
+
+
+def _forward_after_failed_backward() -> None:
+    impl = get_impl("fsdp2")
+    rank = dist.get_rank()
+    model = seeded(Stack)
+    for block in model.blocks:
+        impl.fully_shard(block)
+    impl.fully_shard(model)
+    x = make_input((4, 6), rank)
+    model(x).sum().backward()
+    model.blocks[1].raiser.fail = "backward"
+    with pytest.raises(BoomError):
+        model(x).sum().backward()
+    model.blocks[1].raiser.fail = None
+    # The user's loop swallowed the error and goes on: the next forward must refuse.
+    with pytest.raises(RuntimeError, match=r"previous backward never finished.*reset_iter_state\(\)"):
+        model(x)
+    with pytest.raises(RuntimeError, match=r"reset_iter_state\(\)"):
+        model(x)  # still refused: nothing was changed by the failed attempt
+    model.reset_iter_state()
+    loss = model(x).sum()
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_forward_after_unfinished_backward_raises() -> None:
+    run_threaded(2, _forward_after_failed_backward)

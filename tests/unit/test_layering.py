@@ -1,0 +1,97 @@
+"""The package's layering: no import cycles inside ``fsdp2/`` and no import of torch's FSDP.
+
+Imports are read from the source (``ast``), so imports under ``if TYPE_CHECKING:`` and imports inside
+functions count too: a cycle hidden behind type checking is still a lower layer reaching up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdp2"
+
+
+def _internal_imports(path: Path) -> set[str]:
+    """Names of the ``fsdp2`` modules that ``path`` imports (``_state``, ``_param``, ...)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:  # from ._x import y
+                found.add(node.module.split(".")[0])
+            elif node.level == 1:  # from . import _x
+                found.update(alias.name for alias in node.names)
+            elif node.module and node.module.split(".")[0] == "fsdp2" and "." in node.module:
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "fsdp2" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
+    return {name: _internal_imports(path) & modules.keys() - {name} for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or ``None``."""
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        if node in visiting:
+            return [*visiting[visiting.index(node) :], node]
+        if node in done:
+            return None
+        visiting.append(node)
+        for dep in sorted(graph[node]):
+            cycle = visit(dep)
+            if cycle is not None:
+                return cycle
+        visiting.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles_in_fsdp2() -> None:
+    graph = _graph()
+    assert len(graph) > 10, "the package was not found"
+    cycle = _find_cycle({k: v for k, v in graph.items() if k != "__init__"})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    "leaf", ["_api", "_lifecycle", "_autograd", "_collectives", "_comm_context", "_dtensor"]
+)
+def test_leaves_import_nothing_from_fsdp2(leaf: str) -> None:
+    assert _graph()[leaf] == set()
+
+
+def test_cycle_finder_sees_type_checking_imports(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
+    )
+    (tmp_path / "b.py").write_text("from . import a\n")
+    graph = {p.stem: _internal_imports(p) for p in tmp_path.glob("*.py")}
+    assert _find_cycle(graph) == ["a", "b", "a"]
+
+
+def test_fsdp2_never_imports_torch_fsdp() -> None:
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                assert not name.startswith("torch.distributed.fsdp"), f"{path.name} imports {name}"
