@@ -9,6 +9,13 @@ Invariants: the root's lazy init creates one ``SharedContext``, ``CommContext`` 
 hands them to every state and group under it (none exist before, except those a setter or
 ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
 FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
+
+[Note: Prefetch order]
+Every post-forward of a state with a group (that a backward may use) appends the state to the shared
+``post_forward_order`` and remembers its index (one per forward use). A pre-backward without an
+explicit prefetch list pops its latest index ``i`` and unshards ``post_forward_order[i - 1]``: the
+module that ran just before it in forward runs just after it in backward. Explicit lists replace that
+default.
 """
 
 from __future__ import annotations
