@@ -4,6 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 """
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._comms import AllGather, Comm, ReduceScatter
 from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
@@ -12,11 +13,14 @@ from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, sh
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGather",
     "CPUOffloadPolicy",
+    "Comm",
     "Event",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "TrainingState",
     "UnshardHandle",
     "__version__",

@@ -3,7 +3,9 @@
 Owns: the all-gather copy-in (every parameter's 1-D input into one flat buffer), the all-gather,
 the copy-out into per-parameter outputs, the reduce-scatter copy-in (chunk-concatenation of padded
 gradients), the reduce-scatter, and the view-out into per-parameter shards; plus the reduce ops and
-divide factors. Does not own: streams' lifetimes (``CommContext``) or registering parameters.
+divide factors. Buffers are allocated by, and collectives issued through, the comm objects passed in
+(``_comms``; the defaults when none is given). Does not own: streams' lifetimes (``CommContext``) or
+registering parameters.
 
 Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n_i``):
 - all-gather buffer: ``[rank 0: p0 | p1 | ...][rank 1: p0 | p1 | ...]...``, ``W * B`` elements; this
@@ -15,14 +17,16 @@ Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._comms import DefaultAllGather, DefaultReduceScatter
+
 ReduceOp = dist.ReduceOp
-# torch >= 2.10 names the single-tensor collectives *_single; older releases only have *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_DEFAULT_ALL_GATHER = DefaultAllGather()
+_DEFAULT_REDUCE_SCATTER = DefaultReduceScatter()
 
 
 @dataclass
@@ -37,27 +41,34 @@ class AllGatherResult:
 
 
 def all_gather_copy_in(
-    inputs: list[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype
+    inputs: list[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, comm: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Allocate the flat output and copy (and cast) ``inputs`` into this rank's block of it.
+    """Allocate the flat output (``comm.allocate``) and copy (and cast) ``inputs`` into this rank's block.
 
     Returns ``(output, local_block, split_sizes)``; ``local_block`` views ``output``.
     """
     split_sizes = [t.numel() for t in inputs]
     block = sum(split_sizes)
-    output = torch.empty(block * world_size, dtype=dtype, device=inputs[0].device)
+    comm = _DEFAULT_ALL_GATHER if comm is None else comm
+    output = comm.allocate((block * world_size,), dtype=dtype, device=inputs[0].device)
     local = output.narrow(0, block * rank, block)
     torch._foreach_copy_(torch.split_with_sizes(local, split_sizes), inputs)
     return output, local, split_sizes
 
 
 def issue_all_gather(
-    output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup, world_size: int, async_op: bool
+    output: torch.Tensor,
+    local: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    async_op: bool,
+    comm: Any = None,
 ) -> dist.Work | None:
     """All-gather ``local`` (a view of ``output``) into ``output``; nothing to do for one rank."""
     if world_size == 1:
         return None
-    work = _all_gather_single(output, local, group=group, async_op=async_op)
+    comm = _DEFAULT_ALL_GATHER if comm is None else comm
+    work: dist.Work | None = comm(output, local, group, async_op)
     return work if async_op else None
 
 
@@ -68,10 +79,11 @@ def foreach_all_gather(
     rank: int,
     dtype: torch.dtype,
     async_op: bool = False,
+    comm: Any = None,
 ) -> AllGatherResult:
     """Copy-in and all-gather on the current stream (the caller picks the stream)."""
-    output, local, split_sizes = all_gather_copy_in(inputs, world_size, rank, dtype)
-    work = issue_all_gather(output, local, group, world_size, async_op)
+    output, local, split_sizes = all_gather_copy_in(inputs, world_size, rank, dtype, comm)
+    work = issue_all_gather(output, local, group, world_size, async_op, comm)
     return AllGatherResult(output, split_sizes, world_size, None, work)
 
 
@@ -96,15 +108,21 @@ def copy_out_2d(result: AllGatherResult, outputs_2d: list[torch.Tensor]) -> None
 
 
 def reduce_scatter_copy_in(
-    grads: list[torch.Tensor], world_size: int, dtype: torch.dtype, shard_numel: int | None = None
+    grads: list[torch.Tensor],
+    world_size: int,
+    dtype: torch.dtype,
+    shard_numel: int | None = None,
+    comm: Any = None,
 ) -> torch.Tensor:
     """Chunk-concatenate the (dim-0 zero-padded) gradients into a ``(W, S)`` buffer cast to ``dtype``.
 
     ``shard_numel`` is ``S``, the sum of the padded shard numels, when the caller already knows it.
+    The buffer comes from ``comm.allocate``.
     """
     if shard_numel is None:
         shard_numel = sum(_padded_shard_numel(g, world_size) for g in grads)
-    buffer = torch.empty(world_size * shard_numel, dtype=dtype, device=grads[0].device)
+    comm = _DEFAULT_REDUCE_SCATTER if comm is None else comm
+    buffer: torch.Tensor = comm.allocate((world_size * shard_numel,), dtype=dtype, device=grads[0].device)
     # One fused pad-chunk-concatenate-cast kernel instead of a Python loop over gradients.
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))  # noqa: SLF001
     return buffer
@@ -121,14 +139,18 @@ def reduce_scatter(
     world_size: int,
     op: dist.ReduceOp.RedOpType,
     predivide: float | None,
+    comm: Any = None,
 ) -> torch.Tensor:
-    """Reduce-scatter ``buffer`` in place over ``group``; returns this rank's 1-D output."""
+    """Reduce-scatter ``buffer`` over ``group`` (through ``comm``); returns this rank's 1-D output."""
     if predivide is not None:
         buffer.div_(predivide)
     if world_size == 1:
         return buffer
-    output = torch.empty(buffer.numel() // world_size, dtype=buffer.dtype, device=buffer.device)
-    _reduce_scatter_single(output, buffer, op=op, group=group)
+    comm = _DEFAULT_REDUCE_SCATTER if comm is None else comm
+    output: torch.Tensor = comm.allocate(
+        (buffer.numel() // world_size,), dtype=buffer.dtype, device=buffer.device
+    )
+    comm(output, buffer, group, op)
     return output
 
 

@@ -81,10 +81,13 @@ class CommContext:
         self.retire_reduce_scatters()
         self.deferred_all_gather = None
 
-    def retire_reduce_scatters(self) -> None:
-        """Make the current stream wait on, and drop, every reduce-scatter buffer still in flight."""
+    def retire_reduce_scatters(self, keep: int = 0) -> None:
+        """Make the current stream wait on, and drop, the oldest reduce-scatter buffers in flight.
+
+        ``keep`` buffers may stay in flight (``set_reduce_scatter_max_input_buffers`` minus one).
+        """
         pending = self.pending_reduce_scatters
-        while pending:
+        while len(pending) > keep:
             _, event = pending.pop(0)
             if event is not None:
                 torch.cuda.current_stream().wait_event(event)

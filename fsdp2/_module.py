@@ -12,12 +12,25 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._autograd import eager
+from ._comms import (
+    AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    ReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+    check_comm,
+    check_symmetric_memory,
+)
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
@@ -212,6 +225,112 @@ class FSDPModule(_ModuleBase):
         """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""
         self._get_fsdp_state().shared_context().post_optim_event = event
 
+    # ---- collectives -----------------------------------------------------------------------------
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Run this module's all-gathers through ``comm`` (not recursive).
+
+        ``comm.allocate`` provides the output buffer and ``comm(output, input, group, async_op)`` runs the
+        collective; see :class:`AllGather`. Not used when the shard group has a single rank.
+        """
+        check_comm(comm, "all_gather")
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.comms.all_gather = comm
+            group.comms.custom = True
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Run this module's gradient reduce-scatters through ``comm`` (not recursive).
+
+        ``comm.allocate`` provides the input and output buffers and ``comm(output, input, group, op)``
+        runs the collective; see :class:`ReduceScatter`. Not used when the shard group has one rank.
+        """
+        check_comm(comm, "reduce_scatter")
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.comms.reduce_scatter = comm
+            group.comms.custom = True
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Take collective buffers from the process group's own allocator where it has one (not recursive).
+
+        With NCCL this allows zero-copy transfers (e.g. SHARP); backends without an allocator (gloo)
+        fall back to ordinary buffers. Cannot be combined with ``set_custom_all_gather`` /
+        ``set_custom_reduce_scatter``.
+        """
+        group = self._get_fsdp_state().group
+        if group is None:
+            return
+        _refuse_custom(group, "set_allocate_memory_from_process_group_for_comm")
+        if enable:
+            shard_group = group.mesh_info.shard_group
+            group.comms.all_gather = ProcessGroupAllocAllGather(shard_group)
+            group.comms.reduce_scatter = ProcessGroupAllocReduceScatter(shard_group)
+        else:
+            group.comms.all_gather = DefaultAllGather()
+            group.comms.reduce_scatter = DefaultReduceScatter()
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Take collective buffers from CUDA symmetric memory, so NCCL can use its optimized kernels.
+
+        Needs CUDA and NCCL (a ``RuntimeError`` elsewhere); cannot be combined with custom collectives.
+        Not recursive.
+        """
+        group = self._get_fsdp_state().group
+        if group is None:
+            return
+        _refuse_custom(group, "set_symm_mem_for_comm")
+        check_symmetric_memory(group.device, backend)
+        shard_group = group.mesh_info.shard_group
+        group.comms.all_gather = SymmMemAllGather(shard_group, backend)
+        group.comms.reduce_scatter = SymmMemReduceScatter(shard_group, backend)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zero gradients for parameters that got no gradient in this backward.
+
+        Needed when ranks use different parameters (conditional control flow, mixture of experts): every
+        rank then issues the same reduce-scatter instead of mismatched ones.
+        """
+        for module in self._fsdp_modules(recurse):
+            group = _require_state(module).group
+            if group is not None:
+                group.controls.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatter input buffers may be in flight at once (CUDA; default 1).
+
+        More buffers let the next copy-in proceed while an exposed reduce-scatter is still running, at
+        the cost of the retained buffers' memory. No effect without side streams (CPU).
+        """
+        value: object = max_input_buffers
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {describe(max_input_buffers)}.")
+        for module in self._fsdp_modules(recurse):
+            group = _require_state(module).group
+            if group is not None:
+                group.controls.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Give gradient reduce-scatters a process group of their own (``False`` goes back to sharing).
+
+        With its own communicator a reduce-scatter can progress while a backward all-gather runs. Creating
+        the group is collective: call this on every rank of the mesh, in the same order.
+        """
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for module in self._fsdp_modules(recurse):
+            group = _require_state(module).group
+            if group is None:
+                continue
+            if not enable:
+                group.comms.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.comms.reduce_scatter_group = created[ranks]
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""
         group = self._get_fsdp_state().group
@@ -257,6 +376,14 @@ def _require_state(module: Any) -> FSDPState:
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
     return state
+
+
+def _refuse_custom(group: FSDPParamGroup, method: str) -> None:
+    if group.comms.custom:
+        raise RuntimeError(
+            f"{method} cannot be combined with set_custom_all_gather / set_custom_reduce_scatter: the custom "
+            "collectives allocate their own buffers. Use one or the other."
+        )
 
 
 def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:

@@ -206,6 +206,10 @@ class FSDPParam:
         blocks = staging.view(self.mesh_info.shard_size, *self.local_shard_size).unbind(0)
         torch.cat(blocks, dim=self.shard_dim, out=full.data)
 
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        """A zero gradient of the unsharded shape (a parameter this rank did not use in backward)."""
+        return torch.zeros(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+
     def empty_local_grad(self) -> torch.Tensor:
         """The (zero-element) local gradient of a parameter whose shard holds no elements."""
         return torch.zeros(self.local_shard_size, dtype=self.orig_dtype, device=self.device)

@@ -25,6 +25,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from ._comm_context import CommContext
+from ._comms import GroupComms
 from ._config import GroupConfig, GroupControls, ParamSpec
 from ._events import EventScope
 from ._lifecycle import ShardedState, TrainingState, transition
@@ -63,6 +64,7 @@ class FSDPParamGroup:
         self._all_gather_dtype = self.fsdp_params[0].orig_dtype
         self._post_forward_mesh_info = post_forward_mesh_info
         self.controls = GroupControls()
+        self.comms = GroupComms()
         self.reducer = GradientReducer(config.mesh_info)
         # handed down by the root's lazy init; None before it (no streams: work runs in program order)
         self.comm_ctx: CommContext | None = None
@@ -142,8 +144,10 @@ class FSDPParamGroup:
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         ctx = self.comm_ctx
+        # Custom collectives are not used for a single rank (nothing is communicated).
+        comm = self.comms.all_gather if info.shard_size > 1 else None
         if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
-            self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward)
+            self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward, comm)
         else:
             self._all_gather_result = foreach_all_gather(
                 self._all_gather_inputs(post_forward),
@@ -152,6 +156,7 @@ class FSDPParamGroup:
                 info.shard_rank,
                 self._all_gather_dtype,
                 async_op,
+                comm,
             )
 
     def _all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
@@ -160,7 +165,9 @@ class FSDPParamGroup:
             inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, self.fsdp_params, strict=True)]
         return inputs
 
-    def _all_gather_on_streams(self, ctx: CommContext, info: MeshInfo, post_forward: bool) -> AllGatherResult:
+    def _all_gather_on_streams(
+        self, ctx: CommContext, info: MeshInfo, post_forward: bool, comm: object
+    ) -> AllGatherResult:
         copy_in_stream, gather_stream = ctx.all_gather_copy_in_stream, ctx.all_gather_stream
         assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
         assert gather_stream is not None, "all-gather stream not initialized"
@@ -175,10 +182,11 @@ class FSDPParamGroup:
                 info.shard_size,
                 info.shard_rank,
                 self._all_gather_dtype,
+                comm,
             )
         gather_stream.wait_stream(copy_in_stream)
         with torch.cuda.stream(gather_stream):
-            issue_all_gather(output, local, info.shard_group, info.shard_size, async_op=False)
+            issue_all_gather(output, local, info.shard_group, info.shard_size, False, comm)
             event = gather_stream.record_event()
         return AllGatherResult(output, split_sizes, info.shard_size, event, None)
 
@@ -295,15 +303,18 @@ class FSDPParamGroup:
             return
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
+        unused_too = controls.reduce_scatter_unused_params
         for fsdp_param in self.fsdp_params:
             grad = fsdp_param.take_unsharded_grad()
+            if grad is None and unused_too and fsdp_param.sharded_param.requires_grad:
+                grad = fsdp_param.zero_unsharded_grad()
             if grad is not None:
                 reduced.append(fsdp_param)
                 grads.append(grad)
         if controls.reshard_after_backward:
             self.reshard()
         if grads:
-            self.reducer.reduce(reduced, grads, self.comm_ctx, controls)
+            self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
     def finish_backward(self, last: bool) -> None:

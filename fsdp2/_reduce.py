@@ -12,7 +12,6 @@ while ``all_reduce_grads`` is off.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ._collectives import (
     DivideFactors,
@@ -22,6 +21,7 @@ from ._collectives import (
     view_out_shards,
 )
 from ._comm_context import CommContext
+from ._comms import GroupComms
 from ._config import GroupControls
 from ._mesh import MeshInfo
 from ._param import FSDPParam
@@ -53,13 +53,16 @@ class GradientReducer:
         grads: list[torch.Tensor],
         comm_ctx: CommContext | None,
         controls: GroupControls,
+        comms: GroupComms,
     ) -> None:
         """One reduce-scatter per reduce dtype (normally exactly one), then assign sharded gradients.
 
         Empties ``grads`` as it packs them, so the unsharded gradients are freed early.
         """
         if comm_ctx is not None:
-            comm_ctx.retire_reduce_scatters()
+            comm_ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
+        # Custom collectives are not used for a single rank (nothing is communicated).
+        comm = comms.reduce_scatter if self.mesh_info.shard_size > 1 else None
         buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for fsdp_param, grad in zip(params, grads, strict=True):
             if fsdp_param.padded_shard_numel == 0:
@@ -73,15 +76,15 @@ class GradientReducer:
         grads.clear()
         for dtype, (bucket_params, bucket_grads) in buckets.items():
             shard_numel = sum(p.padded_shard_numel for p in bucket_params)
-            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel)
+            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel, comm)
             bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
             stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
             if stream is None or comm_ctx is None:
-                self._reduce_and_assign(buffer, bucket_params, controls)
+                self._reduce_and_assign(buffer, bucket_params, controls, comms)
                 continue
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._reduce_and_assign(buffer, bucket_params, controls)
+                self._reduce_and_assign(buffer, bucket_params, controls, comms)
                 event = stream.record_event()
             comm_ctx.pending_reduce_scatters.append((buffer, event))
             self._post_reduce_event = event
@@ -90,11 +93,13 @@ class GradientReducer:
                 fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
 
     def _reduce_and_assign(
-        self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls
+        self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls, comms: GroupComms
     ) -> None:
         info = self.mesh_info
         factors = self._divide_factors(buffer.dtype, controls)
-        output = reduce_scatter(buffer, info.shard_group, info.shard_size, factors.op, factors.predivide)
+        group = comms.reduce_scatter_group or info.shard_group
+        comm = comms.reduce_scatter if info.shard_size > 1 else None
+        output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
         if info.replicate_group is not None:
             partial = self._partial_outputs.pop(buffer.dtype, None)
             if not controls.all_reduce_grads:
@@ -104,7 +109,7 @@ class GradientReducer:
             if partial is not None:
                 output.add_(partial)
             if info.replicate_size > 1:
-                dist.all_reduce(output, op=factors.op, group=info.replicate_group)
+                comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
             controls.all_reduce_hook(output)
         if factors.postdivide is not None:
