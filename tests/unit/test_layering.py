@@ -71,9 +71,7 @@ def test_no_import_cycles_in_fsdp2() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize(
-    "leaf", ["_api", "_lifecycle", "_autograd", "_comms", "_comm_context", "_dtensor"]
-)
+@pytest.mark.parametrize("leaf", ["_api", "_lifecycle", "_autograd", "_comms", "_comm_context", "_dtensor"])
 def test_leaves_import_nothing_from_fsdp2(leaf: str) -> None:
     assert _graph()[leaf] == set()
 
