@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._mesh import MeshInfo
@@ -27,11 +28,14 @@ class ParamSpec:
         param: the original parameter.
         owners: every ``(module, attribute name)`` it is registered under (several when tied).
         shard_dim: the dim to shard on (``shard_placement_fn``); 0 by default.
+        spmd_mesh: for a tensor-parallel (DTensor) parameter, the data-parallel mesh dims followed by
+            its TP mesh dims, one mesh (the sharded parameter's DTensor mesh); ``None`` otherwise.
     """
 
     param: nn.Parameter
     owners: tuple[tuple[nn.Module, str], ...]
     shard_dim: int = 0
+    spmd_mesh: DeviceMesh | None = None
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = [
+    "DTensorSpec",
+    "local_in_placements",
+    "local_of",
+    "make_spec",
+    "set_local",
+    "spec_of",
+    "strided_shard",
+    "wrap_local",
+]
 
 
 def make_spec(
@@ -47,3 +59,21 @@ def set_local(tensor: DTensor, local: torch.Tensor) -> None:
 def spec_of(tensor: DTensor) -> DTensorSpec:
     spec: DTensorSpec = tensor._spec  # noqa: SLF001 - this module owns DTensor internals
     return spec
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """DTensor's placement for a dim sharded inside another mesh dim's shards (FSDP inside TP)."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def local_in_placements(tensor: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
+    """``tensor``'s local tensor after redistributing it to ``placements`` (e.g. reducing ``Partial``).
+
+    Waits for an asynchronous collective result, so the caller gets a plain tensor.
+    """
+    if tuple(tensor.placements) != tuple(placements):
+        tensor = tensor.redistribute(tensor.device_mesh, placements)
+    local = local_of(tensor)
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.wait()
+    return local

@@ -15,13 +15,19 @@ from typing import Any, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
-from ._mesh import MeshInfo, default_mesh, mesh_device, post_forward_mesh_info
+from ._mesh import (
+    MeshInfo,
+    data_and_tensor_parallel_mesh,
+    default_mesh,
+    mesh_device,
+    post_forward_mesh_info,
+)
 from ._module import FSDPModule, describe, fsdp_class
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
@@ -84,7 +90,7 @@ def fully_shard(
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or a list of them.
         ValueError: a bad mesh, ``reshard_after_forward``, repeated call, scalar parameter.
-        NotImplementedError: a non-contiguous or already-distributed parameter.
+        NotImplementedError: a non-contiguous parameter, or a tensor-parallel one fsdp2 cannot combine.
 
     Example:
         >>> for block in model.layers:  # doctest: +SKIP
@@ -101,11 +107,14 @@ def fully_shard(
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
     shard_dims: dict[int, int] = {}
+    spmd_meshes: dict[int, DeviceMesh] = {}
     for key, (param, name) in params.items():
         _validate_param(param, name, device)
         dim = _shard_dim(param, name, shard_placement_fn, mesh_info.shard_size, reshard_after_forward)
         if dim:
             shard_dims[key] = dim
+        if isinstance(param, DTensor):
+            spmd_meshes[key] = _validate_tp_param(param, name, mesh, dim, reshard_after_forward, mesh_info)
     # ---- no state has changed up to here ----
     _move_to_device(managed, params, device)
     post_info = post_forward_mesh_info(
@@ -115,7 +124,8 @@ def fully_shard(
     if params:
         owners = _owners(managed, params)
         specs = [
-            ParamSpec(param, tuple(owners[key]), shard_dims.get(key, 0)) for key, (param, _) in params.items()
+            ParamSpec(param, tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key))
+            for key, (param, _) in params.items()
         ]
         config = GroupConfig(mesh_info, mp_policy, offload_policy, device)
         group = FSDPParamGroup(specs, modules, config, post_info)
@@ -232,12 +242,6 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> Non
             f"fully_shard cannot shard the scalar parameter {name}: expected at least 1 dim, got shape (). "
             "Use a 1-D tensor with one element."
         )
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"Parameter {name} is already a DTensor (tensor parallel?); fsdp2 does not compose with "
-            "tensor parallelism yet. If fully_shard was applied to a child after its parent, apply it "
-            "bottom-up instead."
-        )
     if not param.is_contiguous():
         raise NotImplementedError(
             f"fully_shard does not support the non-contiguous parameter {name} (stride {param.stride()}); "
@@ -248,6 +252,36 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> Non
             f"Parameter {name} is on {param.device}, but the mesh communicates on {device}. Move the "
             f"module to {device} (or call torch.{device.type}.set_device) before fully_shard."
         )
+
+
+def _validate_tp_param(
+    param: DTensor, name: str, mesh: DeviceMesh, shard_dim: int, reshard: Any, mesh_info: MeshInfo
+) -> DeviceMesh:
+    """Check a tensor-parallel (DTensor) parameter; return its ``(dp..., tp...)`` mesh."""
+    placements = param.placements
+    if len(placements) > 2 or not all(type(p) in (Shard, Replicate) for p in placements):
+        raise NotImplementedError(
+            f"Parameter {name} is a DTensor with placements {placements}; fully_shard composes with 1-D "
+            "tensor (or expert) parallelism and 2-D expert + tensor parallelism whose placements are "
+            "Shard or Replicate."
+        )
+    spmd_mesh = data_and_tensor_parallel_mesh(mesh, param.device_mesh, name)
+    if not 2 <= spmd_mesh.ndim <= 4:
+        raise NotImplementedError(
+            f"Parameter {name}: data-parallel plus tensor-parallel mesh of {spmd_mesh.ndim} dims; fsdp2 "
+            "supports 2 to 4 (FSDP or HSDP, times 1-D or 2-D TP/EP)."
+        )
+    if shard_dim != 0:
+        raise NotImplementedError(
+            f"shard_placement_fn asked for Shard({shard_dim}) on the tensor-parallel parameter {name}; "
+            "fsdp2 shards TP parameters on dim 0 only. Return Shard(0) or None for it."
+        )
+    if not (reshard is None or isinstance(reshard, bool) or reshard == mesh_info.shard_size):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with the tensor-parallel parameter "
+            f"{name}; use True or False."
+        )
+    return spmd_mesh
 
 
 def _shard_dim(param: nn.Parameter, name: str, placement_fn: Any, shard_size: int, reshard: Any) -> int:
@@ -334,7 +368,8 @@ def _move_to_device(
 ) -> None:
     with torch.no_grad():
         for param, _ in params.values():
-            if param.device != device and param.device.type != "meta":
+            # DTensor (tensor-parallel) parameters already live where their own mesh says.
+            if param.device != device and param.device.type != "meta" and not isinstance(param, DTensor):
                 param.data = param.data.to(device)
         for module in modules:
             for name, buffer in module._buffers.items():  # noqa: SLF001 - direct buffers only

@@ -96,3 +96,34 @@ def post_forward_mesh_info(reshard_after_forward: bool | int, mesh_info: MeshInf
         mesh_info.mesh.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard")
     )
     return MeshInfo.from_mesh(mesh)
+
+
+def data_and_tensor_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, param_name: str) -> DeviceMesh:
+    """The mesh of a TP parameter sharded by FSDP: ``dp_mesh``'s dims followed by ``tp_mesh``'s.
+
+    Both must be slices of one root mesh with distinct dim names (e.g. ``mesh["dp"]`` and
+    ``mesh["tp"]`` of ``init_device_mesh(..., mesh_dim_names=("dp", "tp"))``).
+
+    Raises:
+        ValueError: the meshes are not disjoint slices of one root mesh.
+    """
+    fix = (
+        'Build one mesh, e.g. mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp")), '
+        'parallelize the module over mesh["tp"] and pass mesh["dp"] to fully_shard.'
+    )
+    if dp_mesh.device_type != tp_mesh.device_type:
+        raise ValueError(
+            f"Parameter {param_name} is a DTensor on a {tp_mesh.device_type!r} mesh, but fully_shard got a "
+            f"{dp_mesh.device_type!r} mesh. {fix}"
+        )
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    same_root = dp_mesh._get_root_mesh() == tp_mesh._get_root_mesh()  # noqa: SLF001 - no public accessor
+    if not same_root or dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+        raise ValueError(
+            f"Parameter {param_name} is a DTensor on mesh {tp_mesh}, which is not a slice of the same root "
+            f"mesh as fully_shard's mesh {dp_mesh} with different dim names (tensor parallelism needs "
+            f"disjoint dims of one mesh). If fully_shard was applied to a child after its parent, apply it "
+            f"bottom-up instead. {fix}"
+        )
+    spmd: DeviceMesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])  # noqa: SLF001 - no public API
+    return spmd

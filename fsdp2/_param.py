@@ -35,10 +35,20 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
 from ._config import ParamSpec
-from ._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
+from ._dtensor import (
+    DTensorSpec,
+    local_in_placements,
+    local_of,
+    make_spec,
+    set_local,
+    spec_of,
+    strided_shard,
+    wrap_local,
+)
 from ._mesh import MeshInfo
 
 
@@ -66,7 +76,13 @@ class FSDPParam:
         self.fqn = owners[0][1]  # replaced by the root-relative name at lazy init
         self.mesh_info = mesh_info
         self.post_forward_mesh_info = post_forward_mesh_info
-        self.orig_size = param.size()
+        # Tensor parallel: the parameter is a DTensor on a TP mesh; FSDP shards its local tensor, and the
+        # unsharded parameter is a DTensor with the TP spec again. See [Note: Tensor parallel].
+        self._tp_spec = spec_of(param) if isinstance(param, DTensor) else None
+        global_size, global_stride = param.size(), param.stride()
+        if isinstance(param, DTensor):
+            param = nn.Parameter(local_of(param), requires_grad=param.requires_grad)
+        self.orig_size = param.size()  # of the tensor FSDP shards: the TP-local tensor under TP
         self.orig_numel = param.numel()
         self.orig_stride = param.stride()
         self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
@@ -102,8 +118,18 @@ class FSDPParam:
             if self._pin_memory:
                 self._local_shard = self._local_shard.pin_memory()
         shard = Shard(shard_dim)
-        placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
-        self._spec = make_spec(mesh_info.mesh, placements, self.orig_size, param.stride(), param.dtype)
+        dp_placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
+        if self._tp_spec is None:
+            self._spec = make_spec(mesh_info.mesh, dp_placements, global_size, global_stride, param.dtype)
+        else:
+            assert spec.spmd_mesh is not None, f"{self.fqn}: a DTensor parameter without its (dp, tp) mesh"
+            self._spec = make_spec(
+                spec.spmd_mesh,
+                (*dp_placements[:-1], _dp_shard_placement(self._tp_spec), *self._tp_spec.placements),
+                global_size,
+                global_stride,
+                param.dtype,
+            )
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
         self.orig_dtype = param.dtype
@@ -191,6 +217,8 @@ class FSDPParam:
                 self._unsharded_full = full
                 self._unsharded_full_nbytes = full.untyped_storage().nbytes()
                 view = full
+            if self._tp_spec is not None:
+                view = wrap_local(view, self._unsharded_tp_spec())
             self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
         elif data.untyped_storage().nbytes() == 0:
             data.untyped_storage().resize_(self._unsharded_nbytes)
@@ -205,6 +233,20 @@ class FSDPParam:
         assert full is not None, f"{self.fqn}: finish_unshard on a dim-0 sharded parameter"
         blocks = staging.view(self.mesh_info.shard_size, *self.local_shard_size).unbind(0)
         torch.cat(blocks, dim=self.shard_dim, out=full.data)
+
+    def _unsharded_tp_spec(self) -> DTensorSpec:
+        """The TP spec of the unsharded parameter, in the unsharded (compute) dtype."""
+        tp = self._tp_spec
+        assert tp is not None, f"{self.fqn}: not a tensor-parallel parameter"
+        meta = tp.tensor_meta
+        assert meta is not None, f"{self.fqn}: a TP spec without tensor metadata"
+        return make_spec(tp.mesh, tp.placements, meta.shape, meta.stride, self.unsharded_dtype)
+
+    def _tp_local_grad(self, grad: DTensor) -> torch.Tensor:
+        """The local gradient laid out like the TP parameter (a ``Partial`` gradient is reduced first)."""
+        tp = self._tp_spec
+        assert tp is not None, f"{self.fqn}: a DTensor gradient on a parameter that is not tensor parallel"
+        return local_in_placements(grad, tp.placements)
 
     def zero_unsharded_grad(self) -> torch.Tensor:
         """A zero gradient of the unsharded shape (a parameter this rank did not use in backward)."""
@@ -276,6 +318,8 @@ class FSDPParam:
         grad = param.grad
         if grad is not None:
             param.grad = None
+            if isinstance(grad, DTensor):
+                grad = self._tp_local_grad(grad)
         accumulated = self._accumulated_grad
         if accumulated is None:
             return grad
@@ -292,6 +336,8 @@ class FSDPParam:
             return
         grad = param.grad
         param.grad = None
+        if isinstance(grad, DTensor):
+            grad = self._tp_local_grad(grad)
         if self._accumulated_grad is None:
             self._accumulated_grad = grad.to(reduce_dtype)
         else:
@@ -323,6 +369,19 @@ class FSDPParam:
             for hook in tuple(hooks.values()):
                 hook(param)
         return in_flight
+
+
+def _dp_shard_placement(tp_spec: DTensorSpec) -> Placement:
+    """FSDP's placement on its shard mesh dim for a TP parameter: a strided shard when TP splits dim 0.
+
+    TP's shards of dim 0 come first (outer), FSDP's chunks of each TP-local tensor inside them, so
+    FSDP's rows are interleaved ``split_factor`` ways across the global dim 0.
+    """
+    split_factor = 1
+    for size, placement in zip(tp_spec.mesh.shape, tp_spec.placements, strict=True):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            split_factor *= size
+    return strided_shard(0, split_factor) if split_factor > 1 else Shard(0)
 
 
 _warned_no_pinning = False

@@ -1,0 +1,272 @@
+"""fully_shard over tensor-parallel (DTensor) parameters: 2-D (dp, tp) and 3-D HSDP + TP meshes.
+
+Every case applies TP with ``parallelize_module`` (column-wise, row-wise, sequence-parallel norms)
+over ``mesh["tp"]``, then ``fully_shard`` over the data-parallel dims, and trains a few AdamW steps.
+The reference is the plain unsharded model on each data-parallel rank's input, gradients averaged
+over all ranks (TP ranks of one data-parallel rank see the same input). Checked: losses every step,
+gradients after the first backward and parameters at the end (``full_tensor()``), the sharded
+parameters' placements against torch's ``fully_shard`` given the same model, state dicts (plain and
+full via DCP helpers), ``clip_grad_norm_`` and the errors of spec §15.3.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from tests._harness import run_threaded
+from tests._impls import get_impl
+from tests._training import TIGHT, mp_policy, seeded
+
+DIM = 8
+TP = 2
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Attention(nn.Module):
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Under column-wise TP each rank holds heads / tp heads: -1 lets the local width decide.
+        q, k, v = (
+            w(x).view(b, t, -1, DIM // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Model(nn.Module):
+    def __init__(self, attention: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Attention() if attention else FeedForward(), FeedForward()])
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _tp_plan(layer: nn.Module) -> dict[str, Any]:
+    if isinstance(layer, Attention):
+        return {
+            "wq": ColwiseParallel(),
+            "wk": ColwiseParallel(),
+            "wv": ColwiseParallel(),
+            "wo": RowwiseParallel(),
+        }
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _build_mesh(shape: str) -> tuple[DeviceMesh, DeviceMesh, int]:
+    """The data-parallel mesh for fully_shard, the TP mesh, and this rank's data-parallel index."""
+    if shape == "2d":
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"], mesh.get_local_rank("dp")
+    mesh = init_device_mesh(
+        "cpu", (2, dist.get_world_size() // (2 * TP), TP), mesh_dim_names=("rep", "shard", "tp")
+    )
+    dp_index = mesh.get_local_rank("rep") * mesh.size(1) + mesh.get_local_rank("shard")
+    return mesh["rep", "shard"], mesh["tp"], dp_index
+
+
+def _parallelize(impl_name: str, model: Model, shape: str, **kwargs: Any) -> int:
+    impl = get_impl(impl_name)
+    dp_mesh, tp_mesh, dp_index = _build_mesh(shape)
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, _tp_plan(layer))
+    for layer in model.layers:
+        impl.fully_shard(layer, mesh=dp_mesh, **kwargs)
+    impl.fully_shard(model, mesh=dp_mesh, **kwargs)
+    return dp_index
+
+
+def _input(dp_index: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * dp_index + step)
+    return torch.randn(2, 4, DIM, generator=gen)
+
+
+def _assert_full_equal(ref: nn.Module, model: nn.Module, *, grads: bool, tol: dict[str, float]) -> None:
+    for (name, ref_param), param in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert isinstance(param, DTensor), name
+        pairs = [(ref_param, param)] + ([(ref_param.grad, param.grad)] if grads else [])
+        for ref_t, t in pairs:
+            assert isinstance(t, DTensor), f"{name}: {type(t)}"
+            torch.testing.assert_close(t.full_tensor(), ref_t, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _train(impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: bool = False) -> list[float]:
+    ref = seeded(lambda: Model(attention))
+    model = copy.deepcopy(ref)
+    kwargs: dict[str, Any] = {}
+    if bf16:
+        kwargs["mp_policy"] = mp_policy(get_impl(impl_name), param_dtype=torch.bfloat16)
+        ref_compute = copy.deepcopy(ref).to(torch.bfloat16)
+    dp_index = _parallelize(impl_name, model, shape, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if bf16 else TIGHT
+    losses = []
+    for step in range(3):
+        x = _input(dp_index, step)
+        if accumulate:  # a no-sync microbatch first: TP gradients accumulate unsharded
+            model.set_requires_gradient_sync(False)
+            model(x * 0.5).sum().backward()
+            ref(x * 0.5).sum().backward()
+            model.set_requires_gradient_sync(True)
+        loss = model(x).sum()
+        loss.backward()
+        if bf16:  # the reference computes in bf16 too, from its fp32 master weights
+            ref_compute.load_state_dict(ref.state_dict())
+            ref_loss = ref_compute(x.to(torch.bfloat16)).sum()
+            ref_loss.backward()
+            for p, p_compute in zip(ref.parameters(), ref_compute.parameters(), strict=True):
+                p.grad = p_compute.grad.float()
+                p_compute.grad = None
+        else:
+            ref_loss = ref(x).sum()
+            ref_loss.backward()
+        torch.testing.assert_close(loss.float(), ref_loss.float(), **tol)
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        if step == 0:
+            _assert_full_equal(ref, model, grads=True, tol=tol)
+        for o in (optim, ref_optim):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    _assert_full_equal(ref, model, grads=False, tol=tol)
+    return losses
+
+
+@pytest.mark.parametrize("impl_name", ["fsdp2", "torch"])
+@pytest.mark.parametrize(
+    ("shape", "world_size", "attention", "bf16"),
+    [
+        pytest.param("2d", 4, False, False, id="2x2-mlp"),
+        pytest.param("2d", 4, True, False, id="2x2-attention"),
+        pytest.param("2d", 4, True, True, id="2x2-attention-bf16"),
+        pytest.param("3d", 8, True, False, id="2x2x2-attention"),
+    ],
+)
+def test_tensor_parallel_trains_like_the_reference(
+    impl_name: str, shape: str, world_size: int, attention: bool, bf16: bool
+) -> None:
+    run_threaded(world_size, _train, impl_name, shape, attention, bf16)
+
+
+@pytest.mark.parametrize("impl_name", ["fsdp2", "torch"])
+def test_tensor_parallel_gradient_accumulation(impl_name: str) -> None:
+    run_threaded(4, _train, impl_name, "2d", True, False, True)
+
+
+def _placements(impl_name: str, shape: str) -> dict[str, Any]:
+    model = seeded(lambda: Model(True))
+    _parallelize(impl_name, model, shape)
+    out = {}
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor)
+        out[name] = (str(param.placements), tuple(param.device_mesh.shape), tuple(param.to_local().shape))
+    return out
+
+
+@pytest.mark.parametrize(("shape", "world_size"), [("2d", 4), ("3d", 8)])
+def test_placements_match_torch(shape: str, world_size: int) -> None:
+    ours = run_threaded(world_size, _placements, "fsdp2", shape)
+    theirs = run_threaded(world_size, _placements, "torch", shape)
+    assert ours == theirs
+    if shape == "2d":  # spec §15.3: column-wise weights strided, row-wise weights plain Shard(0)
+        assert ours[0]["layers.0.wq.weight"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert ours[0]["layers.0.wo.weight"][0] == "(Shard(dim=0), Shard(dim=1))"
+
+
+def _state_dicts_and_clipping() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    ref = seeded(lambda: Model(True))
+    model = copy.deepcopy(ref)
+    dp_index = _parallelize("fsdp2", model, "2d")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert full.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    sharded = model.state_dict()
+    assert all(isinstance(v, DTensor) for v in sharded.values())
+    # Loading the sharded state dict back is the identity; training still matches afterwards.
+    model.load_state_dict(sharded)
+    x = _input(dp_index, 0)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    # torch's clip_grad_norm_ needs one mesh for all DTensors: clip the 2-D (tensor-parallel) ones.
+    two_d = [i for i, p in enumerate(model.parameters()) if p.device_mesh.ndim == 2]
+    assert len(two_d) == 8  # attention (4) and feed-forward (up weight + bias, down weight + bias)
+    norm = torch.nn.utils.clip_grad_norm_([list(model.parameters())[i] for i in two_d], max_norm=0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_([list(ref.parameters())[i] for i in two_d], max_norm=0.5)
+    torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm, ref_norm, **TIGHT)
+    _assert_full_equal(ref, model, grads=True, tol=TIGHT)
+
+
+def test_state_dicts_and_clip_grad_norm_over_2d_parameters() -> None:
+    run_threaded(4, _state_dicts_and_clipping)
+
+
+def _errors() -> None:
+    fsdp2 = get_impl("fsdp2")
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    other = init_device_mesh("cpu", (8,), mesh_dim_names=("all",))
+
+    def tp_layer() -> FeedForward:
+        layer = FeedForward()
+        parallelize_module(layer, mesh["tp"], _tp_plan(layer))
+        return layer
+
+    layer = tp_layer()
+    weight = layer.up.weight
+    with pytest.raises(ValueError, match=r"not a slice of the same root mesh"):
+        fsdp2.fully_shard(layer, mesh=other)
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\)"):
+        fsdp2.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=2)
+    with pytest.raises(NotImplementedError, match=r"shards TP parameters on dim 0 only"):
+        fsdp2.fully_shard(
+            layer, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None
+        )
+    assert not isinstance(layer, fsdp2.FSDPModule)
+    assert layer.up.weight is weight
+    fsdp2.fully_shard(layer, mesh=mesh["dp"])  # the failed calls can be retried with good arguments
+    assert layer.up.weight.placements[1] == Shard(0)
+    assert layer.norm.weight.placements == (Shard(0),)  # not tensor parallel: plain FSDP
+
+
+def test_tensor_parallel_errors() -> None:
+    run_threaded(8, _errors)
