@@ -3,17 +3,28 @@
 Owns: ``register_post_backward``, which routes a module's inputs that require grad through one
 identity autograd node whose backward calls a given callback (a group's post-backward). The node runs
 once gradients for all of those inputs are computed, i.e. after the module's own parameter gradients.
-Also the few private autograd-engine entry points fsdp2 needs. Does not own: pre-backward hooks
-(tensor hooks on outputs, registered by ``FSDPState``). A leaf: it imports nothing from fsdp2.
+Also ``route_untracked_outputs``, the torch.func stand-in for output hooks (see its docstring),
+``outside_functorch`` (see [Note: Storage work under torch.func]) and the few private autograd-engine
+entry points fsdp2 needs. Does not own: pre-backward hooks (tensor hooks on outputs, registered by
+``FSDPState``). A leaf: it imports nothing from fsdp2.
+
+[Note: Storage work under torch.func]
+Inside a ``torch.func`` transform (``jvp``, ``vjp``, ``grad``, ...) every op result, factory
+functions included, comes back wrapped for the transform's level, and a wrapper has no storage to
+resize or alias. Everything that allocates, gathers, copies into, resizes or registers FSDP tensors
+(lazy init, unshard, copy-out, reshard) therefore runs through ``outside_functorch``, which switches
+the transforms off for its duration: those tensors stay real and outlive the transform. The module's
+forward still runs under the transform; it sees the unsharded parameters as constants of that level.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # Autograd engine entry points that torch exposes only privately; used nowhere else in fsdp2.
 in_backward_task_id = torch._C._current_graph_task_id  # noqa: SLF001 - returns -1 outside backward
@@ -24,7 +35,26 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # noqa: SLF001 - no public API
 
 
+# torch.func entry points that torch exposes only privately; used nowhere else in fsdp2.
+functorch_active = torch._C._are_functorch_transforms_active  # noqa: SLF001 - no public API
+_DisableFuncTorch = torch._C._DisableFuncTorch  # noqa: SLF001 - no public API
+
 _Fn = TypeVar("_Fn", bound="Callable[..., Any]")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def outside_functorch(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run with any active torch.func transforms off. See [Note: Storage work under torch.func]."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not functorch_active():
+            return fn(*args, **kwargs)
+        with _DisableFuncTorch():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def eager(fn: _Fn) -> _Fn:
@@ -37,17 +67,31 @@ def is_view(tensor: torch.Tensor) -> bool:
 
 
 class _PostBackwardNode(torch.autograd.Function):
-    """Identity in forward; calls the given callback in backward."""
+    """Identity in forward (tangents pass through); calls the given callback in backward.
+
+    ``forward`` takes no ``ctx`` (a separate ``setup_context``), and ``jvp`` and a generated vmap
+    rule exist, because torch.func transforms (``vjp``, ``jvp``, ``vmap``, ...) accept only such
+    Functions.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
+    def forward(callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.callback = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, callback_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
 
 
 def register_post_backward(
@@ -76,3 +120,50 @@ def register_post_backward(
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)
     return new_args, new_kwargs
+
+
+class _PreBackwardNode(torch.autograd.Function):
+    """Identity in forward; calls ``hook(grad)`` in backward. The tangent goes through the same node."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hook: Callable[[torch.Tensor], torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        return output
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.hook = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, ctx.hook(grad)
+
+    @staticmethod
+    def jvp(ctx: Any, hook_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        # A backward that starts from a jvp's tangent output must unshard first too.
+        if tangent is None:
+            return None
+        out: torch.Tensor = _PreBackwardNode.apply(ctx.hook, tangent)  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
+        return out
+
+
+def route_untracked_outputs(hook: Callable[[torch.Tensor], torch.Tensor], output: Any) -> Any:
+    """Under torch.func transforms, route ``output``'s floating tensors that need no grad through ``hook``.
+
+    Each floating or complex tensor that reports ``requires_grad=False`` goes through an identity
+    node whose backward calls ``hook``. Inside a transform such as ``torch.func.jvp`` an output may
+    not require grad at the transform's level and still be part of the outer autograd graph (the
+    unsharded parameters require grad): a backward through the returned primal or tangent must run
+    pre-backward although no tensor hook could be registered. Outside transforms ``output`` is
+    returned as it is.
+    """
+    if not functorch_active():
+        return output
+
+    def route(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            return _PreBackwardNode.apply(hook, t)  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
+        return t
+
+    return tree_map(route, output)

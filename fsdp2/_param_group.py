@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _events
-from ._autograd import in_backward_task_id
+from ._autograd import in_backward_task_id, outside_functorch
 from ._collectives import (
     AllGatherResult,
     all_gather_copy_in,
@@ -99,6 +99,7 @@ class FSDPParamGroup:
     def reshard_after_forward(self) -> bool:
         return self._post_forward_mesh_info is not None
 
+    @outside_functorch
     def lazy_init(self) -> None:
         """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
         if not self._lazy_initialized and self.sharded_state is ShardedState.SHARDED:
@@ -130,6 +131,7 @@ class FSDPParamGroup:
 
     # ---- unshard / reshard -----------------------------------------------------------------------
 
+    @outside_functorch
     def unshard(self, async_op: bool = False, as_state: TrainingState | None = None) -> None:
         """Issue this group's all-gather, unless one is pending or the group is already unsharded.
 
@@ -190,6 +192,7 @@ class FSDPParamGroup:
             event = gather_stream.record_event()
         return AllGatherResult(output, split_sizes, info.shard_size, event, None)
 
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the pending all-gather: copy out and register the unsharded parameters."""
         result = self._all_gather_result
@@ -219,6 +222,7 @@ class FSDPParamGroup:
             if self.training_state is not _FORWARD:
                 ctx.release_deferred_all_gather()
 
+    @outside_functorch
     def reshard(self) -> None:
         """Register sharded parameters again and free the unsharded ones.
 
@@ -256,6 +260,11 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         """Enter ``FORWARD`` and make the unsharded parameters available."""
         self.set_state(_FORWARD)
+        if self.sharded_state is _UNSHARDED:
+            # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
+            # since a restore such as torch.func.functional_call's may have put the sharded ones back.
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_unsharded()
         self.unshard()
         self.wait_for_unshard()
 

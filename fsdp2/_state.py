@@ -34,6 +34,7 @@ from ._autograd import (
     is_view,
     queue_end_of_backward_callback,
     register_post_backward,
+    route_untracked_outputs,
 )
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
@@ -261,7 +262,7 @@ class FSDPState:
             return self.cast_output(output)
         self.group_post_forward()
         if torch.is_grad_enabled():
-            self.register_pre_backward_hooks(output)
+            output = self.register_pre_backward_hooks(output)
         self.set_state(_IDLE)
         ctx = self.ctx
         if ctx is not None and ctx.iteration_root is self:
@@ -286,7 +287,7 @@ class FSDPState:
                 continue
             state.group_post_forward()
             if torch.is_grad_enabled():
-                state.register_pre_backward_hooks(output)
+                output = state.register_pre_backward_hooks(output)
             state.set_state(_IDLE)
             state.modules_to_run.clear()
             output = state.cast_output(output)
@@ -316,7 +317,8 @@ class FSDPState:
 
     # ---- backward --------------------------------------------------------------------------------
 
-    def register_pre_backward_hooks(self, output: Any) -> None:
+    def register_pre_backward_hooks(self, output: Any) -> Any:
+        """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func)."""
         hook = self._pre_backward_hook
         for tensor in _tensors_requiring_grad(output):
             if is_view(tensor):
@@ -326,6 +328,7 @@ class FSDPState:
                     stacklevel=4,
                 )
             tensor.register_hook(hook)
+        return route_untracked_outputs(hook, output)
 
     def _make_pre_backward_hook(self) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor:
