@@ -259,6 +259,11 @@ def _validate_tp_param(
 ) -> DeviceMesh:
     """Check a tensor-parallel (DTensor) parameter; return its ``(dp..., tp...)`` mesh."""
     placements = param.placements
+    if param.device_mesh == mesh:
+        raise ValueError(
+            f"Parameter {name} is already a DTensor on fully_shard's own mesh: fully_shard was applied to a "
+            "parent before this child. Apply it bottom-up: each block first, then the root."
+        )
     if len(placements) > 2 or not all(type(p) in (Shard, Replicate) for p in placements):
         raise NotImplementedError(
             f"Parameter {name} is a DTensor with placements {placements}; fully_shard composes with 1-D "
