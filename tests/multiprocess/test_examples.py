@@ -83,3 +83,22 @@ def test_torchrun_command_line() -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
     assert "final: first loss" in result.stdout, f"no final loss line in:\n{output[-4000:]}"
+
+
+def test_tensor_parallel_example_command_line() -> None:
+    """docs/parallelism.md's command: 4 gloo processes, (dp=2, tp=2); the script checks itself."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    example = REPO_ROOT / "examples" / "tp_fsdp.py"
+    command = [*launcher, "--standalone", "--nproc-per-node", "4", str(example), "--steps", "3"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
+    assert "parameters equal the unsharded reference" in result.stdout, output[-4000:]
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (2, 2)" in result.stdout, output[-4000:]
