@@ -1,12 +1,16 @@
 """User-facing configuration records.
 
 Owns: ``MixedPrecisionPolicy``, ``OffloadPolicy`` and ``CPUOffloadPolicy``; plain frozen data, no
-communication. Invariants: instances are immutable and hashable, so one policy may serve many calls.
+communication, validated when constructed; ``as_fsdp2_policy``, which accepts torch's own policy
+objects (same fields, same meaning) without importing torch's FSDP package.
+Invariants: instances are immutable and hashable, so one policy may serve many calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -30,6 +34,28 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype):
+                hint = f" (pass torch.{value})" if isinstance(value, str) and hasattr(torch, value) else ""
+                raise TypeError(
+                    f"MixedPrecisionPolicy({name}=...) expects a torch.dtype or None, got "
+                    f"{type(value).__name__} {value!r}{hint}."
+                )
+            if not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy({name}={value}) must be a floating-point dtype (e.g. "
+                    "torch.bfloat16, torch.float16, torch.float32) or None."
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy(cast_forward_inputs=...) expects a bool, got "
+                f"{type(self.cast_forward_inputs).__name__} {self.cast_forward_inputs!r}."
+            )
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -46,3 +72,37 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(
+                f"CPUOffloadPolicy(pin_memory=...) expects a bool, got {type(self.pin_memory).__name__} "
+                f"{self.pin_memory!r}."
+            )
+
+
+# Where torch defines the policy classes; looked up in sys.modules only (an object of one of them means
+# the user already imported it), so fsdp2 itself never imports torch's FSDP package.
+_TORCH_POLICY_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_api"
+
+
+def as_fsdp2_policy(policy: Any) -> Any:
+    """``policy`` itself, or the fsdp2 equivalent of one of torch's policy objects.
+
+    torch's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` become fsdp2's with the
+    same fields; anything else is returned unchanged for the caller to refuse.
+    """
+    if isinstance(policy, (MixedPrecisionPolicy, OffloadPolicy)):
+        return policy
+    torch_api = sys.modules.get(_TORCH_POLICY_MODULE)
+    if torch_api is None:
+        return policy
+    for name, ours in (
+        ("MixedPrecisionPolicy", MixedPrecisionPolicy),
+        ("CPUOffloadPolicy", CPUOffloadPolicy),
+        ("OffloadPolicy", OffloadPolicy),
+    ):
+        theirs = getattr(torch_api, name, None)
+        if isinstance(theirs, type) and isinstance(policy, theirs):
+            return ours(**{f.name: getattr(policy, f.name) for f in fields(ours)})
+    return policy

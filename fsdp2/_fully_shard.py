@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
-from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._api import MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
 from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
 from ._mesh import (
@@ -101,8 +101,9 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = _validate_mesh(mesh)
     _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+    mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
     _validate_policies(mp_policy, offload_policy)
-    ignored = _validate_ignored(ignored_params)
+    ignored = _validate_ignored(ignored_params, modules)
     device = mesh_device(mesh)
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
@@ -226,13 +227,22 @@ def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {describe(offload_policy)}.")
 
 
-def _validate_ignored(ignored_params: Any) -> set[int]:
+def _validate_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[int]:
     if ignored_params is None:
         return set()
     if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
         isinstance(p, torch.Tensor) for p in ignored_params
     ):
         raise TypeError(f"ignored_params must be a set of parameters, got {describe(ignored_params)}.")
+    present = {id(p) for m in modules for p in m.parameters()}
+    strangers = [p for p in ignored_params if id(p) not in present]
+    if strangers:
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in strangers[:3])
+        raise ValueError(
+            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of the module(s) "
+            f"passed to fully_shard (shape and dtype: {shapes}). Pass parameters of this module, e.g. "
+            "{module.some_layer.weight}, or drop them from ignored_params."
+        )
     return {id(p) for p in ignored_params}
 
 

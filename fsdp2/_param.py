@@ -34,7 +34,7 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
@@ -113,10 +113,9 @@ class FSDPParam:
             else:
                 piece = param.detach().chunk(world, dim=shard_dim)[rank]
                 self._local_shard.view(self.local_shard_size).copy_(piece)
-        if self.offload_to_cpu:
-            self._local_shard = self._local_shard.cpu()
-            if self._pin_memory:
-                self._local_shard = self._local_shard.pin_memory()
+        if self.offload_to_cpu and not self._local_shard.is_meta:
+            # A meta shard stays meta until materialized; reset_sharded_param offloads it then.
+            self._local_shard = self._offloaded(self._local_shard)
         shard = Shard(shard_dim)
         dp_placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
         if self._tp_spec is None:
@@ -179,12 +178,51 @@ class FSDPParam:
         local = local_of(param)
         if local.is_meta:
             self._local_shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
-        elif not _same_storage(local, self._local_shard) or local.dtype != self._local_shard.dtype:
+        elif (
+            not _same_storage(local, self._local_shard)
+            or local.dtype != self._local_shard.dtype
+            or (self.offload_to_cpu and local.device.type != "cpu")
+        ):
             shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
             shard[: self.local_numel].copy_(local.reshape(-1))
+            if self.offload_to_cpu:  # e.g. materialized with to_empty(device="cuda"): shards live on the CPU
+                shard = self._offloaded(shard)
             self._local_shard = shard
             set_local(param, shard[: self.local_numel].view(self.local_shard_size))
         self._register(param)
+
+    @property
+    def global_size(self) -> torch.Size:
+        """The parameter's full (unsharded, un-tensor-parallel) shape: what a full state dict holds."""
+        return self.sharded_param.size()
+
+    def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
+        """This rank's shard of ``full`` (the whole parameter) as a DTensor laid out like the parameter.
+
+        No communication: every rank holds ``full`` and keeps its own chunk (after its TP chunk under
+        tensor parallelism). The caller checks that ``full`` has :attr:`global_size`.
+        """
+        with torch.no_grad():
+            local = full.detach()
+            if self._tp_spec is not None:
+                tp = self._tp_spec
+                local = distribute_tensor(local, tp.mesh, tp.placements, src_data_rank=None).to_local()
+            info = self.mesh_info
+            if self.shard_dim == 0:
+                _, start, rows = chunk_rows(local.size(0), info.shard_size, info.shard_rank)
+                local = local.narrow(0, start, rows)
+            else:
+                local = local.chunk(info.shard_size, dim=self.shard_dim)[info.shard_rank]
+            local = local.to(self.sharded_param.device).contiguous()
+        spec = self._spec
+        meta = spec.tensor_meta
+        assert meta is not None, f"{self.fqn}: a sharded spec without tensor metadata"
+        return wrap_local(local, make_spec(spec.mesh, spec.placements, meta.shape, meta.stride, full.dtype))
+
+    def _offloaded(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` on the CPU, pinned where pinning is possible and asked for."""
+        shard = shard.cpu()
+        return shard.pin_memory() if self._pin_memory and not shard.is_pinned() else shard
 
     # ---- all-gather inputs and outputs -------------------------------------------------------------
 

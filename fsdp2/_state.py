@@ -41,6 +41,7 @@ from ._comm_context import CommContext
 from ._events import EventScope
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
+from ._state_dict import register_state_dict_hooks
 
 _STATE_ATTR = "_fsdp2_state"
 _FORWARD = TrainingState.FORWARD
@@ -113,26 +114,7 @@ class FSDPState:
             self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
             if group is not None:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
-                module.register_state_dict_pre_hook(self._reshard_for_state_dict)
-                module.register_load_state_dict_pre_hook(self._reshard_for_load)
-                module.register_load_state_dict_post_hook(self._adopt_loaded_params)
-
-    # ---- state dict --------------------------------------------------------------------------------
-
-    def _reshard_for_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self.group is not None:
-            self.group.reshard()
-
-    def _reshard_for_load(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if self.group is not None:
-            self.group.reshard()
-
-    def _adopt_loaded_params(self, module: nn.Module, incompatible_keys: Any) -> None:
-        # load_state_dict(assign=True) installs new DTensors: re-pad them into local shards.
-        if self.group is not None:
-            with torch.no_grad():
-                for fsdp_param in self.group.fsdp_params:
-                    fsdp_param.reset_sharded_param()
+                register_state_dict_hooks(module, group, get_state)
 
     def __str__(self) -> str:
         return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"

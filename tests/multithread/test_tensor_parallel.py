@@ -221,8 +221,11 @@ def _state_dicts_and_clipping() -> None:
         torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     sharded = model.state_dict()
     assert all(isinstance(v, DTensor) for v in sharded.values())
-    # Loading the sharded state dict back is the identity; training still matches afterwards.
+    # Loading the sharded state dict back is the identity, and so is loading the full plain tensors
+    # (each rank keeps its TP chunk's FSDP chunk); training still matches afterwards.
     model.load_state_dict(sharded)
+    model.load_state_dict(full)
+    _assert_full_equal(ref, model, grads=False, tol={"rtol": 0.0, "atol": 0.0})
     x = _input(dp_index, 0)
     model(x).sum().backward()
     ref(x).sum().backward()

@@ -429,3 +429,54 @@ def test_fsdp_module_isinstance_after_success() -> None:
             torch.testing.assert_close(param.full_tensor(), value, rtol=0, atol=0)
 
     run_threaded(WORLD_SIZE, body)
+
+
+# ---- policies and ignored_params are validated when given --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"param_dtype": "bfloat16"},
+            TypeError,
+            r"param_dtype=\.\.\.\) expects a torch\.dtype.*pass torch\.bfloat16",
+        ),
+        ({"reduce_dtype": torch.int32}, ValueError, r"reduce_dtype=torch\.int32\) must be a floating-point"),
+        (
+            {"output_dtype": 16},
+            TypeError,
+            r"output_dtype=\.\.\.\) expects a torch\.dtype or None, got int 16",
+        ),
+        ({"cast_forward_inputs": 1}, TypeError, r"cast_forward_inputs=\.\.\.\) expects a bool"),
+    ],
+)
+def test_mixed_precision_policy_is_validated_when_built(
+    kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    from fsdp2 import MixedPrecisionPolicy
+
+    with pytest.raises(error, match=match):
+        MixedPrecisionPolicy(**kwargs)
+
+
+def test_cpu_offload_policy_is_validated_when_built() -> None:
+    from fsdp2 import CPUOffloadPolicy
+
+    with pytest.raises(TypeError, match=r"pin_memory=\.\.\.\) expects a bool, got str 'yes'"):
+        CPUOffloadPolicy(pin_memory="yes")  # type: ignore[arg-type]
+
+
+def test_ignored_params_must_belong_to_the_module() -> None:
+    def body() -> None:
+        model = _mlp()
+        stranger = nn.Parameter(torch.zeros(7, 5))
+        before = _snapshot(model)
+        with pytest.raises(ValueError, match=r"not parameters of the module.*\(7, 5\) torch\.float32"):
+            fully_shard(model, mesh=_mesh(), ignored_params={model[0].weight, stranger})
+        _assert_unchanged(model, before)
+        fully_shard(model, mesh=_mesh(), ignored_params={model[0].weight})  # a fixed call works
+        assert not isinstance(model[0].weight, DTensor)
+        assert isinstance(model[2].weight, DTensor)
+
+    run_threaded(WORLD_SIZE, body)
