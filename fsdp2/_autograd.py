@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # Autograd engine entry points that torch exposes only privately; used nowhere else in fsdp2.
@@ -38,6 +39,9 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
 # torch.func entry points that torch exposes only privately; used nowhere else in fsdp2.
 functorch_active = torch._C._are_functorch_transforms_active  # noqa: SLF001 - no public API
 _DisableFuncTorch = torch._C._DisableFuncTorch  # noqa: SLF001 - no public API
+
+# Keeps a tensor's version counter across an in-place refill that autograd must not see.
+preserve_version_counter = _unsafe_preserve_version_counter
 
 _Fn = TypeVar("_Fn", bound="Callable[..., Any]")
 _P = ParamSpec("_P")

@@ -211,3 +211,10 @@ def view_out_shards(
         views.append(output.narrow(0, offset, numel).view(size))
         offset += padded
     return views
+
+
+def all_ranks_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (one small all-reduce)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=ReduceOp.MIN, group=group)
+    return bool(value.item())

@@ -103,7 +103,7 @@ def fully_shard(
     _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
     mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
     _validate_policies(mp_policy, offload_policy)
-    ignored = _validate_ignored(ignored_params, modules)
+    ignored = _validate_ignored(ignored_params)
     device = mesh_device(mesh)
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
@@ -132,7 +132,11 @@ def fully_shard(
         group = FSDPParamGroup(specs, modules, config, post_info)
         # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
         group.controls.reshard_after_no_grad_forward = reshard_after_forward is not False
-    FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+    state = FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+    # The same set is often passed to every call; ones in none of these modules are checked against
+    # the whole tree at the root's first forward.
+    present = {id(p) for m in modules for p in m.parameters()}
+    state.foreign_ignored = [p for p in ignored_params or () if id(p) not in present]
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True
@@ -227,22 +231,13 @@ def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {describe(offload_policy)}.")
 
 
-def _validate_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[int]:
+def _validate_ignored(ignored_params: Any) -> set[int]:
     if ignored_params is None:
         return set()
     if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
         isinstance(p, torch.Tensor) for p in ignored_params
     ):
         raise TypeError(f"ignored_params must be a set of parameters, got {describe(ignored_params)}.")
-    present = {id(p) for m in modules for p in m.parameters()}
-    strangers = [p for p in ignored_params if id(p) not in present]
-    if strangers:
-        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in strangers[:3])
-        raise ValueError(
-            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of the module(s) "
-            f"passed to fully_shard (shape and dtype: {shapes}). Pass parameters of this module, e.g. "
-            "{module.some_layer.weight}, or drop them from ignored_params."
-        )
     return {id(p) for p in ignored_params}
 
 

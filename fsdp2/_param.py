@@ -30,14 +30,16 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
+from ._autograd import preserve_version_counter
 from ._config import ParamSpec
 from ._dtensor import (
     DTensorSpec,
@@ -48,6 +50,13 @@ from ._dtensor import (
     spec_of,
     strided_shard,
     wrap_local,
+)
+from ._extension import (
+    ExtensionRecord,
+    call_post_all_gather,
+    call_pre_all_gather,
+    has_extension,
+    padded_rule_holds,
 )
 from ._mesh import MeshInfo
 
@@ -104,7 +113,8 @@ class FSDPParam:
             self.padded_shard_numel = math.prod(sizes)
         self.local_numel = self.local_shard_size.numel()
         # 1D, padded to padded_shard_numel; the all-gather source in the SHARDED state
-        self._local_shard = torch.zeros(self.padded_shard_numel, dtype=param.dtype, device=param.device)
+        # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
+        self._local_shard = param.detach().new_zeros(self.padded_shard_numel)
         if param.device.type != "meta":
             if shard_dim == 0:
                 flat = param.detach().reshape(-1)
@@ -130,7 +140,14 @@ class FSDPParam:
                 param.dtype,
             )
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
+        self._local_view = local  # the sharded DTensor's local tensor as fsdp2 made it
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
+        # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
+        self._extension = ExtensionRecord() if has_extension(local, self.fqn) else None
+        self._mp_policy: Any = None
+        self._extension_outputs: list[torch.Tensor] = []  # 1D, one per all-gather input
+        self._extension_nbytes: list[int] = []  # storage sizes of those outputs, then of inner tensors
+        self.extension_rule_ok = True  # the last pre-hook call kept the padded-size rule
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype | None = None  # set by init_dtypes at lazy init
         self.reduce_dtype: torch.dtype | None = None
@@ -156,6 +173,33 @@ class FSDPParam:
         self.param_dtype = param_dtype
         self.reduce_dtype = None if reduce_dtype == (param_dtype or self.orig_dtype) else reduce_dtype
 
+    def init_extension(self, mp_policy: Any) -> None:
+        """Re-detect the all-gather extension on the local tensor (lazy init); keep the policy for it."""
+        local = self._sharded_local()
+        found = has_extension(local, self.fqn)
+        if found and self._extension is None:
+            self._extension = ExtensionRecord()
+        elif not found:
+            self._extension = None
+        self._mp_policy = mp_policy
+
+    def _sharded_local(self) -> torch.Tensor:
+        return local_of(cast(DTensor, self.sharded_param))
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self._tp_spec is not None
+
+    @property
+    def has_extension(self) -> bool:
+        return self._extension is not None
+
+    @property
+    def unevenly_sharded(self) -> bool:
+        """Some rank's dim-0 shard is shorter than the padded shard (dim-0 sharding only)."""
+        rows = self.orig_size[0]
+        return self.shard_dim == 0 and rows % self.mesh_info.shard_size != 0
+
     @property
     def unsharded_dtype(self) -> torch.dtype:
         return self.param_dtype or self.orig_dtype
@@ -176,19 +220,22 @@ class FSDPParam:
         self.sharded_param = param
         self._spec = spec_of(param)
         local = local_of(param)
-        if local.is_meta:
-            self._local_shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
+        if local is self._local_view and not (self.offload_to_cpu and local.device.type != "cpu"):
+            pass  # still the local tensor fsdp2 made (updated in place, e.g. by an optimizer)
+        elif local.is_meta:
+            self._local_shard = local.new_zeros(self.padded_shard_numel)
         elif (
             not _same_storage(local, self._local_shard)
             or local.dtype != self._local_shard.dtype
             or (self.offload_to_cpu and local.device.type != "cpu")
         ):
-            shard = torch.zeros(self.padded_shard_numel, dtype=local.dtype, device=local.device)
+            shard = local.detach().new_zeros(self.padded_shard_numel)
             shard[: self.local_numel].copy_(local.reshape(-1))
             if self.offload_to_cpu:  # e.g. materialized with to_empty(device="cuda"): shards live on the CPU
                 shard = self._offloaded(shard)
             self._local_shard = shard
-            set_local(param, shard[: self.local_numel].view(self.local_shard_size))
+            self._local_view = shard[: self.local_numel].view(self.local_shard_size)
+            set_local(param, self._local_view)
         self._register(param)
 
     @property
@@ -225,6 +272,48 @@ class FSDPParam:
         return shard.pin_memory() if self._pin_memory and not shard.is_pinned() else shard
 
     # ---- all-gather inputs and outputs -------------------------------------------------------------
+
+    def all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
+        """The 1-D tensors this rank contributes: the shard, or an extension's pre-hook outputs."""
+        record = self._extension
+        if record is None:
+            return [self.all_gather_input(post_forward)]
+        local = self._sharded_local()
+        if self.offload_to_cpu and self.device.type != "cpu":
+            local = local.to(self.device, non_blocking=self._pin_memory)
+        info = self.mesh_info
+        shard_mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[1]]  # type: ignore[index]  # reason: HSDP meshes have names
+        inputs, record.metadata = call_pre_all_gather(
+            local,
+            shard_mesh,
+            self.orig_size,
+            _contiguous_stride(self.orig_size),
+            self.owners[0][0],
+            self._mp_policy,
+            self.fqn,
+        )
+        padded_rows = self.padded_shard_numel // self.row_numel if self.row_numel else 0
+        self.extension_rule_ok = not self.unevenly_sharded or padded_rule_holds(inputs, padded_rows)
+        record.input_sizes = [t.size() for t in inputs]
+        record.input_dtypes = [t.dtype for t in inputs]
+        return [t.reshape(-1) for t in inputs]
+
+    def all_gather_outputs(self) -> list[torch.Tensor]:
+        """The per-input output buffers (``W *`` each input's numel), allocated or re-allocated."""
+        record = self._extension
+        if record is None:
+            return [self.all_gather_output()]
+        if not self._extension_outputs:
+            world = self.mesh_info.shard_size
+            self._extension_outputs = [
+                torch.empty(world * size.numel(), dtype=dtype, device=self.device)
+                for size, dtype in zip(record.input_sizes, record.input_dtypes, strict=True)
+            ]
+            self._extension_nbytes = [o.untyped_storage().nbytes() for o in self._extension_outputs]
+        for output, nbytes in zip(self._extension_outputs, self._extension_nbytes, strict=False):
+            if output.untyped_storage().nbytes() == 0:
+                output.untyped_storage().resize_(nbytes)
+        return self._extension_outputs
 
     def all_gather_input(self, post_forward: bool) -> torch.Tensor:
         """The 1-D tensor this rank contributes (cast to the unsharded dtype by the copy-in)."""
@@ -265,12 +354,35 @@ class FSDPParam:
         return data
 
     def finish_unshard(self) -> None:
-        """``Shard(d > 0)`` only: concatenate the gathered rank blocks along ``d`` into the parameter."""
+        """After copy-out: run the extension's post hook, or (``Shard(d > 0)``) concatenate rank blocks."""
+        if self._extension is not None:
+            self._finish_extension_unshard(self._extension)
+            return
         staging, full = self._unsharded_flat_data, self._unsharded_full
         assert staging is not None, f"{self.fqn}: finish_unshard before an all-gather"
         assert full is not None, f"{self.fqn}: finish_unshard on a dim-0 sharded parameter"
         blocks = staging.view(self.mesh_info.shard_size, *self.local_shard_size).unbind(0)
         torch.cat(blocks, dim=self.shard_dim, out=full.data)
+
+    def _finish_extension_unshard(self, record: ExtensionRecord) -> None:
+        local = self._sharded_local()
+        outputs = self._extension_outputs
+        param = self.unsharded_param
+        if param is None:
+            result = call_post_all_gather(local, outputs, record, self.unsharded_dtype, None)
+            assert result is not None, f"{self.fqn}: the post hook returned nothing"
+            unsharded, record.inner_tensors = result
+            self._extension_nbytes = self._extension_nbytes[: len(outputs)] + [
+                t.untyped_storage().nbytes() for t in record.inner_tensors
+            ]
+            view = torch.as_strided(unsharded, self.orig_size, _contiguous_stride(self.orig_size), 0)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+            return
+        for tensor, nbytes in zip(record.inner_tensors, self._extension_nbytes[len(outputs) :], strict=True):
+            if tensor.untyped_storage().nbytes() == 0:
+                tensor.untyped_storage().resize_(nbytes)
+        with preserve_version_counter(param):  # a refill, as for plain parameters
+            call_post_all_gather(local, outputs, record, self.unsharded_dtype, param)
 
     def _unsharded_tp_spec(self) -> DTensorSpec:
         """The TP spec of the unsharded parameter, in the unsharded (compute) dtype."""
@@ -331,6 +443,9 @@ class FSDPParam:
         self.free_unsharded()
 
     def free_unsharded(self) -> None:
+        if self._extension is not None:
+            for tensor in (*self._extension_outputs, *self._extension.inner_tensors):
+                tensor.untyped_storage().resize_(0)
         if self._unsharded_flat_data is not None:
             self._unsharded_flat_data.untyped_storage().resize_(0)
         if self._unsharded_full is not None:
@@ -454,5 +569,20 @@ def _source_id(param: nn.Parameter) -> int:
     return source
 
 
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    strides = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(size[i + 1], 1)
+    return tuple(strides)
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return a.device == b.device and _storage_ptr(a) == _storage_ptr(b)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """The data pointer of ``tensor``'s storage; a wrapper subclass answers with its first inner tensor."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return _storage_ptr(getattr(tensor, names[0]))
+    return int(tensor.untyped_storage().data_ptr())

@@ -19,6 +19,7 @@ from ._autograd import in_backward_task_id, outside_functorch
 from ._collectives import (
     AllGatherResult,
     all_gather_copy_in,
+    all_ranks_true,
     copy_out_2d,
     foreach_all_gather,
     issue_all_gather,
@@ -28,6 +29,7 @@ from ._comm_context import CommContext
 from ._comms import GroupComms
 from ._config import GroupConfig, GroupControls, ParamSpec
 from ._events import EventScope
+from ._extension import padded_rule_error
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._mesh import MeshInfo
 from ._param import FSDPParam
@@ -76,6 +78,8 @@ class FSDPParamGroup:
         self._lazy_initialized = False
         self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
+        self._has_extension = False  # some parameter all-gathers through fsdp_pre_all_gather
+        self._padded_rule_agreed = False  # all ranks checked the extension's padded-size rule once
 
     def __str__(self) -> str:
         return f"group {self.module_fqn or '<root>'}"
@@ -115,6 +119,8 @@ class FSDPParamGroup:
         policy = self.config.mp_policy
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
+            fsdp_param.init_extension(policy)
+        self._check_extension_support()
         if any(p.offload_to_cpu for p in self.fsdp_params):
             misplaced = [p.fqn for p in self.fsdp_params if p.sharded_param.device.type != "cpu"]
             if misplaced:
@@ -128,6 +134,24 @@ class FSDPParamGroup:
         self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
         self._copy_out_targets.clear()
         self._lazy_initialized = True
+
+    def _check_extension_support(self) -> None:
+        """All-gather extensions: resolve which parameters use one; refuse what they cannot do."""
+        extended = [p for p in self.fsdp_params if p.has_extension]
+        self._has_extension = bool(extended)
+        self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0 or p.has_extension]
+        info = self._post_forward_mesh_info
+        for fsdp_param in extended:
+            if info is not None and info is not self.mesh_info:
+                raise NotImplementedError(
+                    f"Parameter {fsdp_param.fqn} uses fsdp_pre_all_gather, which fsdp2 does not combine "
+                    "with an int reshard_after_forward; use True or False for this module."
+                )
+            if fsdp_param.is_tensor_parallel:
+                raise NotImplementedError(
+                    f"Parameter {fsdp_param.fqn}: fsdp_pre_all_gather on a tensor-parallel parameter is not "
+                    "supported by fsdp2 yet."
+                )
 
     # ---- unshard / reshard -----------------------------------------------------------------------
 
@@ -162,10 +186,44 @@ class FSDPParamGroup:
             )
 
     def _all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
+        if self._has_extension:
+            return self._extension_all_gather_inputs(post_forward)
         inputs = [p.all_gather_input(post_forward) for p in self.fsdp_params]
         if self._byte_gather:
             inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, self.fsdp_params, strict=True)]
         return inputs
+
+    def _extension_all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
+        """Inputs of a group with extension parameters; the collective dtype follows what they return."""
+        inputs: list[torch.Tensor] = []
+        dtypes: list[torch.dtype] = []
+        for fsdp_param in self.fsdp_params:
+            tensors = fsdp_param.all_gather_inputs(post_forward)
+            inputs.extend(tensors)
+            if fsdp_param.has_extension:
+                dtypes.extend(t.dtype for t in tensors)
+            else:
+                dtypes.extend(fsdp_param.unsharded_dtype for _ in tensors)
+        self._check_padded_rule()
+        kinds = set(dtypes)
+        self._byte_gather = len(kinds) > 1
+        self._all_gather_dtype = torch.uint8 if self._byte_gather else kinds.pop()
+        if self._byte_gather:
+            inputs = [_as_bytes(t, d) for t, d in zip(inputs, dtypes, strict=True)]
+        return inputs
+
+    def _check_padded_rule(self) -> None:
+        """Every rank raises together if any pre hook broke the padded-size rule (no hang)."""
+        extended = [p for p in self.fsdp_params if p.has_extension]
+        bad = [p.fqn for p in extended if not p.extension_rule_ok]
+        if not self._padded_rule_agreed and any(p.unevenly_sharded for p in extended):
+            info = self.mesh_info
+            everyone_ok = info.shard_size == 1 or all_ranks_true(not bad, info.shard_group, self.device)
+            if not everyone_ok:
+                raise padded_rule_error(bad or [p.fqn for p in extended if p.unevenly_sharded])
+            self._padded_rule_agreed = True
+        elif bad:
+            raise padded_rule_error(bad)
 
     def _all_gather_on_streams(
         self, ctx: CommContext, info: MeshInfo, post_forward: bool, comm: object
@@ -199,7 +257,7 @@ class FSDPParamGroup:
         if result is None:
             return
         wait_all_gather(result)
-        outputs = [p.all_gather_output() for p in self.fsdp_params]  # (re)allocates storage
+        outputs = [o for p in self.fsdp_params for o in p.all_gather_outputs()]  # (re)allocates storage
         # Hot path: the (W, split) views survive storage resizes, so build them once per world size.
         targets = self._copy_out_targets.get(result.world_size)
         if targets is None:

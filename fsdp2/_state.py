@@ -98,6 +98,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
+        self.foreign_ignored: list[torch.Tensor] = []  # ignored_params outside this call's modules
         self._hook_handles: list[Any] = []
         self._pre_backward_hook = self._make_pre_backward_hook()
         self.eager_finish_backward = eager(self.finish_backward)
@@ -161,6 +162,7 @@ class FSDPState:
                 )
             states.append(state)
         _check_prefetch_targets(states, module_names)
+        _check_ignored_params(states, root_module)
         # Validate every group before changing any state, so a failed first forward can be retried.
         owners: dict[int, str] = {}
         for state in states:
@@ -413,6 +415,19 @@ def _check_prefetch_targets(states: list[FSDPState], module_names: dict[nn.Modul
                         f"{type(target.modules[0]).__name__} that is not under this root module. Prefetch "
                         f"only fully_shard modules of the same model (set_modules_to_{kind}_prefetch)."
                     )
+
+
+def _check_ignored_params(states: list[FSDPState], root: nn.Module) -> None:
+    """Refuse ``ignored_params`` entries that are not parameters anywhere under the root."""
+    present = {id(p) for p in root.parameters()}
+    strangers = [p for state in states for p in state.foreign_ignored if id(p) not in present]
+    if strangers:
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in strangers[:3])
+        raise ValueError(
+            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of the model "
+            f"{type(root).__name__} (shape and dtype: {shapes}), e.g. parameters of another copy of the "
+            "model. Pass this model's own parameters, or drop them from ignored_params."
+        )
 
 
 def _state_device(states: list[FSDPState]) -> torch.device:
