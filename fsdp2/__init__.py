@@ -4,6 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 """
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
 from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
@@ -24,6 +25,7 @@ __all__ = [
     "TrainingState",
     "UnshardHandle",
     "__version__",
+    "clip_grad_norm_",
     "fully_shard",
     "record_events",
     "register_fsdp_forward_method",

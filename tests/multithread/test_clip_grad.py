@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+import fsdp2
 from tests._harness import broadcast_module_, run_threaded
 from tests._impls import Impl, get_impl
 from tests._training import seeded, step_all
@@ -33,7 +34,9 @@ def _norm_value(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def _clip(impl_name: str, norm_type: float, mesh_kind: str, args: ModelArgs = TF_ARGS) -> list[float]:
+def _clip(
+    impl_name: str, norm_type: float, mesh_kind: str, args: ModelArgs = TF_ARGS, clipper: str = "torch"
+) -> list[float]:
     rank = dist.get_rank()
     impl = get_impl(impl_name)
     mesh = None
@@ -60,14 +63,20 @@ def _clip(impl_name: str, norm_type: float, mesh_kind: str, args: ModelArgs = TF
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
         max_norm = 0.25 * ref_norm.item()  # always clips
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type)
-        got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        clip = fsdp2.clip_grad_norm_ if clipper == "fsdp2" else torch.nn.utils.clip_grad_norm_
+        got = clip(model.parameters(), max_norm, norm_type=norm_type)
+        if clipper == "fsdp2":
+            assert type(got) is torch.Tensor  # a plain, replicated scalar
         torch.testing.assert_close(_norm_value(got), want, **TIGHT)
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(
                 param.grad.full_tensor(), ref_param.grad, **TIGHT, msg=lambda m, n=name: f"{n} grad: {m}"
             )
         # After clipping, the total norm is max_norm (up to clip_grad_norm_'s epsilon).
-        clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+        if clipper == "fsdp2":  # an infinite max_norm measures without clipping (empty shards allowed)
+            clipped = fsdp2.clip_grad_norm_(model.parameters(), float("inf"), norm_type=norm_type)
+        else:
+            clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
         torch.testing.assert_close(_norm_value(clipped), torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
         step_all(optim, ref_optim)
         norms.append(want.item())
@@ -127,3 +136,38 @@ def _clip_with_frozen(impl_name: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_clip_grad_norm_skips_frozen(impl: Impl, world_size: int) -> None:
     run_threaded(world_size, _clip_with_frozen, impl.name)
+
+
+# ---- fsdp2.clip_grad_norm_: local shards, one all-reduce per layout ------------------------------
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize(
+    ("mesh_kind", "world_size", "args"),
+    [
+        pytest.param("fsdp", 2, TF_ARGS, id="fsdp-2"),
+        pytest.param("fsdp", 4, UNEVEN_ARGS, id="fsdp-4-empty-shards"),
+        pytest.param("hsdp", 4, TF_ARGS, id="hsdp"),
+        pytest.param("shard1", 4, TF_ARGS, id="shard1"),
+    ],
+)
+def test_fsdp2_clip_grad_norm_matches_reference(
+    impl: Impl, mesh_kind: str, world_size: int, args: ModelArgs, norm_type: float
+) -> None:
+    # fsdp2's clip reads only .grad, so it serves torch's fully_shard models as well.
+    norms = run_threaded(world_size, _clip, impl.name, norm_type, mesh_kind, args, "fsdp2")
+    assert all(n == norms[0] for n in norms)
+
+
+def _nonfinite() -> None:
+    model = seeded(lambda: nn.Linear(4, 4))
+    fsdp2.fully_shard(model)
+    model(torch.ones(2, 4)).sum().backward()
+    model.weight.grad.to_local().fill_(float("nan"))
+    with pytest.raises(RuntimeError, match=r"non-finite"):
+        fsdp2.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    assert torch.isnan(fsdp2.clip_grad_norm_(model.parameters(), 1.0))
+
+
+def test_fsdp2_clip_grad_norm_nonfinite() -> None:
+    run_threaded(2, _nonfinite)

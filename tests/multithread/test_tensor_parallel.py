@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import fsdp2
 from tests._harness import run_threaded
 from tests._impls import get_impl
 from tests._training import TIGHT, mp_policy, seeded
@@ -237,6 +238,11 @@ def _state_dicts_and_clipping() -> None:
     norm = torch.nn.utils.clip_grad_norm_([list(model.parameters())[i] for i in two_d], max_norm=0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_([list(ref.parameters())[i] for i in two_d], max_norm=0.5)
     torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm, ref_norm, **TIGHT)
+    _assert_full_equal(ref, model, grads=True, tol=TIGHT)
+    # fsdp2.clip_grad_norm_ takes every parameter, 2-D and 1-D meshes mixed.
+    norm = fsdp2.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
+    torch.testing.assert_close(norm, ref_norm, **TIGHT)
     _assert_full_equal(ref, model, grads=True, tol=TIGHT)
 
 
