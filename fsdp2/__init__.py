@@ -9,6 +9,7 @@ from ._comms import AllGather, Comm, ReduceScatter
 from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
+from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 
 __version__ = "0.1.0"
@@ -18,10 +19,13 @@ __all__ = [
     "CPUOffloadPolicy",
     "Comm",
     "Event",
+    "FSDPMeshInfo",
     "FSDPModule",
+    "HSDPMeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "ShardPlacementResult",
     "TrainingState",
     "UnshardHandle",
     "__version__",

@@ -109,30 +109,41 @@ def fully_shard(
     params = _managed_params(managed, ignored)
     shard_dims: dict[int, int] = {}
     spmd_meshes: dict[int, DeviceMesh] = {}
+    infos: dict[int, MeshInfo] = {}  # parameter -> the mesh info of its group
+    converted: dict[int, MeshInfo] = {}  # torch's mesh-info objects -> ours, once per call
     for key, (param, name) in params.items():
         _validate_param(param, name, device)
-        dim = _shard_dim(param, name, shard_placement_fn, mesh_info.shard_size, reshard_after_forward)
+        dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
         if dim:
             shard_dims[key] = dim
         if isinstance(param, DTensor):
+            if info is not mesh_info:
+                raise NotImplementedError(
+                    f"shard_placement_fn gave the tensor-parallel parameter {name} a mesh of its own; fsdp2 "
+                    "shards TP parameters over fully_shard's mesh only."
+                )
             spmd_meshes[key] = _validate_tp_param(param, name, mesh, dim, reshard_after_forward, mesh_info)
+        infos[key] = info
+    by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
     _move_to_device(managed, params, device)
-    post_info = post_forward_mesh_info(
-        True if reshard_after_forward is None else reshard_after_forward, mesh_info
-    )
-    group = None
-    if params:
-        owners = _owners(managed, params)
+    groups: list[FSDPParamGroup] = []
+    owners = _owners(managed, params) if params else {}
+    for info, keys in by_info:
         specs = [
-            ParamSpec(param, tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key))
-            for key, (param, _) in params.items()
+            ParamSpec(params[key][0], tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key))
+            for key in keys
         ]
-        config = GroupConfig(mesh_info, mp_policy, offload_policy, device)
-        group = FSDPParamGroup(specs, modules, config, post_info)
+        post_info = post_forward_mesh_info(
+            True if reshard_after_forward is None else reshard_after_forward, info
+        )
+        group = FSDPParamGroup(
+            specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info
+        )
         # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
         group.controls.reshard_after_no_grad_forward = reshard_after_forward is not False
-    state = FSDPState(modules, group, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+        groups.append(group)
+    state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     # The same set is often passed to every call; ones in none of these modules are checked against
     # the whole tree at the root's first forward.
     present = {id(p) for m in modules for p in m.parameters()}
@@ -294,36 +305,90 @@ def _validate_tp_param(
     return spmd_mesh
 
 
-def _shard_dim(param: nn.Parameter, name: str, placement_fn: Any, shard_size: int, reshard: Any) -> int:
-    """The dim ``shard_placement_fn`` asks to shard ``param`` on (0 by default), validated."""
-    if placement_fn is None:
-        return 0
-    placement = placement_fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
+def _placement(
+    param: nn.Parameter,
+    name: str,
+    placement_fn: Any,
+    default_info: MeshInfo,
+    reshard: Any,
+    converted: dict[int, MeshInfo],
+) -> tuple[int, MeshInfo]:
+    """The dim ``shard_placement_fn`` asks to shard ``param`` on (0 by default) and its mesh info."""
+    result = placement_fn(param) if placement_fn is not None else None
+    info = default_info
+    if result is not None and not isinstance(result, Shard):
+        result, info = _placement_result(result, name, converted)
+        _validate_reshard_after_forward(reshard, info.shard_size)
+    if result is None:
+        return 0, info
+    if not isinstance(result, Shard):
         raise ValueError(
-            f"shard_placement_fn returned {placement!r} for {name}: expected a Shard(dim) placement or None."
+            f"shard_placement_fn returned {result!r} for {name}: expected a Shard(dim) placement, a "
+            "ShardPlacementResult or None."
         )
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    dim = result.dim + param.ndim if result.dim < 0 else result.dim
     if not 0 <= dim < param.ndim:
         raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for {name} of shape {tuple(param.shape)}: "
+            f"shard_placement_fn returned Shard({result.dim}) for {name} of shape {tuple(param.shape)}: "
             f"expected a dim in [{-param.ndim}, {param.ndim})."
         )
     if dim == 0:
-        return 0
-    if param.size(dim) % shard_size:
+        return 0, info
+    if param.size(dim) % info.shard_size:
         raise NotImplementedError(
             f"Shard({dim}) for {name} needs its size on dim {dim} ({param.size(dim)}) to be divisible by "
-            f"the shard world size {shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
+            f"the shard world size {info.shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
         )
-    if not isinstance(reshard, bool) and reshard is not None and reshard != shard_size:
+    if not isinstance(reshard, bool) and reshard is not None and reshard != info.shard_size:
         raise NotImplementedError(
             f"reshard_after_forward={reshard} (an int) is not supported with Shard({dim}) for {name}; "
             "use True or False."
         )
-    return dim
+    return dim, info
+
+
+def _placement_result(result: Any, name: str, converted: dict[int, MeshInfo]) -> tuple[Any, MeshInfo]:
+    """``(placement, mesh info)`` of a ``ShardPlacementResult``, fsdp2's or torch's (same fields)."""
+    info = getattr(result, "mesh_info", None)
+    if not hasattr(result, "placement") or info is None:
+        raise ValueError(
+            f"shard_placement_fn returned {result!r} for {name}: expected a Shard(dim) placement, a "
+            "ShardPlacementResult or None."
+        )
+    if isinstance(info, MeshInfo):
+        return result.placement, info
+    # torch's FSDPMeshInfo / HSDPMeshInfo: same mesh and dims; one conversion per object per call.
+    ours = converted.get(id(info))
+    if ours is None:
+        mesh, shard_dim = getattr(info, "mesh", None), getattr(info, "shard_mesh_dim", None)
+        if not isinstance(mesh, DeviceMesh) or not isinstance(shard_dim, int):
+            raise ValueError(
+                f"shard_placement_fn returned a ShardPlacementResult for {name} whose mesh_info has no mesh "
+                "and shard dim; build it with fsdp2.FSDPMeshInfo(mesh) or fsdp2.HSDPMeshInfo(mesh)."
+            )
+        ours = converted[id(info)] = MeshInfo.build(
+            mesh, shard_dim, getattr(info, "replicate_mesh_dim", None)
+        )
+    return result.placement, ours
+
+
+def _group_by_mesh_info(
+    infos: dict[int, MeshInfo], default_info: MeshInfo, params: dict[int, tuple[nn.Parameter, str]]
+) -> list[tuple[MeshInfo, list[int]]]:
+    """Parameters grouped by mesh info, in order of first use; one info object per process-group pair."""
+    groups: dict[int, tuple[MeshInfo, list[int]]] = {}
+    by_process_groups: dict[tuple[int, int], tuple[MeshInfo, str]] = {}
+    for key, info in infos.items():
+        pg_key = (id(info.shard_group), id(info.replicate_group))
+        seen = by_process_groups.setdefault(pg_key, (info, params[key][1]))
+        if seen[0] is not info:
+            raise ValueError(
+                f"Parameters {seen[1]} and {params[key][1]} use the same process groups through two "
+                "different mesh-info objects; parameters that share process groups must share one mesh-info "
+                "object (build it once and return it for both from shard_placement_fn)."
+            )
+        groups.setdefault(id(info), (info, []))[1].append(key)
+    return list(groups.values())
 
 
 # ---- collection and set-up ---------------------------------------------------------------------

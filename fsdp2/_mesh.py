@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,63 @@ class MeshInfo:
             mesh.size(0),
         )
 
+    @classmethod
+    def build(cls, mesh: DeviceMesh, shard_mesh_dim: int, replicate_mesh_dim: int | None) -> MeshInfo:
+        """The info for an explicit choice of shard (and replicate) dims of ``mesh``."""
+        replicate = None if replicate_mesh_dim is None else mesh.get_group(replicate_mesh_dim)
+        return cls(
+            mesh,
+            shard_mesh_dim,
+            replicate_mesh_dim,
+            mesh.get_group(shard_mesh_dim),
+            mesh.size(shard_mesh_dim),
+            mesh.get_local_rank(shard_mesh_dim),
+            replicate,
+            1 if replicate_mesh_dim is None else mesh.size(replicate_mesh_dim),
+        )
+
     @property
     def is_hsdp(self) -> bool:
         return self.replicate_mesh_dim is not None
+
+
+def FSDPMeshInfo(mesh: DeviceMesh, shard_mesh_dim: int = 0) -> MeshInfo:  # noqa: N802 - torch's name
+    """A mesh info that shards over ``mesh``'s dim ``shard_mesh_dim`` (for ``ShardPlacementResult``)."""
+    _check_dims(mesh, (shard_mesh_dim,))
+    return MeshInfo.build(mesh, shard_mesh_dim, None)
+
+
+def HSDPMeshInfo(  # noqa: N802 - torch's name
+    mesh: DeviceMesh, shard_mesh_dim: int = 1, replicate_mesh_dim: int = 0
+) -> MeshInfo:
+    """A mesh info that shards over one dim of ``mesh`` and replicates over another (HSDP)."""
+    _check_dims(mesh, (shard_mesh_dim, replicate_mesh_dim))
+    if shard_mesh_dim == replicate_mesh_dim:
+        raise ValueError(f"HSDPMeshInfo needs two different dims, got {shard_mesh_dim} for both.")
+    return MeshInfo.build(mesh, shard_mesh_dim, replicate_mesh_dim)
+
+
+def _check_dims(mesh: object, dims: tuple[object, ...]) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"a mesh info needs a DeviceMesh, got {type(mesh).__name__}.")
+    for dim in dims:
+        if not isinstance(dim, int) or not 0 <= dim < mesh.ndim:
+            raise ValueError(f"mesh dim {dim!r} is out of range for a {mesh.ndim}-D mesh {mesh}.")
+
+
+@dataclass(frozen=True)
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to put a parameter on its own mesh (e.g. MoE experts).
+
+    Attributes:
+        placement: ``Shard(d)`` or ``None`` (``Shard(0)``).
+        mesh_info: from :func:`FSDPMeshInfo` or :func:`HSDPMeshInfo`. Parameters of one ``fully_shard``
+            call form one group per distinct mesh info; those sharing process groups must share the
+            same mesh-info object.
+    """
+
+    placement: Any
+    mesh_info: MeshInfo
 
 
 def default_mesh() -> DeviceMesh:

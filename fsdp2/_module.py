@@ -78,14 +78,14 @@ class UnshardHandle:
 
 
 class _GroupUnshardHandle(UnshardHandle):
-    def __init__(self, group: FSDPParamGroup) -> None:
-        self._group: FSDPParamGroup | None = group
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        """Finish the all-gather and register the unsharded parameters (idempotent)."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        """Finish the all-gathers and register the unsharded parameters (idempotent)."""
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
 
 
 if TYPE_CHECKING:
@@ -108,6 +108,17 @@ class FSDPModule(_ModuleBase):
     def _get_fsdp_state(self) -> FSDPState:
         return _require_state(self)
 
+    def _single_group(self, method: str) -> FSDPParamGroup | None:
+        """This module's only group (``None`` without parameters); ambiguous with per-parameter meshes."""
+        groups = self._get_fsdp_state().groups
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is ambiguous for {type(self).__name__}: shard_placement_fn put its parameters on "
+                f"{len(groups)} meshes, each with its own collectives. Use one mesh for this module, or "
+                "fully_shard the parameters of each mesh in a submodule of their own."
+            )
+        return groups[0] if groups else None
+
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
             return [self]
@@ -122,12 +133,13 @@ class FSDPModule(_ModuleBase):
         Returns:
             An :class:`UnshardHandle` if ``async_op``, else ``None`` once the parameters are registered.
         """
-        group = self._get_fsdp_state().group
-        if group is None:
+        groups = self._get_fsdp_state().groups
+        if not groups:
             return UnshardHandle() if async_op else None
-        group.lazy_init()
-        group.unshard(async_op)
-        handle = _GroupUnshardHandle(group)
+        for group in groups:
+            group.lazy_init()
+            group.unshard(async_op)
+        handle = _GroupUnshardHandle(groups)
         if async_op:
             return handle
         handle.wait()
@@ -135,8 +147,7 @@ class FSDPModule(_ModuleBase):
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the sharded ones."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.reshard()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -146,8 +157,7 @@ class FSDPModule(_ModuleBase):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
+            for group in _require_state(module).groups:
                 group.controls.reduce_grads = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -159,23 +169,20 @@ class FSDPModule(_ModuleBase):
         for module in self._fsdp_modules(recurse):
             state = _require_state(module)
             state.auto_reshard = False
-            if state.group is not None:
-                info = state.group.mesh_info
-                state.group.post_forward_mesh_info = info if reshard_after_forward else None
-                state.group.controls.reshard_after_no_grad_forward = reshard_after_forward
+            for group in state.groups:
+                group.post_forward_mesh_info = group.mesh_info if reshard_after_forward else None
+                group.controls.reshard_after_no_grad_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
+            for group in _require_state(module).groups:
                 group.controls.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
+            for group in _require_state(module).groups:
                 group.controls.all_reduce_grads = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -186,8 +193,7 @@ class FSDPModule(_ModuleBase):
         value: object = factor
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {describe(factor)}.")
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.controls.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -201,8 +207,7 @@ class FSDPModule(_ModuleBase):
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use only SUM collectives, dividing explicitly afterwards (not recursive)."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.controls.force_sum_reduction = enable
 
     def set_all_reduce_hook(
@@ -214,7 +219,7 @@ class FSDPModule(_ModuleBase):
         and the cast back to the parameter dtype. ``stream`` is accepted for API compatibility; the
         hook runs on the reduce-scatter stream.
         """
-        group = self._get_fsdp_state().group
+        group = self._single_group("set_all_reduce_hook")
         if group is None:
             return
         if stream is not None and group.mesh_info.is_hsdp:
@@ -234,7 +239,7 @@ class FSDPModule(_ModuleBase):
         collective; see :class:`AllGather`. Not used when the shard group has a single rank.
         """
         check_comm(comm, "all_gather")
-        group = self._get_fsdp_state().group
+        group = self._single_group("set_custom_all_gather")
         if group is not None:
             group.comms.all_gather = comm
             group.comms.custom = True
@@ -246,7 +251,7 @@ class FSDPModule(_ModuleBase):
         runs the collective; see :class:`ReduceScatter`. Not used when the shard group has one rank.
         """
         check_comm(comm, "reduce_scatter")
-        group = self._get_fsdp_state().group
+        group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
             group.comms.reduce_scatter = comm
             group.comms.custom = True
@@ -258,17 +263,17 @@ class FSDPModule(_ModuleBase):
         fall back to ordinary buffers. Cannot be combined with ``set_custom_all_gather`` /
         ``set_custom_reduce_scatter``.
         """
-        group = self._get_fsdp_state().group
-        if group is None:
-            return
-        _refuse_custom(group, "set_allocate_memory_from_process_group_for_comm")
-        if enable:
-            shard_group = group.mesh_info.shard_group
-            group.comms.all_gather = ProcessGroupAllocAllGather(shard_group)
-            group.comms.reduce_scatter = ProcessGroupAllocReduceScatter(shard_group)
-        else:
-            group.comms.all_gather = DefaultAllGather()
-            group.comms.reduce_scatter = DefaultReduceScatter()
+        groups = self._get_fsdp_state().groups
+        for group in groups:
+            _refuse_custom(group, "set_allocate_memory_from_process_group_for_comm")
+        for group in groups:
+            if enable:
+                shard_group = group.mesh_info.shard_group
+                group.comms.all_gather = ProcessGroupAllocAllGather(shard_group)
+                group.comms.reduce_scatter = ProcessGroupAllocReduceScatter(shard_group)
+            else:
+                group.comms.all_gather = DefaultAllGather()
+                group.comms.reduce_scatter = DefaultReduceScatter()
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Take collective buffers from CUDA symmetric memory, so NCCL can use its optimized kernels.
@@ -276,14 +281,14 @@ class FSDPModule(_ModuleBase):
         Needs CUDA and NCCL (a ``RuntimeError`` elsewhere); cannot be combined with custom collectives.
         Not recursive.
         """
-        group = self._get_fsdp_state().group
-        if group is None:
-            return
-        _refuse_custom(group, "set_symm_mem_for_comm")
-        check_symmetric_memory(group.device, backend)
-        shard_group = group.mesh_info.shard_group
-        group.comms.all_gather = SymmMemAllGather(shard_group, backend)
-        group.comms.reduce_scatter = SymmMemReduceScatter(shard_group, backend)
+        groups = self._get_fsdp_state().groups
+        for group in groups:
+            _refuse_custom(group, "set_symm_mem_for_comm")
+            check_symmetric_memory(group.device, backend)
+        for group in groups:
+            shard_group = group.mesh_info.shard_group
+            group.comms.all_gather = SymmMemAllGather(shard_group, backend)
+            group.comms.reduce_scatter = SymmMemReduceScatter(shard_group, backend)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -294,8 +299,7 @@ class FSDPModule(_ModuleBase):
         rank then issues the same reduce-scatter instead of mismatched ones.
         """
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
+            for group in _require_state(module).groups:
                 group.controls.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
@@ -308,8 +312,7 @@ class FSDPModule(_ModuleBase):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {describe(max_input_buffers)}.")
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is not None:
+            for group in _require_state(module).groups:
                 group.controls.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
@@ -320,21 +323,18 @@ class FSDPModule(_ModuleBase):
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for module in self._fsdp_modules(recurse):
-            group = _require_state(module).group
-            if group is None:
-                continue
-            if not enable:
-                group.comms.reduce_scatter_group = None
-                continue
-            ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
-            if ranks not in created:
-                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group.comms.reduce_scatter_group = created[ranks]
+            for group in _require_state(module).groups:
+                if not enable:
+                    group.comms.reduce_scatter_group = None
+                    continue
+                ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+                if ranks not in created:
+                    created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                group.comms.reduce_scatter_group = created[ranks]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.controls.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -363,8 +363,7 @@ class FSDPModule(_ModuleBase):
         # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]  # reason: untyped in torch
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             with torch.no_grad():
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
@@ -443,5 +442,5 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for module in modules[1:]:
         state = _require_state(module)
         state.comm_ctx = shared
-        if state.group is not None:
-            state.group.comm_ctx = shared
+        for group in state.groups:
+            group.comm_ctx = shared

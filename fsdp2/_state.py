@@ -76,12 +76,14 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup | None,
+        groups: list[FSDPParamGroup],
         auto_reshard: bool,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One group per distinct mesh (normally one; several with per-parameter meshes), none without
+        # parameters. All of them unshard, reshard and reduce together for this state's modules.
+        self.groups = groups
         # dtypes forward inputs / outputs are cast to (None: leave them)
         self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self.output_dtype = mp_policy.output_dtype
@@ -113,7 +115,7 @@ class FSDPState:
             pre, post = eager(pre), eager(post)
             self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
-            if group is not None:
+            for group in groups:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
                 register_state_dict_hooks(module, group, get_state)
 
@@ -166,24 +168,24 @@ class FSDPState:
         # Validate every group before changing any state, so a failed first forward can be retried.
         owners: dict[int, str] = {}
         for state in states:
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.module_fqn = ", ".join(module_names[m] for m in group.modules)
                 _name_params(group, module_names, owners)
         for state in states:
-            if state.group is not None:
-                state.group.lazy_init()
+            for group in state.groups:
+                group.lazy_init()
         # ---- validation done: hand the root's contexts down ----
-        if self.auto_reshard and self.group is not None:
-            self.group.post_forward_mesh_info = None
+        if self.auto_reshard:
+            for group in self.groups:
+                group.post_forward_mesh_info = None
         ctx, comm_ctx = self.shared_context(), self.shared_comm_context()
         for state in states:
             state.is_root = state is self
             state.ctx = ctx
             state.comm_ctx = comm_ctx
-            if state.group is not None:
-                state.group.comm_ctx = comm_ctx
-                state.group.event_scope = ctx.event_scope
+            for group in state.groups:
+                group.comm_ctx = comm_ctx
+                group.event_scope = ctx.event_scope
         device = _state_device(states)
         comm_ctx.lazy_init(device)
         if device.type != "cpu":
@@ -195,11 +197,12 @@ class FSDPState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
-        group = self.group
+        groups = self.groups
         if self.training_state is _PRE_BACKWARD and in_backward_task_id() != -1:
             # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
-            if group is not None:
+            for group in groups:
                 group.unshard()
+            for group in groups:
                 group.wait_for_unshard()
             if self._input_dtype is not None:
                 args, kwargs = cast_floating((args, kwargs), self._input_dtype)
@@ -212,15 +215,16 @@ class FSDPState:
         self.set_state(_FORWARD)
         if self._input_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self._input_dtype)
-        if group is not None:
-            entering = group.training_state is not _FORWARD
-            group.pre_forward()
+        if groups:
+            entering = groups[0].training_state is not _FORWARD
+            for group in groups:
+                group.pre_forward()
             if entering and torch.is_grad_enabled():
                 args, kwargs = register_post_backward(self._post_backward, args, kwargs)
         if first:
             for target in self.forward_prefetch:
-                if target.group is not None:
-                    target.group.prefetch(_FORWARD)
+                for target_group in target.groups:
+                    target_group.prefetch(_FORWARD)
         return args, kwargs
 
     def _root_pre_forward(self) -> SharedContext:
@@ -255,8 +259,9 @@ class FSDPState:
 
     def group_post_forward(self) -> None:
         """The group's post-forward; a forward that backward may use is appended to the shared order."""
-        group, ctx = self.group, self.ctx
-        if group is not None and group.post_forward() and ctx is not None:
+        ctx = self.ctx
+        recorded = [group.post_forward() for group in self.groups]
+        if any(recorded) and ctx is not None:
             order = ctx.post_forward_order
             self.post_forward_indices.append(len(order))
             order.append(self)
@@ -322,9 +327,9 @@ class FSDPState:
         return eager(hook)
 
     def _run_group_post_backward(self) -> None:
-        # Called by the post-backward autograd node; dispatches through the group instance.
-        if self.group is not None:
-            self.group.post_backward()
+        # Called by the post-backward autograd node; dispatches through the group instances.
+        for group in self.groups:
+            group.post_backward()
 
     def pre_backward(self) -> None:
         self.set_state(_PRE_BACKWARD)
@@ -333,12 +338,12 @@ class FSDPState:
             ctx.callback_queued = True
             root = ctx.all_states[0] if ctx.all_states else self
             queue_end_of_backward_callback(root.eager_finish_backward)
-        group = self.group
-        if group is not None and group.pre_backward() and not self.backward_prefetch:
+        entered = [group.pre_backward() for group in self.groups]
+        if any(entered) and not self.backward_prefetch:
             self._default_backward_prefetch(ctx)
         for target in self.backward_prefetch:
-            if target.group is not None:
-                target.group.prefetch(_PRE_BACKWARD)
+            for target_group in target.groups:
+                target_group.prefetch(_PRE_BACKWARD)
 
     def _default_backward_prefetch(self, ctx: SharedContext) -> None:
         """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
@@ -346,8 +351,7 @@ class FSDPState:
             return
         index = self.post_forward_indices.pop()
         if index > 0:
-            target = ctx.post_forward_order[index - 1].group
-            if target is not None:
+            for target in ctx.post_forward_order[index - 1].groups:
                 target.prefetch(_PRE_BACKWARD)
 
     def finish_backward(self) -> None:
@@ -357,8 +361,8 @@ class FSDPState:
         last = ctx.is_last_backward
         for state in ctx.all_states:
             state.modules_to_run.clear()
-            if state.group is not None:
-                state.group.finish_backward(last)
+            for group in state.groups:
+                group.finish_backward(last)
             if last:
                 state.post_forward_indices.clear()
             state.set_state(_IDLE)
@@ -375,8 +379,8 @@ class FSDPState:
             state.modules_to_run.clear()
             state.post_forward_indices.clear()
             state.set_state(_IDLE)
-            if state.group is not None:
-                state.group.reset()
+            for group in state.groups:
+                group.reset()
         if self.comm_ctx is not None:
             self.comm_ctx.reset()
         if ctx is not None:
@@ -432,8 +436,8 @@ def _check_ignored_params(states: list[FSDPState], root: nn.Module) -> None:
 
 def _state_device(states: list[FSDPState]) -> torch.device:
     for state in states:
-        if state.group is not None:
-            return state.group.device
+        if state.groups:
+            return state.groups[0].device
     return torch.device("cpu")
 
 

@@ -61,25 +61,11 @@ def shard_full_tensors(root: nn.Module, state_dict: dict[str, Any], prefix: str,
     seen: set[int] = set()
     for module in names:
         state = state_of(module)
-        group = getattr(state, "group", None)
-        if group is None or id(group) in seen:
-            continue
-        seen.add(id(group))
-        for fsdp_param in group.fsdp_params:
-            for owner, attr in fsdp_param.owners:
-                owner_name = names.get(owner)
-                if owner_name is None:
-                    continue
-                key = f"{prefix}{owner_name}.{attr}" if owner_name else f"{prefix}{attr}"
-                value = state_dict.get(key)
-                if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-                    continue
-                if value.size() != fsdp_param.global_size:
-                    wrong.append(
-                        f"{key}: got {tuple(value.shape)}, full shape {tuple(fsdp_param.global_size)}"
-                    )
-                    continue
-                conversions[key] = fsdp_param.shard_full_tensor(value)
+        for group in getattr(state, "groups", ()):
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            _convert_group(group, names, state_dict, prefix, conversions, wrong)
     if wrong:
         raise RuntimeError(
             "load_state_dict got plain tensors for sharded fsdp2 parameters that are neither DTensors nor "
@@ -88,3 +74,26 @@ def shard_full_tensors(root: nn.Module, state_dict: dict[str, Any], prefix: str,
             "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))."
         )
     state_dict.update(conversions)
+
+
+def _convert_group(
+    group: FSDPParamGroup,
+    names: dict[nn.Module, str],
+    state_dict: dict[str, Any],
+    prefix: str,
+    conversions: dict[str, DTensor],
+    wrong: list[str],
+) -> None:
+    for fsdp_param in group.fsdp_params:
+        for owner, attr in fsdp_param.owners:
+            owner_name = names.get(owner)
+            if owner_name is None:
+                continue
+            key = f"{prefix}{owner_name}.{attr}" if owner_name else f"{prefix}{attr}"
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                continue
+            if value.size() != fsdp_param.global_size:
+                wrong.append(f"{key}: got {tuple(value.shape)}, full shape {tuple(fsdp_param.global_size)}")
+                continue
+            conversions[key] = fsdp_param.shard_full_tensor(value)

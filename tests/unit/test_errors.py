@@ -185,7 +185,7 @@ VALIDATION_CASES = [
           r"returned Shard\(2\) for Linear\.weight of shape \(4, 3\): expected a dim in \[-2, 2\)",
           build=lambda: nn.Linear(3, 4)),
     _case("placement-replicate", lambda: {"shard_placement_fn": lambda p: Replicate()}, ValueError,
-          r"shard_placement_fn returned Replicate\(\) for .*: expected a Shard\(dim\) placement or None"),
+          r"shard_placement_fn returned Replicate\(\) for .*: expected a Shard\(dim\) placement, a ShardPlacementResult or None"),
     _case("placement-int-reshard", lambda: {"shard_placement_fn": lambda p: Shard(p.ndim - 1),
                                             "reshard_after_forward": 2}, NotImplementedError,
           r"reshard_after_forward=2 \(an int\) is not supported with Shard\(1\)",
@@ -272,10 +272,10 @@ def test_prefetch_lists_reject_non_fsdp_modules() -> None:
 def test_set_reshard_after_forward_rejects_non_bool() -> None:
     def body() -> None:
         model = _sharded_mlp()
-        infos = [m._get_fsdp_state().group.post_forward_mesh_info for m in (model[0], model[2])]
+        infos = [m._get_fsdp_state().groups[0].post_forward_mesh_info for m in (model[0], model[2])]
         with pytest.raises(ValueError, match=r"reshard_after_forward should be a bool, got int 2"):
             model.set_reshard_after_forward(2)  # type: ignore[arg-type]
-        assert [m._get_fsdp_state().group.post_forward_mesh_info for m in (model[0], model[2])] == infos
+        assert [m._get_fsdp_state().groups[0].post_forward_mesh_info for m in (model[0], model[2])] == infos
 
     run_threaded(WORLD_SIZE, body)
 
