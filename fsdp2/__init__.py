@@ -3,7 +3,7 @@
 A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceMesh and c10d.
 """
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
 from ._events import Event, record_events, save_chrome_trace
@@ -18,6 +18,7 @@ __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
+    "DataParallelMeshDims",
     "Event",
     "FSDPMeshInfo",
     "FSDPModule",

@@ -81,6 +81,40 @@ class CPUOffloadPolicy(OffloadPolicy):
             )
 
 
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel (parameters already DTensors on it).
+
+    Pass it as ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))``
+    when parameters are DTensors on the whole mesh with ``Replicate()`` on the data-parallel dims.
+
+    Args:
+        shard: the dim name FSDP shards parameters over.
+        replicate: the dim name replicas live on (HSDP), or ``None``.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs shard, replicate or both set to mesh dim names.")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 # Where torch defines the policy classes; looked up in sys.modules only (an object of one of them means
 # the user already imported it), so fsdp2 itself never imports torch's FSDP package.
 _TORCH_POLICY_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_api"
@@ -92,12 +126,13 @@ def as_fsdp2_policy(policy: Any) -> Any:
     torch's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` become fsdp2's with the
     same fields; anything else is returned unchanged for the caller to refuse.
     """
-    if isinstance(policy, (MixedPrecisionPolicy, OffloadPolicy)):
+    if isinstance(policy, (MixedPrecisionPolicy, OffloadPolicy, DataParallelMeshDims)):
         return policy
     torch_api = sys.modules.get(_TORCH_POLICY_MODULE)
     if torch_api is None:
         return policy
     for name, ours in (
+        ("DataParallelMeshDims", DataParallelMeshDims),
         ("MixedPrecisionPolicy", MixedPrecisionPolicy),
         ("CPUOffloadPolicy", CPUOffloadPolicy),
         ("OffloadPolicy", OffloadPolicy),

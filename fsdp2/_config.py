@@ -30,12 +30,15 @@ class ParamSpec:
         shard_dim: the dim to shard on (``shard_placement_fn``); 0 by default.
         spmd_mesh: for a tensor-parallel (DTensor) parameter, the data-parallel mesh dims followed by
             its TP mesh dims, one mesh (the sharded parameter's DTensor mesh); ``None`` otherwise.
+        dp_dims: with ``DataParallelMeshDims``, the indices of the shard dim and of the replicate dim
+            (or ``None``) in the parameter's own (full SPMD) mesh; ``None`` otherwise.
     """
 
     param: nn.Parameter
     owners: tuple[tuple[nn.Module, str], ...]
     shard_dim: int = 0
     spmd_mesh: DeviceMesh | None = None
+    dp_dims: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
-from ._api import MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
+from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
 from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
 from ._mesh import (
@@ -44,6 +44,7 @@ class _Options(TypedDict, total=False):
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter] | None
+    dp_mesh_dims: DataParallelMeshDims | None
 
 
 @overload
@@ -61,6 +62,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared safely
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared safely
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``, in place.
 
@@ -83,6 +85,8 @@ def fully_shard(
         mp_policy: mixed-precision dtypes.
         offload_policy: where sharded parameters live.
         ignored_params: parameters left unsharded and unreduced.
+        dp_mesh_dims: with a full SPMD ``mesh`` whose parameters are already DTensors on it, which named
+            dims are data parallel (see :class:`DataParallelMeshDims`).
 
     Returns:
         ``module`` itself (the same list for a list).
@@ -99,7 +103,12 @@ def fully_shard(
     """
     modules = _validate_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = _validate_mesh(mesh)
+    dp_mesh_dims = as_fsdp2_policy(dp_mesh_dims)
+    dp_dims = None
+    if dp_mesh_dims is None:
+        mesh_info = _validate_mesh(mesh)
+    else:
+        mesh_info, dp_dims = _validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
     mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
     _validate_policies(mp_policy, offload_policy)
@@ -116,6 +125,10 @@ def fully_shard(
         dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
         if dim:
             shard_dims[key] = dim
+        if dp_dims is not None:
+            _validate_spmd_param(param, name, mesh, dp_dims, dim, info is mesh_info)
+            infos[key] = info
+            continue
         if isinstance(param, DTensor):
             if info is not mesh_info:
                 raise NotImplementedError(
@@ -131,7 +144,9 @@ def fully_shard(
     owners = _owners(managed, params) if params else {}
     for info, keys in by_info:
         specs = [
-            ParamSpec(params[key][0], tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key))
+            ParamSpec(
+                params[key][0], tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key), dp_dims
+            )
             for key in keys
         ]
         post_info = post_forward_mesh_info(
@@ -201,6 +216,57 @@ def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
     return tuple(roots)
 
 
+def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> tuple[MeshInfo, tuple[int, int | None]]:
+    """``DataParallelMeshDims``: the mesh info of its shard (and replicate) dim of the full mesh."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {describe(dims)}.")
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "dp_mesh_dims names dims of the mesh, so fully_shard needs the full SPMD DeviceMesh with dim "
+            "names, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), passed as mesh=."
+        )
+    names = mesh.mesh_dim_names
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims names {name!r}, which is not a dim of the mesh {names}.")
+    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims}: fsdp2 supports exactly one shard dim and at most one replicate dim "
+            "(flatten several into one named dim of the mesh first)."
+        )
+    if not (reshard is None or isinstance(reshard, bool)):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with dp_mesh_dims; use True or False."
+        )
+    shard = names.index(dims.shard_names[0])
+    replicate = names.index(dims.replicate_names[0]) if dims.replicate_names else None
+    _validate_mesh_device(mesh)
+    return MeshInfo.build(mesh, shard, replicate), (shard, replicate)
+
+
+def _validate_spmd_param(
+    param: nn.Parameter, name: str, mesh: DeviceMesh, dp_dims: tuple[int, int | None], dim: int, default: bool
+) -> None:
+    """With ``dp_mesh_dims`` every parameter is a DTensor on exactly ``mesh``, replicated on its DP dims."""
+    if not isinstance(param, DTensor) or param.device_mesh != mesh:
+        where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        raise ValueError(
+            f"With dp_mesh_dims every parameter must be a DTensor on fully_shard's mesh {mesh}; {name} is "
+            f"{where}. Distribute it on the full mesh (Replicate() on the data-parallel dims) first."
+        )
+    for index in (i for i in dp_dims if i is not None):
+        if not param.placements[index].is_replicate():
+            raise ValueError(
+                f"With dp_mesh_dims, {name} must be Replicate() on the data-parallel dim "
+                f"{mesh.mesh_dim_names[index] if mesh.mesh_dim_names else index}, got {param.placements}."
+            )
+    if dim != 0 or not default:
+        raise NotImplementedError(
+            f"{name}: with dp_mesh_dims fsdp2 shards on dim 0 of fully_shard's mesh only (shard_placement_fn "
+            "must return None or Shard(0))."
+        )
+
+
 def _validate_mesh(mesh: Any) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard mesh must be a DeviceMesh, got {describe(mesh)}.")
@@ -209,18 +275,22 @@ def _validate_mesh(mesh: Any) -> MeshInfo:
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice the data-parallel dims out of it."
         )
-    device_module = getattr(torch, mesh.device_type, None)
-    if mesh.device_type != "cpu" and not (device_module is not None and device_module.is_available()):
-        raise ValueError(
-            f"fully_shard got a mesh on device type {mesh.device_type!r}, which this process cannot use. "
-            "Build the mesh on an available device type (e.g. 'cpu' with gloo)."
-        )
+    _validate_mesh_device(mesh)
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError(
             "fully_shard got a 2-D mesh without dim names; HSDP needs them to tell the replicate dim from "
             "the shard dim. Build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
         )
     return MeshInfo.from_mesh(mesh)
+
+
+def _validate_mesh_device(mesh: DeviceMesh) -> None:
+    device_module = getattr(torch, mesh.device_type, None)
+    if mesh.device_type != "cpu" and not (device_module is not None and device_module.is_available()):
+        raise ValueError(
+            f"fully_shard got a mesh on device type {mesh.device_type!r}, which this process cannot use. "
+            "Build the mesh on an available device type (e.g. 'cpu' with gloo)."
+        )
 
 
 def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:

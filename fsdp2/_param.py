@@ -128,8 +128,17 @@ class FSDPParam:
             self._local_shard = self._offloaded(self._local_shard)
         shard = Shard(shard_dim)
         dp_placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
+        self._dp_dims = spec.dp_dims
         if self._tp_spec is None:
             self._spec = make_spec(mesh_info.mesh, dp_placements, global_size, global_stride, param.dtype)
+        elif spec.dp_dims is not None:  # a DTensor on the full SPMD mesh (DataParallelMeshDims)
+            self._spec = make_spec(
+                self._tp_spec.mesh,
+                _spmd_sharded_placements(self._tp_spec, spec.dp_dims[0]),
+                global_size,
+                global_stride,
+                param.dtype,
+            )
         else:
             assert spec.spmd_mesh is not None, f"{self.fqn}: a DTensor parameter without its (dp, tp) mesh"
             self._spec = make_spec(
@@ -396,7 +405,19 @@ class FSDPParam:
         """The local gradient laid out like the TP parameter (a ``Partial`` gradient is reduced first)."""
         tp = self._tp_spec
         assert tp is not None, f"{self.fqn}: a DTensor gradient on a parameter that is not tensor parallel"
-        return local_in_placements(grad, tp.placements)
+        target = tp.placements
+        if self._dp_dims is not None:
+            # Keep the data-parallel dims as autograd left them (Partial or Replicate): the reduce-scatter
+            # of the local tensor averages over them; only the other dims follow the parameter.
+            dp = {i for i in self._dp_dims if i is not None}
+            target = tuple(grad.placements[i] if i in dp else p for i, p in enumerate(tp.placements))
+            # A gradient that autograd already summed over a data-parallel dim (Replicate there) would
+            # be averaged as one rank's contribution: scale it to one, so every parameter gets the same
+            # data-parallel mean (torch 2.13 leaves such gradients dp-size times too large).
+            replicated = math.prod(grad.device_mesh.size(i) for i in dp if grad.placements[i].is_replicate())
+            local = local_in_placements(grad, target)
+            return local / replicated if replicated > 1 else local
+        return local_in_placements(grad, target)
 
     def zero_unsharded_grad(self) -> torch.Tensor:
         """A zero gradient of the unsharded shape (a parameter this rank did not use in backward)."""
@@ -535,6 +556,21 @@ def _dp_shard_placement(tp_spec: DTensorSpec) -> Placement:
         if isinstance(placement, Shard) and placement.dim == 0:
             split_factor *= size
     return strided_shard(0, split_factor) if split_factor > 1 else Shard(0)
+
+
+def _spmd_sharded_placements(spec: DTensorSpec, shard_index: int) -> tuple[Placement, ...]:
+    """The parameter's placements on its full mesh with FSDP's shard on the data-parallel shard dim.
+
+    A later mesh dim that also shards dim 0 makes FSDP's a strided shard (split by those dims' sizes).
+    """
+    placements = list(spec.placements)
+    split_factor = 1
+    for index in range(shard_index + 1, len(placements)):
+        placement = placements[index]
+        if isinstance(placement, Shard) and placement.dim == 0:
+            split_factor *= spec.mesh.size(index)
+    placements[shard_index] = strided_shard(0, split_factor) if split_factor > 1 else Shard(0)
+    return tuple(placements)
 
 
 _warned_no_pinning = False
