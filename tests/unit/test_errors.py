@@ -185,7 +185,8 @@ VALIDATION_CASES = [
           r"returned Shard\(2\) for Linear\.weight of shape \(4, 3\): expected a dim in \[-2, 2\)",
           build=lambda: nn.Linear(3, 4)),
     _case("placement-replicate", lambda: {"shard_placement_fn": lambda p: Replicate()}, ValueError,
-          r"shard_placement_fn returned Replicate\(\) for .*: expected a Shard\(dim\) placement, a ShardPlacementResult or None"),
+          r"shard_placement_fn returned Replicate\(\) for .*: expected a Shard\(dim\) placement, a "
+          r"ShardPlacementResult or None"),
     _case("placement-int-reshard", lambda: {"shard_placement_fn": lambda p: Shard(p.ndim - 1),
                                             "reshard_after_forward": 2}, NotImplementedError,
           r"reshard_after_forward=2 \(an int\) is not supported with Shard\(1\)",
