@@ -281,3 +281,43 @@ def _one_hook_only() -> None:
 
 def test_only_one_hook_is_refused() -> None:
     run_threaded(2, _one_hook_only)
+
+
+# ---- torchao's own weight subclass (optional dependency of the tests) ---------------------------
+
+
+def _torchao_int8(impl_name: str, base: nn.Module) -> tuple[list[float], list[torch.Tensor]]:
+    from torchao.prototype.quantized_training import int8_mixed_precision_training
+    from torchao.quantization import quantize_
+
+    impl = get_impl(impl_name)
+    model = copy.deepcopy(base)
+    quantize_(model, int8_mixed_precision_training())
+    for layer in (model[0], model[2]):
+        impl.fully_shard(layer)
+    impl.fully_shard(model)
+    assert type(model[0].weight.to_local()).__name__ == "Int8MixedPrecisionTrainingLinearWeight"
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = make_input((8, 32), dist.get_rank(), seed=step)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    fulls = [p.full_tensor() for p in model.parameters()]
+    return losses, [f.dequantize() if hasattr(f, "dequantize") else f for f in fulls]
+
+
+def test_torchao_int8_training_weights_match_torch() -> None:
+    """torchao's int8 mixed-precision training weights: bit-identical to torch's fully_shard."""
+    pytest.importorskip("torchao.prototype.quantized_training")
+    torch.manual_seed(0)  # one model for both runs (built here, not racing in the rank threads)
+    base = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    ours = run_threaded(2, _torchao_int8, "fsdp2", base)
+    theirs = run_threaded(2, _torchao_int8, "torch", base)
+    for (losses, params), (ref_losses, ref_params) in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
+        for param, ref_param in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(param.detach(), ref_param.detach(), rtol=0, atol=0)
