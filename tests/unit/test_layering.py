@@ -86,7 +86,7 @@ def test_cycle_finder_sees_type_checking_imports(tmp_path: Path) -> None:
 
 
 def test_fsdp2_never_imports_torch_fsdp() -> None:
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             if isinstance(node, ast.Import):

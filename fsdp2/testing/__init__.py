@@ -1,0 +1,16 @@
+"""Test sharded models without GPUs: ranks as threads, checks against the unsharded model, counts.
+
+- :func:`run_ranks` runs a function on N threads of this process, each a rank of a process group,
+  and returns the results (an error names the rank; a hang ends with an error naming the ranks).
+- :func:`assert_matches_unsharded` trains a sharded model and its unsharded copy in lockstep and
+  asserts losses, gradients and parameters agree.
+- :func:`count_collectives` counts the collectives a rank issues.
+
+See docs/testing-your-model.md. fsdp2's own test suite runs on these.
+"""
+
+from ._compare import assert_matches_unsharded
+from ._counting import count_collectives
+from ._threads import RankError, RanksTimeoutError, run_ranks
+
+__all__ = ["RankError", "RanksTimeoutError", "assert_matches_unsharded", "count_collectives", "run_ranks"]
