@@ -6,6 +6,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
+from ._debug import set_debug
 from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
@@ -35,5 +36,6 @@ __all__ = [
     "record_events",
     "register_fsdp_forward_method",
     "save_chrome_trace",
+    "set_debug",
     "share_comm_ctx",
 ]

@@ -28,6 +28,7 @@ from ._collectives import (
 from ._comm_context import CommContext
 from ._comms import GroupComms
 from ._config import GroupConfig, GroupControls, ParamSpec
+from ._debug import watch_collective
 from ._events import EventScope
 from ._extension import padded_rule_error
 from ._lifecycle import ShardedState, TrainingState, transition
@@ -172,18 +173,19 @@ class FSDPParamGroup:
         ctx = self.comm_ctx
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = self.comms.all_gather if info.shard_size > 1 else None
-        if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
-            self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward, comm)
-        else:
-            self._all_gather_result = foreach_all_gather(
-                self._all_gather_inputs(post_forward),
-                info.shard_group,
-                info.shard_size,
-                info.shard_rank,
-                self._all_gather_dtype,
-                async_op,
-                comm,
-            )
+        with watch_collective("all-gather", self.module_fqn, state.name):
+            if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
+                self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward, comm)
+            else:
+                self._all_gather_result = foreach_all_gather(
+                    self._all_gather_inputs(post_forward),
+                    info.shard_group,
+                    info.shard_size,
+                    info.shard_rank,
+                    self._all_gather_dtype,
+                    async_op,
+                    comm,
+                )
 
     def _all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
         if self._has_extension:
@@ -256,7 +258,8 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        wait_all_gather(result)
+        with watch_collective("all-gather wait", self.module_fqn, self.training_state.name):
+            wait_all_gather(result)
         outputs = [o for p in self.fsdp_params for o in p.all_gather_outputs()]  # (re)allocates storage
         # Hot path: the (W, split) views survive storage resizes, so build them once per world size.
         targets = self._copy_out_targets.get(result.world_size)
@@ -381,7 +384,8 @@ class FSDPParamGroup:
         if controls.reshard_after_backward:
             self.reshard()
         if grads:
-            self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
+            with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
+                self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
     def finish_backward(self, last: bool) -> None:

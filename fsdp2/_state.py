@@ -38,6 +38,7 @@ from ._autograd import (
 )
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
+from ._debug import check_same_model, debug_enabled
 from ._events import EventScope
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
@@ -174,6 +175,8 @@ class FSDPState:
         for state in states:
             for group in state.groups:
                 group.lazy_init()
+        if debug_enabled():
+            _check_same_model_everywhere(states, type(root_module).__name__)
         # ---- validation done: hand the root's contexts down ----
         if self.auto_reshard:
             for group in self.groups:
@@ -419,6 +422,21 @@ def _check_prefetch_targets(states: list[FSDPState], module_names: dict[nn.Modul
                         f"{type(target.modules[0]).__name__} that is not under this root module. Prefetch "
                         f"only fully_shard modules of the same model (set_modules_to_{kind}_prefetch)."
                     )
+
+
+def _check_same_model_everywhere(states: list[FSDPState], root_name: str) -> None:
+    """Debug mode: every rank of the root's data-parallel groups manages the same parameters."""
+    groups = [group for state in states for group in state.groups]
+    if not groups:
+        return
+    fingerprint = [
+        (p.fqn, tuple(p.global_size), str(p.sharded_param.dtype), group.module_fqn)
+        for group in groups
+        for p in group.fsdp_params
+    ]
+    info = groups[0].mesh_info
+    process_groups = [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
+    check_same_model(fingerprint, process_groups, root_name)
 
 
 def _check_ignored_params(states: list[FSDPState], root: nn.Module) -> None:

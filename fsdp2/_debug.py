@@ -1,0 +1,142 @@
+"""Debug mode: errors instead of hangs when ranks disagree (``FSDP2_DEBUG=1`` or ``set_debug(True)``).
+
+Owns: the debug switch; the model fingerprint check run by the root's lazy init (every rank compares
+the names, shapes, dtypes and group layout of the parameters it manages with the others' through one
+small collective per process group, and all ranks raise the same error naming the first difference);
+and the collective watchdog (a collective still unfinished after ``deadline`` seconds reports the
+group, collective and training state it waits in). Does not own: what is compared (``FSDPState``
+hands the fingerprint in) or the collectives (``FSDPParamGroup``).
+Invariants: with debug off, the only cost is one attribute read per check site.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch.distributed as dist
+
+ParamFingerprint = tuple[str, tuple[int, ...], str, str]  # (name, shape, dtype, group)
+
+
+class _Settings:
+    enabled = os.environ.get("FSDP2_DEBUG", "") not in ("", "0")
+    deadline_s = float(os.environ.get("FSDP2_DEBUG_DEADLINE", "60"))
+    report: Callable[[str], None] | None = None  # where watchdog reports go (default: stderr)
+
+
+def set_debug(
+    enabled: bool, *, deadline: float | None = None, report: Callable[[str], None] | None = None
+) -> None:
+    """Turn fsdp2's debug checks on or off (also ``FSDP2_DEBUG=1`` in the environment).
+
+    With debug on, the root's first forward checks that every rank manages the same parameters (one
+    small collective), and a collective that has not finished after ``deadline`` seconds (default 60,
+    or ``FSDP2_DEBUG_DEADLINE``) is reported with its module group, kind and training state.
+
+    Args:
+        enabled: on or off.
+        deadline: seconds before an unfinished collective is reported.
+        report: called with each report (default: written to stderr).
+    """
+    _Settings.enabled = bool(enabled)
+    if deadline is not None:
+        if deadline <= 0:
+            raise ValueError(f"set_debug(deadline=...) must be positive, got {deadline!r}.")
+        _Settings.deadline_s = float(deadline)
+    _Settings.report = report
+
+
+def debug_enabled() -> bool:
+    return _Settings.enabled
+
+
+def check_same_model(
+    fingerprint: Sequence[ParamFingerprint], groups: Sequence[dist.ProcessGroup], root_name: str
+) -> None:
+    """Raise on every rank if the ranks of ``groups`` manage different parameters.
+
+    One ``all_gather_object`` per process group (the data-parallel groups of the root); compared in
+    order, so the error names the first parameter that differs and the ranks on each side.
+
+    Raises:
+        RuntimeError: some rank's fingerprint differs.
+    """
+    mine = list(fingerprint)
+    for group in groups:
+        size = dist.get_world_size(group)
+        if size == 1:
+            continue
+        everyone: list[list[ParamFingerprint] | None] = [None] * size
+        with _watch("the model fingerprint check of the first forward"):
+            dist.all_gather_object(everyone, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        first = everyone[0] or []
+        for index, other in enumerate(everyone[1:], start=1):
+            other = other or []
+            if other != first:
+                raise RuntimeError(_difference(root_name, ranks[0], first, ranks[index], other))
+
+
+def _difference(
+    root_name: str, rank_a: int, a: list[ParamFingerprint], rank_b: int, b: list[ParamFingerprint]
+) -> str:
+    for item_a, item_b in zip(a, b, strict=False):
+        if item_a != item_b:
+            return (
+                f"fsdp2 debug: ranks manage different models under {root_name}: the first difference is "
+                f"parameter {item_a[0]!r} on rank {rank_a} ({_describe(item_a)}) vs {item_b[0]!r} on rank "
+                f"{rank_b} ({_describe(item_b)}). Every rank must build the same model and call fully_shard "
+                "on the same modules; otherwise the collectives would not match and the job would hang."
+            )
+    longer, rank = (a, rank_a) if len(a) > len(b) else (b, rank_b)
+    extra = longer[min(len(a), len(b))]
+    return (
+        f"fsdp2 debug: ranks manage different models under {root_name}: rank {rank_a} has {len(a)} sharded "
+        f"parameters, rank {rank_b} has {len(b)}; the first one only rank {rank} has is {extra[0]!r} "
+        f"({_describe(extra)}). Every rank must build the same model and call fully_shard on the same "
+        "modules."
+    )
+
+
+def _describe(item: ParamFingerprint) -> str:
+    return f"shape {item[1]}, {item[2]}, group {item[3] or '<root>'}"
+
+
+_OFF = contextlib.nullcontext()
+
+
+def watch_collective(kind: str, group_name: str, state_name: str) -> contextlib.AbstractContextManager[None]:
+    """A context reporting the collective if it outlives the debug deadline; a no-op when debug is off."""
+    if not _Settings.enabled:
+        return _OFF
+    return _watch(f"the {kind} of module group {group_name or '<root>'} (training state {state_name})")
+
+
+@contextlib.contextmanager
+def _watch(what: str) -> Iterator[None]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    deadline = _Settings.deadline_s
+
+    def report() -> None:
+        message = (
+            f"fsdp2 debug: rank {rank} has waited {deadline:g} s in {what}. The other ranks of its process "
+            "group probably never issued the matching collective (a different model, a skipped module, or "
+            "an exception on another rank)."
+        )
+        sink = _Settings.report
+        if sink is not None:
+            sink(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    timer = threading.Timer(deadline, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
