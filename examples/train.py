@@ -13,6 +13,7 @@ The text it learns from ships in examples/data/; nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import fsdp2
 from fsdp2 import fully_shard
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -49,6 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--explicit-prefetching", action="store_true", help="prefetch the next k blocks")
     p.add_argument("--prefetch-depth", type=int, default=2, help="k for --explicit-prefetching")
     p.add_argument("--sample-chars", type=int, default=0, help="characters to generate after training")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="record steps 2-3, write DIR/rank<r>.json and .png timelines and DIR/timeline.json (all ranks)",
+    )
     return p.parse_args(argv)
 
 
@@ -249,6 +257,17 @@ class Progress:
 # training
 
 
+def write_traces(events: list[fsdp2.Event], out: Path, rank: int, world_size: int) -> None:
+    """This rank's timeline (JSON and PNG), then all ranks merged into one JSON by rank 0."""
+    out.mkdir(parents=True, exist_ok=True)
+    fsdp2.save_timeline(events, out / f"rank{rank}.json")
+    fsdp2.save_timeline(events, out / f"rank{rank}.png")
+    dist.barrier()
+    if rank == 0:
+        fsdp2.merge_timelines([out / f"rank{r}.json" for r in range(world_size)], out / "timeline.json")
+        print(f"timelines in {out}/ (open timeline.json in https://ui.perfetto.dev)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     """Trains and returns the per-step loss, averaged over ranks (so identical on every rank)."""
     args = parse_args(argv)
@@ -290,7 +309,13 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
     losses: list[float] = []
     progress = Progress(args.steps, enabled=rank == 0)
     model.train()
+    trace_steps = (min(1, args.steps - 1), min(2, args.steps - 1))  # after the first step's lazy init
+    recording: contextlib.AbstractContextManager[list[fsdp2.Event]] | None = None
+    events: list[fsdp2.Event] = []
     for step in range(args.steps):
+        if args.trace and step == trace_steps[0]:
+            recording = fsdp2.record_events()
+            events = recording.__enter__()
         x, y = (t.to(device) for t in data.batch(args.batch_size, args.seq_len, gen))  # (B, T) each
         logits = model(x)  # (B, T, vocab); all-gathers each block's parameters just in time
         loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
@@ -302,6 +327,10 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
         losses.append(mean_loss.item() / world_size)
         progress.update(step, losses[-1])
+        if recording is not None and step == trace_steps[1]:
+            recording.__exit__(None, None, None)
+            recording = None
+            write_traces(events, Path(args.trace), rank, world_size)
 
     if args.sample_chars > 0:
         text = sample(model, data, args.sample_chars, device, args.seed)

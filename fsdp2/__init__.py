@@ -7,11 +7,12 @@ from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, 
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
 from ._debug import set_debug
-from ._events import Event, record_events, save_chrome_trace
+from ._events import Event, Span, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
 from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._timeline import merge_timelines, save_timeline
 
 __version__ = "0.1.0"
 
@@ -28,14 +29,17 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
+    "Span",
     "TrainingState",
     "UnshardHandle",
     "__version__",
     "clip_grad_norm_",
     "fully_shard",
+    "merge_timelines",
     "record_events",
     "register_fsdp_forward_method",
     "save_chrome_trace",
+    "save_timeline",
     "set_debug",
     "share_comm_ctx",
 ]

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 
 from ._autograd import in_backward_task_id
@@ -30,13 +31,21 @@ EventKind = Literal["unshard", "reshard", "post_backward"]
 _local = threading.local()
 
 
+class EventList(list["Event"]):
+    """The list ``record_events()`` yields: the events, plus ``spans`` (collectives with durations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[Span] = []
+
+
 class _Recorder:
     """One open ``record_events()`` context: its list, and whether it still accepts events."""
 
     __slots__ = ("events", "open")
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self.events = EventList()
         self.open = True
 
 
@@ -94,8 +103,66 @@ class Event:
         return (self.kind, self.module_fqn, self.training_state.name)
 
 
+@dataclass(frozen=True)
+class Span:
+    """A stretch of time of one group: a collective from issue to completion, for timelines.
+
+    Attributes:
+        name: ``"all-gather"`` (issue to copy-out done) or ``"reduce-scatter"`` (packing to the
+            sharded gradients assigned).
+        module_fqn: the group's module name (``""`` for the root).
+        training_state: the group's training state when it started.
+        start_us: start, in microseconds of ``time.perf_counter``.
+        end_us: end, same clock.
+        memory_bytes: memory in use at the end: ``torch.cuda.memory_allocated()`` on CUDA, the
+            process's resident set size on CPU (Linux), else ``None``.
+    """
+
+    name: str
+    module_fqn: str
+    training_state: TrainingState
+    start_us: float
+    end_us: float
+    memory_bytes: int | None = None
+
+
+def span_start(scope: EventScope | None) -> float | None:
+    """The start time of a span if the calling thread's step is being recorded, else ``None`` (cheap)."""
+    if getattr(_local, "recorder", None) is None and (scope is None or scope.backward_recorder() is None):
+        return None
+    return time.perf_counter() * 1e6
+
+
+def span_end(
+    start: float | None, name: str, module_fqn: str, state: TrainingState, scope: EventScope | None
+) -> None:
+    """Record the span begun at ``start`` (a no-op when ``start`` is ``None``)."""
+    if start is None:
+        return
+    recorder = getattr(_local, "recorder", None)
+    if recorder is None:
+        recorder = scope.backward_recorder() if scope is not None else None
+        if recorder is None:
+            return
+    end = time.perf_counter() * 1e6
+    recorder.events.spans.append(Span(name, module_fqn, state, start, end, _memory_bytes()))
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _memory_bytes() -> int | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @contextmanager
-def record_events() -> Iterator[list[Event]]:
+def record_events() -> Iterator[EventList]:
     """Record the FSDP events of the calling thread's steps while the context is open.
 
     Events of other threads (other ranks, when ranks are threads of one process) never land here. A
@@ -103,7 +170,9 @@ def record_events() -> Iterator[list[Event]]:
     the root's forward started, so open the context around forward and backward together.
 
     Yields:
-        A list that fills with :class:`Event` objects in the order they happen.
+        A list that fills with :class:`Event` objects in the order they happen; its ``spans``
+        attribute fills with :class:`Span` objects (collectives with durations) for
+        :func:`save_timeline`.
 
     Example:
         >>> with fsdp2.record_events() as events:  # doctest: +SKIP

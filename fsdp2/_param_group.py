@@ -81,6 +81,7 @@ class FSDPParamGroup:
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
         self._has_extension = False  # some parameter all-gathers through fsdp_pre_all_gather
         self._padded_rule_agreed = False  # all ranks checked the extension's padded-size rule once
+        self._gather_span: tuple[float | None, TrainingState] = (None, _IDLE)  # timeline: issue time
 
     def __str__(self) -> str:
         return f"group {self.module_fqn or '<root>'}"
@@ -167,6 +168,7 @@ class FSDPParamGroup:
             return
         state = self.training_state if as_state is None else as_state
         _events.record("unshard", self.module_fqn, state, self.event_scope)
+        self._gather_span = (_events.span_start(self.event_scope), state)
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
@@ -275,6 +277,8 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = _UNSHARDED
+        start, issued_in = self._gather_span
+        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope)
         ctx = self.comm_ctx
         if ctx is not None and ctx.use_streams:
             copy_out_event = torch.cuda.current_stream().record_event()
@@ -384,8 +388,10 @@ class FSDPParamGroup:
         if controls.reshard_after_backward:
             self.reshard()
         if grads:
+            start = _events.span_start(self.event_scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
+            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, self.event_scope)
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
     def finish_backward(self, last: bool) -> None:

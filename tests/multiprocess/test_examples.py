@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -68,10 +69,22 @@ def test_main_trains_in_two_gloo_processes() -> None:
     run_multiprocess(2, _train_and_check, runs)
 
 
-def test_torchrun_command_line() -> None:
+def test_torchrun_command_line(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command = [*launcher, "--standalone", "--nproc-per-node", "2", str(TRAIN_PY), "--steps", "5", *SMALL]
+    trace = tmp_path / "trace"
+    command = [
+        *launcher,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN_PY),
+        "--steps",
+        "5",
+        *SMALL,
+        "--trace",
+        str(trace),
+    ]
     # The checkout's fsdp2 first, as pytest itself imports it (also when it is not pip-installed).
     env = {
         **os.environ,
@@ -83,6 +96,16 @@ def test_torchrun_command_line() -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
     assert "final: first loss" in result.stdout, f"no final loss line in:\n{output[-4000:]}"
+    # --trace: each rank's timeline (JSON with durations, PNG) and the merged one.
+    assert sorted(p.name for p in trace.iterdir()) == [
+        "rank0.json",
+        "rank0.png",
+        "rank1.json",
+        "rank1.png",
+        "timeline.json",
+    ]
+    merged = json.loads((trace / "timeline.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in merged if e["ph"] == "X"} == {0, 1}
 
 
 def test_tensor_parallel_example_command_line() -> None:

@@ -1,0 +1,146 @@
+"""Timelines of recorded steps: a Perfetto/Chrome JSON with durations, a PNG, and merged ranks.
+
+Owns: ``save_timeline`` (``.json``: complete events with durations per module group, instant events
+for unshard/reshard/post-backward, a memory counter; ``.png``: one row per group, bars for the
+collectives, a memory line) and ``merge_timelines`` (several ranks' JSON files into one, a process
+per rank). Does not own: recording (``_events``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ._events import Event, Span
+
+_COLORS = {"all-gather": "tab:blue", "reduce-scatter": "tab:orange"}
+
+
+def save_timeline(events: Iterable[Event], path: str | os.PathLike[str], *, rank: int | None = None) -> None:
+    """Write the recorded step(s) as a timeline: a PNG picture or a Perfetto/Chrome JSON trace.
+
+    Args:
+        events: the list :func:`record_events` yielded (its ``spans`` give the durations).
+        path: ends in ``.png`` (needs matplotlib) or ``.json`` (open in https://ui.perfetto.dev or
+            ``chrome://tracing``).
+        rank: the rank shown (default: this process's rank, or 0).
+
+    Raises:
+        ValueError: ``path`` ends in neither ``.png`` nor ``.json``.
+        ImportError: a PNG without matplotlib installed.
+    """
+    path = os.fspath(path)
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    events = list(events) if not isinstance(events, list) else events
+    spans: list[Span] = list(getattr(events, "spans", []))
+    if path.endswith(".json"):
+        with open(path, "w") as f:
+            json.dump({"traceEvents": _trace_events(events, spans, rank), "displayTimeUnit": "ms"}, f)
+    elif path.endswith(".png"):
+        _save_png(events, spans, path, rank)
+    else:
+        raise ValueError(f"save_timeline writes .png or .json files, got {path!r}.")
+
+
+def merge_timelines(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> None:
+    """Merge several ranks' JSON timelines (from :func:`save_timeline`) into one file, a process per rank.
+
+    Each input keeps its own process id (its rank), so one Perfetto view shows every rank's rows.
+    """
+    merged: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path) as f:
+            merged.extend(json.load(f)["traceEvents"])
+    with open(out, "w") as f:
+        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
+
+
+def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> list[dict[str, Any]]:
+    tracks: dict[str, int] = {}
+
+    def tid(module_fqn: str) -> int:
+        return tracks.setdefault(module_fqn or "<root>", len(tracks))
+
+    trace: list[dict[str, Any]] = []
+    for span in spans:
+        trace.append(
+            {
+                "name": span.name,
+                "ph": "X",
+                "ts": span.start_us,
+                "dur": max(span.end_us - span.start_us, 0.0),
+                "pid": rank,
+                "tid": tid(span.module_fqn),
+                "args": {"module": span.module_fqn or "<root>", "training_state": span.training_state.name},
+            }
+        )
+        if span.memory_bytes is not None:
+            trace.append(
+                {
+                    "name": "memory",
+                    "ph": "C",
+                    "ts": span.end_us,
+                    "pid": rank,
+                    "args": {"bytes": span.memory_bytes},
+                }
+            )
+    for event in events:
+        trace.append(
+            {
+                "name": f"{event.kind} ({event.training_state.name})",
+                "ph": "i",
+                "s": "t",
+                "ts": event.time_us,
+                "pid": rank,
+                "tid": tid(event.module_fqn),
+                "args": {"module": event.module_fqn or "<root>", "training_state": event.training_state.name},
+            }
+        )
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": t, "args": {"name": module}}
+        for module, t in tracks.items()
+    ]
+    process = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+    return process + names + trace
+
+
+def _save_png(events: Sequence[Event], spans: Sequence[Span], path: str, rank: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("save_timeline(..., '*.png') needs matplotlib: pip install matplotlib") from exc
+    times = [s.start_us for s in spans] + [e.time_us for e in events]
+    origin = min(times) if times else 0.0
+    rows: dict[str, int] = {}
+    for name in [s.module_fqn for s in spans] + [e.module_fqn for e in events]:
+        rows.setdefault(name or "<root>", len(rows))
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.5 * max(len(rows), 1)))
+    for span in spans:
+        row = rows[span.module_fqn or "<root>"]
+        start, width = (span.start_us - origin) / 1e3, max(span.end_us - span.start_us, 1.0) / 1e3
+        ax.broken_barh([(start, width)], (row - 0.35, 0.7), color=_COLORS.get(span.name, "tab:gray"))
+    for event in events:
+        row = rows[event.module_fqn or "<root>"]
+        marker = {"unshard": "v", "reshard": "^", "post_backward": "o"}[event.kind]
+        ax.plot([(event.time_us - origin) / 1e3], [row], marker=marker, color="black", markersize=4)
+    ax.set_yticks(list(rows.values()), list(rows))
+    ax.set_xlabel("time (ms)")
+    ax.set_title(
+        f"rank {rank}: all-gathers (blue), reduce-scatters (orange); v unshard, ^ reshard, o post-backward"
+    )
+    memory = [(s.end_us, s.memory_bytes) for s in spans if s.memory_bytes is not None]
+    if memory:
+        twin = ax.twinx()
+        twin.plot([(t - origin) / 1e3 for t, _ in memory], [m / 2**20 for _, m in memory], color="tab:green")
+        twin.set_ylabel("memory (MiB)", color="tab:green")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
