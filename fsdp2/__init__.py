@@ -13,6 +13,7 @@ from ._lifecycle import TrainingState
 from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._timeline import merge_timelines, save_timeline
+from ._wrap import apply_fully_shard
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "TrainingState",
     "UnshardHandle",
     "__version__",
+    "apply_fully_shard",
     "clip_grad_norm_",
     "fully_shard",
     "merge_timelines",
