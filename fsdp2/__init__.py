@@ -3,6 +3,7 @@
 A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceMesh and c10d.
 """
 
+from . import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter

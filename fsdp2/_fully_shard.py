@@ -163,6 +163,15 @@ def fully_shard(
     # the whole tree at the root's first forward.
     present = {id(p) for m in modules for p in m.parameters()}
     state.foreign_ignored = [p for p in ignored_params or () if id(p) not in present]
+    state.shard_args = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "shard_placement_fn": shard_placement_fn,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "ignored_params": ignored_params,
+        "dp_mesh_dims": dp_mesh_dims,
+    }
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True

@@ -12,7 +12,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,16 +58,24 @@ def fsdp_class(cls: type) -> type:
         with _class_lock:
             fsdp_cls = _class_cache.get(cls)
             if fsdp_cls is None:
-                fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+                fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _deepcopy})
                 _class_cache[cls] = fsdp_cls
     return fsdp_cls
 
 
-def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
-    raise RuntimeError(
-        f"copy.deepcopy of the fully_shard module {type(self).__name__} is not supported: its parameters are "
-        "shards tied to process groups. Copy the model before fully_shard, or save and load a state dict."
-    )
+_deepcopy_impl: Callable[[nn.Module, dict[int, Any]], nn.Module] | None = None
+
+
+def set_deepcopy_impl(impl: Callable[[nn.Module, dict[int, Any]], nn.Module]) -> None:
+    """Install how ``copy.deepcopy`` copies an FSDP module (``_copy.py`` does, at package import)."""
+    global _deepcopy_impl
+    _deepcopy_impl = impl
+
+
+def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    if _deepcopy_impl is None:
+        raise RuntimeError(f"copy.deepcopy of {type(self).__name__} needs the fsdp2 package imported.")
+    return _deepcopy_impl(self, memo)
 
 
 class UnshardHandle:

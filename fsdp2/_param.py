@@ -247,6 +247,38 @@ class FSDPParam:
             set_local(param, self._local_view)
         self._register(param)
 
+    def placeholder(self) -> nn.Parameter:
+        """A meta stand-in for the original parameter (full shape; a TP DTensor for a TP parameter).
+
+        ``fully_shard`` on it builds this parameter's layout again (used to deep-copy a model).
+        """
+        requires_grad = self.sharded_param.requires_grad
+        dtype = self.sharded_param.dtype
+        if self._tp_spec is None:
+            return nn.Parameter(torch.empty(self.global_size, dtype=dtype, device="meta"), requires_grad)
+        local = torch.empty(self.orig_size, dtype=dtype, device="meta")
+        tp = self._tp_spec
+        meta = tp.tensor_meta
+        assert meta is not None, f"{self.fqn}: a TP spec without tensor metadata"
+        spec = make_spec(tp.mesh, tp.placements, meta.shape, meta.stride, dtype)
+        return nn.Parameter(wrap_local(local, spec), requires_grad)
+
+    def local_shard_copy(self) -> torch.Tensor:
+        """A copy of the padded local shard (for a deep copy of the model)."""
+        with torch.no_grad():
+            return self._local_shard.detach().clone()
+
+    def adopt_local_shard(self, shard: torch.Tensor) -> None:
+        """Make ``shard`` (a padded local shard of this parameter's layout) the sharded parameter's data."""
+        assert shard.numel() == self.padded_shard_numel, f"{self.fqn}: a local shard of another layout"
+        self._local_shard = shard
+        self._local_view = shard[: self.local_numel].view(self.local_shard_size)
+        requires_grad = self.sharded_param.requires_grad
+        self.sharded_param = nn.Parameter(
+            wrap_local(self._local_view, self._spec), requires_grad=requires_grad
+        )
+        self._register(self.sharded_param)
+
     @property
     def global_size(self) -> torch.Size:
         """The parameter's full (unsharded, un-tensor-parallel) shape: what a full state dict holds."""

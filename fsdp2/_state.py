@@ -102,7 +102,8 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] = []
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
         self.foreign_ignored: list[torch.Tensor] = []  # ignored_params outside this call's modules
-        self._hook_handles: list[Any] = []
+        self.hook_handles: list[Any] = []  # every hook fsdp2 registered (hidden while deep-copying)
+        self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
         self._pre_backward_hook = self._make_pre_backward_hook()
         self.eager_finish_backward = eager(self.finish_backward)
         for module in modules:
@@ -114,11 +115,11 @@ class FSDPState:
             # FSDP hooks mutate storages and module registrations: torch.compile must run them
             # eagerly (a graph break at each FSDP module), never trace them. ~0.4 µs per call.
             pre, post = eager(pre), eager(post)
-            self._hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-            self._hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
+            self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
             for group in groups:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
-                register_state_dict_hooks(module, group, get_state)
+                self.hook_handles.extend(register_state_dict_hooks(module, group, get_state))
 
     def __str__(self) -> str:
         return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"

@@ -24,8 +24,8 @@ from ._param_group import FSDPParamGroup
 StateOf = Callable[[nn.Module], Any]  # module -> its FSDPState (or None); passed in, no import cycle
 
 
-def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of: StateOf) -> None:
-    """Register the save/load hooks of ``group`` on ``module`` (one of the group's modules)."""
+def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of: StateOf) -> list[Any]:
+    """Register the save/load hooks of ``group`` on ``module`` (one of its modules); return the handles."""
 
     def reshard_for_save(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
         group.reshard()
@@ -40,9 +40,11 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
 
-    module.register_state_dict_pre_hook(reshard_for_save)
-    module.register_load_state_dict_pre_hook(prepare_load)
-    module.register_load_state_dict_post_hook(adopt_loaded)
+    return [
+        module.register_state_dict_pre_hook(reshard_for_save),
+        module.register_load_state_dict_pre_hook(prepare_load),
+        module.register_load_state_dict_post_hook(adopt_loaded),
+    ]
 
 
 def shard_full_tensors(root: nn.Module, state_dict: dict[str, Any], prefix: str, state_of: StateOf) -> None:

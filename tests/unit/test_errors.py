@@ -296,17 +296,6 @@ def test_reset_iter_state_on_a_non_root() -> None:
     run_threaded(WORLD_SIZE, body)
 
 
-def test_deepcopy() -> None:
-    def body() -> None:
-        model = _sharded_mlp()
-        with pytest.raises(RuntimeError, match=r"copy\.deepcopy of the fully_shard module FSDPSequential"):
-            copy.deepcopy(model)
-        with pytest.raises(RuntimeError, match=r"copy\.deepcopy of the fully_shard module FSDPLinear"):
-            copy.deepcopy(model[0])
-
-    run_threaded(WORLD_SIZE, body)
-
-
 # ---- errors at the first forward (root lazy init) ---------------------------------------------------
 
 
