@@ -125,8 +125,10 @@ def _assert_full_equal(ref: nn.Module, model: nn.Module, *, grads: bool, tol: di
             torch.testing.assert_close(t.full_tensor(), ref_t, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _train(impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: bool = False) -> list[float]:
-    ref = seeded(lambda: Model(attention))
+def _train(
+    impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: bool = False, base: Any = None
+) -> list[float]:
+    ref = copy.deepcopy(base) if base is not None else seeded(lambda: Model(attention))
     model = copy.deepcopy(ref)
     kwargs: dict[str, Any] = {}
     if bf16:
@@ -135,7 +137,7 @@ def _train(impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: 
     dp_index = _parallelize(impl_name, model, shape, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    tol = {"rtol": 2e-2, "atol": 2e-2} if bf16 else TIGHT
+    tol = {"rtol": 4e-2, "atol": 4e-2} if bf16 else TIGHT  # bf16: 8 mantissa bits, three AdamW steps
     losses = []
     for step in range(3):
         x = _input(dp_index, step)
@@ -182,7 +184,8 @@ def _train(impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: 
 def test_tensor_parallel_trains_like_the_reference(
     impl_name: str, shape: str, world_size: int, attention: bool, bf16: bool
 ) -> None:
-    run_threaded(world_size, _train, impl_name, shape, attention, bf16)
+    torch.manual_seed(0)  # built here: seeding inside the rank threads races on the global RNG
+    run_threaded(world_size, _train, impl_name, shape, attention, bf16, False, Model(attention))
 
 
 @pytest.mark.parametrize("impl_name", ["fsdp2", "torch"])
