@@ -4,6 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 """
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._comms import AllGather, Comm, ReduceScatter
 from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
@@ -25,8 +26,10 @@ __all__ = [
     "UnshardHandle",
     "__version__",
     "fully_shard",
+    "load_full_state_dict",
     "record_events",
     "register_fsdp_forward_method",
     "save_chrome_trace",
+    "save_full_state_dict",
     "share_comm_ctx",
 ]
