@@ -20,9 +20,10 @@ from typing import Any, BinaryIO, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ._mesh import mesh_device
+from ._param import chunk_rows
 
 # safetensors' names of the dtypes it stores
 _SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
@@ -223,8 +224,20 @@ def _check_file(handle: Any, entries: dict[str, torch.Tensor], strict: bool) -> 
 
 def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     """Write this rank's part of ``full`` into ``tensor`` in place (its local shard for a DTensor)."""
-    if isinstance(tensor, DTensor):
-        local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
-        tensor.to_local().copy_(local.to_local())
-    else:
+    if not isinstance(tensor, DTensor):
         tensor.copy_(full)
+        return
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no part of the tensor
+        return
+    if all(type(p) in (Shard, Replicate) for p in placements):
+        # A view of the rows this rank holds (torch.chunk's split, as DTensor's), copied without a clone.
+        local = full
+        for size, index, placement in zip(mesh.shape, coordinate, placements, strict=True):
+            if isinstance(placement, Shard):
+                _, start, length = chunk_rows(local.size(placement.dim), size, index)
+                local = local.narrow(placement.dim, start, length)
+    else:  # strided shards (tensor parallel under FSDP): DTensor's own split
+        local = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    tensor.to_local().copy_(local)
