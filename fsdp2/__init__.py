@@ -10,6 +10,7 @@ from ._events import Event, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._wrap import apply_fully_shard
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "TrainingState",
     "UnshardHandle",
     "__version__",
+    "apply_fully_shard",
     "fully_shard",
     "load_full_state_dict",
     "record_events",
