@@ -51,8 +51,9 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     (``get_model_state_dict(..., full_state_dict=True)`` holds the whole model at once). The file loads
     with ``safetensors.torch.load_file`` into the plain model, and with :func:`load_full_state_dict`
     into an fsdp2 model at any world size. Tied parameters are written under each of their names.
-    Issues one all-gather per sharded tensor and a barrier at the end (the file is complete when any
-    rank returns). Only rank 0 touches ``path``; the ``safetensors`` package is not needed to save.
+    Issues one all-gather per sharded tensor, one broadcast (whether rank 0 could open the file) and a
+    barrier at the end (the file is complete when any rank returns). Only rank 0 touches ``path``; the
+    ``safetensors`` package is not needed to save.
 
     Args:
         model: the fsdp2 (or plain) model; its parameters are left as they were.
@@ -60,6 +61,7 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
 
     Raises:
         TypeError: a state-dict entry is not a tensor, or has a dtype safetensors cannot store.
+        OSError: (on every rank) rank 0 cannot open ``path`` for writing.
 
     Example:
         >>> fsdp2.save_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
@@ -79,12 +81,17 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
         offset += nbytes
     stream: BinaryIO | None = None
     try:
+        problem = ""
         if writer:
-            stream = open(path, "wb")  # noqa: SIM115 - closed in finally, after the collectives
-            encoded = json.dumps(header, separators=(",", ":")).encode()
-            encoded += b" " * (-len(encoded) % 8)  # keeps every tensor's offset aligned
-            stream.write(struct.pack("<Q", len(encoded)))
-            stream.write(encoded)
+            try:
+                stream = open(path, "wb")  # noqa: SIM115 - closed in finally, after the collectives
+                encoded = json.dumps(header, separators=(",", ":")).encode()
+                encoded += b" " * (-len(encoded) % 8)  # keeps every tensor's offset aligned
+                stream.write(struct.pack("<Q", len(encoded)))
+                stream.write(encoded)
+            except OSError as error:
+                problem = f"rank 0 cannot write {os.fspath(path)!r}: {error}"
+        _agree(problem, OSError)  # every rank raises, or none: no rank is left in a collective
         for tensor in entries.values():
             full = _full_tensor(tensor)  # collective: every rank, same order
             if stream is not None:
@@ -115,8 +122,9 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
 
     Raises:
         ImportError: the ``safetensors`` package is not installed.
-        ValueError: (on every rank, before anything is written) missing or unexpected keys with
-            ``strict=True``, or a tensor whose shape is not the full shape of its entry.
+        ValueError: (on every rank, before anything is written) rank 0 cannot read ``path`` as a
+            safetensors file, missing or unexpected keys with ``strict=True``, or a tensor whose shape
+            is not the full shape of its entry.
 
     Example:
         >>> fsdp2.load_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
@@ -130,8 +138,11 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
     try:
         problem = ""
         if is_reader:
-            handle = safe_open(os.fspath(path), framework="pt", device="cpu").__enter__()
-            problem, present = _check_file(handle, entries, strict)
+            try:
+                handle = safe_open(os.fspath(path), framework="pt", device="cpu").__enter__()
+                problem, present = _check_file(handle, entries, strict)
+            except Exception as error:  # unreadable or not safetensors: every rank must hear of it
+                problem = f"rank 0 cannot read it: {type(error).__name__}: {error}."
         shared: list[Any] = [problem, present]
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
@@ -152,6 +163,15 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)
+
+
+def _agree(problem: str, error: type[Exception]) -> None:
+    """Raise ``error(problem)`` on every rank if rank 0 found a problem (one broadcast)."""
+    shared = [problem]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise error(f"save_full_state_dict: {shared[0]}. Nothing was written.")
 
 
 def _safe_open() -> Any:

@@ -339,3 +339,19 @@ def test_load_full_state_dict_without_safetensors(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ImportError, match="pip install safetensors"):
         fsdp2.load_full_state_dict(model, str(tmp_path / "none.safetensors"))
     torch.testing.assert_close(model.state_dict(), before, **EXACT)
+
+
+def _unreadable(directory: str) -> None:
+    model = _shard(seeded(_Net))
+    before = {k: _full(v) for k, v in model.state_dict().items()}
+    missing = str(Path(directory) / "missing.safetensors")
+    with pytest.raises(ValueError, match=r"rank 0 cannot read it: .*Nothing was loaded"):
+        fsdp2.load_full_state_dict(model, missing)
+    with pytest.raises(OSError, match=r"rank 0 cannot write .*Nothing was written"):
+        fsdp2.save_full_state_dict(model, str(Path(directory) / "no-such-dir" / "model.safetensors"))
+    torch.testing.assert_close({k: _full(v) for k, v in model.state_dict().items()}, before, **EXACT)
+
+
+def test_unreadable_or_unwritable_path_raises_on_every_rank(tmp_path: Path) -> None:
+    # Rank 0 alone touches the file; the other ranks must raise too instead of waiting in a collective.
+    run_threaded(2, _unreadable, str(tmp_path))
