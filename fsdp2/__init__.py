@@ -5,6 +5,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 
 from . import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
 from ._debug import set_debug
@@ -38,10 +39,12 @@ __all__ = [
     "apply_fully_shard",
     "clip_grad_norm_",
     "fully_shard",
+    "load_full_state_dict",
     "merge_timelines",
     "record_events",
     "register_fsdp_forward_method",
     "save_chrome_trace",
+    "save_full_state_dict",
     "save_timeline",
     "set_debug",
     "share_comm_ctx",
