@@ -43,8 +43,8 @@ def _groups(model: nn.Module) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, fsdp2.FSDPModule):
-            group = module._get_fsdp_state().group
-            ids = {id(p.sharded_param) for p in group.fsdp_params} if group is not None else set()
+            groups_of = module._get_fsdp_state().groups
+            ids = {id(p.sharded_param) for group in groups_of for p in group.fsdp_params}
             groups[name] = [n for n, p in model.named_parameters() if id(p) in ids]
     return groups
 
