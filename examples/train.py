@@ -20,7 +20,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,9 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
@@ -57,7 +61,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="record steps 2-3, write DIR/rank<r>.json and .png timelines and DIR/timeline.json (all ranks)",
     )
-    return p.parse_args(argv)
+    p.add_argument("--ckpt-dir", default=None, help="directory for DCP checkpoints (DIR/step_<n>)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument(
+        "--export", metavar="PATH", default=None, help="write the trained weights to a safetensors file"
+    )
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead peer ends the job")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.dim % args.heads:
+        p.error(f"--heads ({args.heads}) must divide --dim ({args.dim}): each head gets dim / heads channels")
+    if (args.ckpt_every or args.resume) and not args.ckpt_dir:
+        p.error("--ckpt-every and --resume need --ckpt-dir")
+    if args.ckpt_every < 0 or args.timeout <= 0:
+        p.error("--ckpt-every must be >= 0 and --timeout > 0")
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -213,14 +233,16 @@ def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
 # distributed set-up: torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
 
 
-def setup_distributed() -> tuple[torch.device, bool]:
+def setup_distributed(timeout_s: float) -> tuple[torch.device, bool]:
     """Returns this rank's device and whether we created the process group (and must destroy it)."""
     created = not dist.is_initialized()  # the test harness creates the group itself
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # A peer that died makes the others fail after the timeout instead of waiting 30 minutes.
+    timeout = timedelta(seconds=timeout_s)
     if created and "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     elif created:  # plain `python examples/train.py`: a world of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -271,7 +293,7 @@ def write_traces(events: list[fsdp2.Event], out: Path, rank: int, world_size: in
 def main(argv: list[str] | None = None) -> list[float]:
     """Trains and returns the per-step loss, averaged over ranks (so identical on every rank)."""
     args = parse_args(argv)
-    device, created_group = setup_distributed()
+    device, created_group = setup_distributed(args.timeout)
     try:
         return train(args, device)
     finally:
@@ -306,13 +328,16 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
     )
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # different batches on every rank
 
+    first_step = 0
+    if args.resume:
+        first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule, gen)
     losses: list[float] = []
     progress = Progress(args.steps, enabled=rank == 0)
     model.train()
     trace_steps = (min(1, args.steps - 1), min(2, args.steps - 1))  # after the first step's lazy init
     recording: contextlib.AbstractContextManager[list[fsdp2.Event]] | None = None
     events: list[fsdp2.Event] = []
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         if args.trace and step == trace_steps[0]:
             recording = fsdp2.record_events()
             events = recording.__enter__()
@@ -327,6 +352,8 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
         losses.append(mean_loss.item() / world_size)
         progress.update(step, losses[-1])
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule, gen)
         if recording is not None and step == trace_steps[1]:
             recording.__exit__(None, None, None)
             recording = None
@@ -336,9 +363,70 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         text = sample(model, data, args.sample_chars, device, args.seed)
         if rank == 0:
             print(f"--- sample ---\n{text}\n--------------")
+    if args.export:
+        fsdp2.save_full_state_dict(model, args.export)  # one block at a time; rank 0 writes the file
+        if rank == 0:
+            print(f"weights written to {args.export} (safetensors, plain parameter names)", flush=True)
     if rank == 0 and losses:
         print(f"final: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} after {len(losses)} steps")
     return losses
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: DCP for the sharded model and optimizer, a small file per rank for the rest
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    gen: torch.Generator,
+) -> None:
+    """DIR/step_<n>: model and optimizer with DCP (each rank writes its shards), plus per-rank state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = root / f"step_{step}"
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(path))
+    rank = dist.get_rank()
+    # The data position and the schedule are per rank: the batch generator's state, the step.
+    torch.save(
+        {"step": step, "schedule": schedule.state_dict(), "gen": gen.get_state()}, path / f"rank{rank}.pt"
+    )
+    dist.barrier()
+
+
+def load_checkpoint(
+    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, gen: torch.Generator
+) -> int:
+    """Restore the latest DIR/step_<n>; returns n, the next step to run (0 when there is none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / ".metadata").exists())
+    if not steps:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in {root}: starting from step 0", flush=True)
+        return 0
+    path = root / f"step_{steps[-1]}"
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    extra = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+    schedule.load_state_dict(extra["schedule"])
+    gen.set_state(extra["gen"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (step {extra['step']})", flush=True)
+    return int(extra["step"])
 
 
 @torch.no_grad()

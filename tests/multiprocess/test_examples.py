@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests._harness import run_multiprocess
@@ -125,3 +126,52 @@ def test_tensor_parallel_example_command_line() -> None:
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
     assert "parameters equal the unsharded reference" in result.stdout, output[-4000:]
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (2, 2)" in result.stdout, output[-4000:]
+
+
+def _resume_and_check(ckpt_dir: str, export: str) -> None:
+    train = _load_train()
+    common = ["--steps", "6", *SMALL, "--ckpt-dir", ckpt_dir]
+    uninterrupted = train.main([*common, "--ckpt-every", "3"])  # also saves step_3
+    resumed = train.main([*common, "--resume", "--export", export])  # as if killed after step 3
+    assert resumed == uninterrupted[3:], (uninterrupted, resumed)  # bit for bit
+    gc.collect()
+
+
+def test_checkpoint_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -> None:
+    export = tmp_path / "weights.safetensors"
+    run_multiprocess(2, _resume_and_check, str(tmp_path / "ckpt"), str(export))
+    from safetensors.torch import load_file
+
+    weights = load_file(export)
+    # The file loads into the plain (unsharded) model: same names, same shapes.
+    train = _load_train()
+    cfg = train.GPTConfig(train.CharData(train.DATA_DIR).vocab_size, 32, 32, 2, 2)  # SMALL's sizes
+    with torch.device("meta"):
+        plain = train.GPT(cfg)
+    expected = plain.state_dict()
+    assert weights.keys() == expected.keys()
+    assert all(weights[k].shape == expected[k].shape for k in expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--dim", "32", "--heads", "3"], "--heads (3) must divide --dim (32)"),
+        (["--resume"], "--ckpt-every and --resume need --ckpt-dir"),
+    ],
+)
+def test_bad_arguments_get_a_message_not_a_traceback(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = _load_train()
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _load_train().parse_args(["--help"])
+    assert "(default: 200)" in capsys.readouterr().out
