@@ -19,7 +19,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
-LINT_PATHS = ["fsdp2", "tests", "examples"]
+LINT_PATHS = ["fsdp2", "tests", "examples", "benchmarks"]
 
 
 @nox.session
@@ -74,11 +74,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """CPU microseconds per hook and steps/s (examples/bench.py)."""
-    if not Path("examples/bench.py").exists():
-        session.skip("examples/bench.py does not exist yet")
+    """Whole-step overhead by phase against torch's fully_shard (benchmarks/step_overhead.py)."""
     _install(session, "test")
-    session.run("python", "examples/bench.py", *session.posargs)
+    session.run("python", "benchmarks/step_overhead.py", *session.posargs)
+    session.run("python", "examples/bench_clip.py")
 
 
 def _install(session: nox.Session, extra: str) -> None:
