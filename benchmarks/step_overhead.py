@@ -1,5 +1,8 @@
 """Whole-step CPU overhead of fsdp2 against torch's fully_shard, by phase, interleaved round by round.
 
+Four models: unsharded, torch's ``fully_shard``, fsdp2, and fsdp2 with ``fsdp2.local_step`` (the
+optimizer step on local shards).
+
 One process, a gloo group of one rank (no collective leaves the process, so what is measured is the
 FSDP machinery's own cost): a stack of small transformer blocks, each block its own group plus the
 root, trained with AdamW and gradient clipping. Every round runs a few steps of each of three models
@@ -75,7 +78,7 @@ def build(kind: str, blocks: int, dim: int) -> tuple[nn.Module, Any]:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    elif kind == "fsdp2":
+    elif kind in ("fsdp2", "fsdp2-local"):
         for block in model.blocks:
             fsdp2.fully_shard(block)
         fsdp2.fully_shard(model)
@@ -108,20 +111,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     groups = args.blocks + 1
     x = torch.randn(4, 16, args.dim)
     models = {}
-    for kind in ("plain", "torch", "fsdp2"):
+    for kind in ("plain", "torch", "fsdp2", "fsdp2-local"):
         model, clip = build(kind, args.blocks, args.dim)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if kind == "fsdp2-local":  # the optimizer step on local shards: fsdp2.local_step
+            optim = fsdp2.local_step(optim)
         time_steps(model, clip, optim, x, 3)  # warm-up (lazy init, allocator)
         models[kind] = (model, clip, optim)
     per_round: list[dict[str, dict[str, float]]] = []
     for _ in range(args.rounds):
         per_round.append({kind: time_steps(*models[kind], x, args.steps) for kind in models})
-    overhead: dict[str, dict[str, list[float]]] = {
-        k: {p: [] for p in (*PHASES, "step")} for k in ("torch", "fsdp2")
-    }
+    kinds = ("torch", "fsdp2", "fsdp2-local")
+    overhead: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "step")} for k in kinds}
     ratios: dict[str, list[float]] = {p: [] for p in (*PHASES, "step")}
+    local_ratios: dict[str, list[float]] = {p: [] for p in (*PHASES, "step")}
     for measured in per_round:
-        for kind in ("torch", "fsdp2"):
+        for kind in kinds:
             for phase in PHASES:
                 overhead[kind][phase].append(
                     (measured[kind][phase] - measured["plain"][phase]) / groups * 1e6
@@ -130,11 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for phase in (*PHASES, "step"):
             theirs = overhead["torch"][phase][-1]
             ratios[phase].append(overhead["fsdp2"][phase][-1] / theirs if theirs > 0 else float("nan"))
+            local = overhead["fsdp2-local"][phase][-1]
+            local_ratios[phase].append(local / theirs if theirs > 0 else float("nan"))
     summary = {
         kind: {phase: statistics.median(values) for phase, values in phases.items()}
         for kind, phases in overhead.items()
     }
     ratio_summary = {phase: _median_and_band(values) for phase, values in ratios.items()}
+    local_summary = {phase: _median_and_band(values) for phase, values in local_ratios.items()}
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "config": {
@@ -145,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "overhead_us_per_group_per_step": summary,
         "ratio_fsdp2_over_torch": ratio_summary,
+        "ratio_fsdp2_local_step_over_torch": local_summary,
     }
 
 
@@ -167,9 +176,9 @@ def write(result: dict[str, Any], out: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.38
+    width = 0.27
     positions = range(len(PHASES))
-    for offset, kind in ((-width / 2, "torch"), (width / 2, "fsdp2")):
+    for offset, kind in ((-width, "torch"), (0.0, "fsdp2"), (width, "fsdp2-local")):
         values = [result["overhead_us_per_group_per_step"][kind][p] for p in PHASES]
         ax.bar([p + offset for p in positions], values, width, label=kind)
     ax.set_xticks(list(positions), list(PHASES))
@@ -202,12 +211,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     write(result, Path(args.out))
-    print(f"{'phase':10s} {'torch µs':>10s} {'fsdp2 µs':>10s} {'ratio':>7s} {'(p05-p95)':>14s}")
+    print(
+        f"{'phase':10s} {'torch µs':>9s} {'fsdp2 µs':>9s} {'ratio':>6s} {'(p05-p95)':>12s} "
+        f"{'+local µs':>10s} {'ratio':>6s}"
+    )
     for phase in (*PHASES, "step"):
-        t = result["overhead_us_per_group_per_step"]["torch"][phase]
-        f = result["overhead_us_per_group_per_step"]["fsdp2"][phase]
+        per = result["overhead_us_per_group_per_step"]
         r = result["ratio_fsdp2_over_torch"][phase]
-        print(f"{phase:10s} {t:10.1f} {f:10.1f} {r['median']:7.2f} ({r['p05']:.2f}-{r['p95']:.2f})")
+        rl = result["ratio_fsdp2_local_step_over_torch"][phase]
+        print(
+            f"{phase:10s} {per['torch'][phase]:9.1f} {per['fsdp2'][phase]:9.1f} {r['median']:6.2f} "
+            f"({r['p05']:.2f}-{r['p95']:.2f}) {per['fsdp2-local'][phase]:10.1f} {rl['median']:6.2f}"
+        )
     print(result["machine"])
     return result
 

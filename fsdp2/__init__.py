@@ -12,6 +12,7 @@ from ._debug import set_debug
 from ._events import Event, Span, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
+from ._local_optim import local_step
 from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._timeline import merge_timelines, save_timeline
@@ -40,6 +41,7 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "load_full_state_dict",
+    "local_step",
     "merge_timelines",
     "record_events",
     "register_fsdp_forward_method",
