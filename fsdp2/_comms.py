@@ -21,6 +21,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+Tensor = torch.Tensor
+Group = dist.ProcessGroup
+Work = dist.Work
+
 # torch >= 2.10 names the single-tensor collectives *_single; older releases only have *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,12 +48,8 @@ class AllGather(Comm):
 
     @abstractmethod
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, async_op: bool = False
+    ) -> Work | None:
         """Gather ``input_tensor`` from every rank of ``group`` into ``output_tensor``."""
 
 
@@ -62,14 +62,17 @@ class ReduceScatter(Comm):
 
     @abstractmethod
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, op: Any, async_op: bool = False
+    ) -> Work | None:
         """Reduce ``input_tensor`` over ``group`` with ``op``; scatter its blocks into ``output_tensor``."""
+
+
+def _start(
+    collective: Any, out: Tensor, inp: Tensor, group: Group, async_op: bool, **extra: Any
+) -> Work | None:
+    """Issue one single-tensor collective; the work handle only when asked for asynchronous work."""
+    handle: Work | None = collective(out, inp, group=group, async_op=async_op, **extra)
+    return handle if async_op else None
 
 
 def _empty(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -84,17 +87,10 @@ class DefaultAllGather(AllGather):
         return _empty(size, dtype, device)
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, async_op: bool = False
+    ) -> Work | None:
         """``all_gather_single`` over ``group``."""
-        work: dist.Work | None = _all_gather_single(
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
-        return work
+        return _start(_all_gather_single, output_tensor, input_tensor, group, async_op)
 
 
 class DefaultReduceScatter(ReduceScatter):
@@ -105,18 +101,10 @@ class DefaultReduceScatter(ReduceScatter):
         return _empty(size, dtype, device)
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, op: Any, async_op: bool = False
+    ) -> Work | None:
         """``reduce_scatter_single`` over ``group``."""
-        work: dist.Work | None = _reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
-        return work
+        return _start(_reduce_scatter_single, output_tensor, input_tensor, group, async_op, op=op)
 
 
 class AllReduce:
@@ -202,12 +190,8 @@ class SymmMemAllGather(_SymmMemMixin, DefaultAllGather):
         self._setup(group, backend)
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, async_op: bool = False
+    ) -> Work | None:
         """Register ``output_tensor`` with ``group``, then all-gather in place."""
         _symmetric_memory().rendezvous(output_tensor, group=group.group_name)
         return super().__call__(output_tensor, input_tensor, group, async_op)
@@ -220,13 +204,8 @@ class SymmMemReduceScatter(_SymmMemMixin, DefaultReduceScatter):
         self._setup(group, backend)
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Group, op: Any, async_op: bool = False
+    ) -> Work | None:
         """Register ``input_tensor`` with ``group``, then reduce-scatter."""
         _symmetric_memory().rendezvous(input_tensor, group=group.group_name)
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
