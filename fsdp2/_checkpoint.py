@@ -150,19 +150,27 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
         if problem:
             raise ValueError(f"load_full_state_dict({os.fspath(path)!r}): {problem} Nothing was loaded.")
         with torch.no_grad():
+            # One receive buffer, sized for the largest entry and reused for every tensor: at most one
+            # full tensor is in flight however late the backend releases a finished broadcast.
+            largest = max((_nbytes(entries[key]) for key in present), default=0)
+            buffer = torch.empty(largest, dtype=torch.uint8, device=comm)
             for key in present:
                 tensor = entries[key]
+                full = buffer[: _nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
                 if handle is not None:
-                    full = handle.get_tensor(key).to(device=comm, dtype=tensor.dtype)
-                else:
-                    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=comm)
+                    full.copy_(handle.get_tensor(key))
                 if dist.is_initialized():
                     dist.broadcast(full, src=0)
                 _copy_into(tensor, full)
-                del full
+            del buffer
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s full (unsharded) value."""
+    return tensor.numel() * tensor.element_size()
 
 
 def _agree(problem: str, error: type[Exception]) -> None:

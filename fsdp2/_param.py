@@ -301,11 +301,18 @@ class FSDPParam:
                 local = local.narrow(0, start, rows)
             else:
                 local = local.chunk(info.shard_size, dim=self.shard_dim)[info.shard_rank]
-            local = local.to(self.sharded_param.device).contiguous()
+            local = local.to(self._load_device()).contiguous()
         spec = self._spec
         meta = spec.tensor_meta
         assert meta is not None, f"{self.fqn}: a sharded spec without tensor metadata"
         return wrap_local(local, make_spec(spec.mesh, spec.placements, meta.shape, meta.stride, full.dtype))
+
+    def _load_device(self) -> torch.device:
+        """Where a loaded shard goes: the current shard's device, or for a meta shard where it will live."""
+        device = self.sharded_param.device
+        if device.type != "meta":
+            return device
+        return torch.device("cpu") if self.offload_to_cpu else self.device
 
     def _offloaded(self, shard: torch.Tensor) -> torch.Tensor:
         """``shard`` on the CPU, pinned where pinning is possible and asked for."""

@@ -168,3 +168,22 @@ def _meta_init_with_offload(pin_memory: bool) -> None:
 @pytest.mark.parametrize("pin_memory", [False, True])
 def test_meta_init_with_cpu_offload_trains(pin_memory: bool) -> None:
     run_threaded(2, _meta_init_with_offload, pin_memory)
+
+
+def _meta_init_then_assign_full(offload: bool) -> None:
+    ref = seeded(_Net)
+    with torch.device("meta"):
+        model = _Net()
+    kwargs: dict[str, Any] = {"offload_policy": fsdp2.CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    fsdp2.fully_shard(model.a, **kwargs)
+    fsdp2.fully_shard(model, **kwargs)
+    # No to_empty: assign=True installs the loaded shards, which must land off the meta device.
+    model.load_state_dict(ref.state_dict(), assign=True)
+    for name, param in model.named_parameters():
+        assert param.to_local().device.type == "cpu", name
+    train_in_lockstep(model, ref, _inputs, 3, assert_sharded_parity)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "offload"])
+def test_meta_init_then_assign_full_state_dict_trains(offload: bool) -> None:
+    run_threaded(2, _meta_init_then_assign_full, offload)
