@@ -13,8 +13,10 @@ from ._events import Event, Span, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
 from ._local_optim import local_step
+from ._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._plan import Plan, PlanError, plan
 from ._timeline import merge_timelines, save_timeline
 from ._wrap import apply_fully_shard
 
@@ -29,20 +31,28 @@ __all__ = [
     "FSDPMeshInfo",
     "FSDPModule",
     "HSDPMeshInfo",
+    "MemoryReport",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PhaseMemory",
+    "Plan",
+    "PlanError",
     "ReduceScatter",
     "ShardPlacementResult",
+    "SimulatedValueError",
     "Span",
     "TrainingState",
     "UnshardHandle",
     "__version__",
     "apply_fully_shard",
     "clip_grad_norm_",
+    "estimate_memory",
     "fully_shard",
+    "is_simulated",
     "load_full_state_dict",
     "local_step",
     "merge_timelines",
+    "plan",
     "record_events",
     "register_fsdp_forward_method",
     "save_chrome_trace",

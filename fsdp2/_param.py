@@ -502,6 +502,13 @@ class FSDPParam:
         self._register(nn.Parameter(wrap_local(local, spec), requires_grad=False))
         self.free_unsharded()
 
+    def unsharded_tensors(self) -> list[torch.Tensor]:
+        """The tensors this parameter keeps for its unsharded forms (some may be freed: size 0)."""
+        held = [self._unsharded_flat_data, self._unsharded_full, self._post_forward_slice]
+        if self._extension is not None:
+            held += [*self._extension_outputs, *self._extension.inner_tensors]
+        return [t for t in held if t is not None]
+
     def free_unsharded(self) -> None:
         if self._extension is not None:
             for tensor in (*self._extension_outputs, *self._extension.inner_tensors):
@@ -652,12 +659,15 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and _storage_ptr(a) == _storage_ptr(b)
+    return a.device == b.device and _storage_key(a) == _storage_key(b)
 
 
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    """The data pointer of ``tensor``'s storage; a wrapper subclass answers with its first inner tensor."""
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Identity of ``tensor``'s storage (not its data pointer: fake tensors have none).
+
+    A wrapper subclass answers with its first inner tensor.
+    """
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return _storage_ptr(getattr(tensor, names[0]))
-    return int(tensor.untyped_storage().data_ptr())
+        return _storage_key(getattr(tensor, names[0]))
+    return int(tensor.untyped_storage()._cdata)  # noqa: SLF001 - the StorageImpl's address

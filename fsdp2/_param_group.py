@@ -413,6 +413,16 @@ class FSDPParamGroup:
             self._all_gather_result = None
         self.reducer.finalize()
 
+    def unsharded_tensors(self) -> list[torch.Tensor]:
+        """Tensors that hold this group's unsharded data (for memory tools; some may be size 0 now).
+
+        The in-flight all-gather output, the unsharded parameters' storages and post-forward slices.
+        """
+        tensors = [t for p in self.fsdp_params for t in p.unsharded_tensors()]
+        if self._all_gather_result is not None:
+            tensors.append(self._all_gather_result.output)
+        return tensors
+
     def reset(self) -> None:
         """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``.
 

@@ -5,12 +5,22 @@
 - :func:`assert_matches_unsharded` trains a sharded model and its unsharded copy in lockstep and
   asserts losses, gradients and parameters agree.
 - :func:`count_collectives` counts the collectives a rank issues.
+- :func:`measure_memory` measures each rank's peak memory by phase (what ``fsdp2.estimate_memory``
+  predicts).
 
 See docs/testing-your-model.md. fsdp2's own test suite runs on these.
 """
 
 from ._compare import assert_matches_unsharded
 from ._counting import count_collectives
+from ._measure import measure_memory
 from ._threads import RankError, RanksTimeoutError, run_ranks
 
-__all__ = ["RankError", "RanksTimeoutError", "assert_matches_unsharded", "count_collectives", "run_ranks"]
+__all__ = [
+    "RankError",
+    "RanksTimeoutError",
+    "assert_matches_unsharded",
+    "count_collectives",
+    "measure_memory",
+    "run_ranks",
+]
