@@ -45,12 +45,13 @@ def local_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if getattr(optimizer, _PATCHED, False):
         return optimizer
     original: Callable[..., Any] = optimizer.step
+    swap = _on_local_shards(optimizer)
 
     @functools.wraps(original)
     def step(closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
             raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
-        with _on_local_shards(optimizer):
+        with swap:
             return original()
 
     optimizer.step = step  # type: ignore[method-assign]  # reason: the documented wrapping
@@ -59,37 +60,46 @@ def local_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 class _on_local_shards:  # noqa: N801 - used as a context manager
-    """Swap DTensor params, grads and state of ``optimizer`` for their local tensors, then back."""
+    """Swap DTensor params, grads and state of ``optimizer`` for their local tensors, then back.
+
+    One instance per optimizer, entered once per step. The DTensors wrapping state tensors are kept
+    from step to step: optimizers update their state in place, so the same local tensor comes back
+    and its wrapper is reused instead of rebuilding a DTensor (and its spec) per tensor per step.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.groups: list[list[Any]] = []
         self.to_dtensor: dict[int, DTensor] = {}  # id(local param) -> DTensor param
+        self.wrappers: dict[int, DTensor] = {}  # id(local state tensor) -> its DTensor, last step
 
     def __enter__(self) -> None:
         opt = self.optimizer
         state = opt.state
+        self.groups = []
+        self.to_dtensor = {}
         for group in opt.param_groups:
             params = group["params"]
             self.groups.append(params)
             local_params = []
             for param in params:
-                if not isinstance(param, DTensor):
+                if not _is_dtensor(param):
                     local_params.append(param)
                     continue
                 local = local_of(param)
                 grad = param.grad
-                local.grad = local_of(grad) if isinstance(grad, DTensor) else grad
+                local.grad = local_of(grad) if _is_dtensor(grad) else grad
                 self.to_dtensor[id(local)] = param
-                if param in state:
-                    saved = state.pop(param)
-                    state[local] = {k: local_of(v) if isinstance(v, DTensor) else v for k, v in saved.items()}
+                saved = state.pop(param, None)
+                if saved is not None:
+                    state[local] = {k: local_of(v) if _is_dtensor(v) else v for k, v in saved.items()}
                 local_params.append(local)
             group["params"] = local_params
 
     def __exit__(self, *exc: object) -> None:
         opt = self.optimizer
         state = opt.state
+        previous, self.wrappers = self.wrappers, {}
         for group, params in zip(opt.param_groups, self.groups, strict=True):
             for local in group["params"]:
                 param = self.to_dtensor.get(id(local))
@@ -97,12 +107,24 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
                     continue
                 local.grad = None
                 if local in state:
-                    spec = spec_of(param)
                     state[param] = {
-                        k: wrap_local(v, _like(spec, v)) if _is_shard_state(v, local) else v
-                        for k, v in state.pop(local).items()
+                        k: self._wrap(v, param, local, previous) for k, v in state.pop(local).items()
                     }
             group["params"] = params
+
+    def _wrap(self, value: Any, param: DTensor, local: torch.Tensor, previous: dict[int, DTensor]) -> Any:
+        key = id(value)
+        wrapper = previous.get(key)  # alive (and its id unique) while the wrapper holds it
+        if wrapper is None or local_of(wrapper) is not value:
+            if not _is_shard_state(value, local):
+                return value
+            wrapper = wrap_local(value, _like(spec_of(param), value))
+        self.wrappers[key] = wrapper
+        return wrapper
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value) is DTensor or isinstance(value, DTensor)  # the first test is the fast path
 
 
 def _is_shard_state(value: Any, local: torch.Tensor) -> bool:

@@ -89,3 +89,37 @@ def test_local_step_argument_errors() -> None:
     assert fsdp2.local_step(opt) is opt  # idempotent
     with pytest.raises(ValueError, match=r"does not support a closure"):
         opt.step(lambda: 0.0)
+
+
+def _reload_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
+    """State replaced by load_state_dict between steps: the reused wrappers must not keep old tensors."""
+    ours, theirs = _model(base), _model(base)
+    opt = fsdp2.local_step(torch.optim.AdamW(ours.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model, optim in ((ours, opt), (theirs, ref_opt)):
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        if step == 2:  # both reload a copy of the reference's state: new state tensors
+            saved = copy.deepcopy(ref_opt.state_dict())
+            opt.load_state_dict(copy.deepcopy(saved))
+            ref_opt.load_state_dict(saved)
+        for param in ours.parameters():
+            for value in opt.state[param].values():
+                assert value.dim() == 0 or isinstance(value, DTensor)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        for key, value in ref_opt.state[q].items():
+            mine = opt.state[p][key]
+            got = mine.to_local() if isinstance(mine, DTensor) else mine
+            want = value.to_local() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_local_step_after_load_state_dict_between_steps() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _reload_between_steps, base)
