@@ -21,6 +21,7 @@ from typing_extensions import TypedDict, Unpack
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
 from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
+from ._local_optim import enable_automatic_local_steps
 from ._mesh import (
     MeshInfo,
     data_and_tensor_parallel_mesh,
@@ -139,6 +140,7 @@ def fully_shard(
         infos[key] = info
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
+    enable_automatic_local_steps()
     _move_to_device(managed, params, device)
     groups: list[FSDPParamGroup] = []
     owners = _owners(managed, params) if params else {}

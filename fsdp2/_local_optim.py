@@ -13,23 +13,32 @@ no norms or reshapes across the whole parameter).
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._dtensor import local_of, make_spec, spec_of, wrap_local
+from ._param import is_managed
 
 _PATCHED = "_fsdp2_local_step"
+_UNPATCHED = "_fsdp2_step_before_local_step"
 
 
-def local_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def local_step(optimizer: torch.optim.Optimizer, *, enabled: bool = True) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` run on the local shards of its DTensor parameters; returns it.
 
-    One line after building the optimizer::
+    torch's elementwise optimizers (Adam, AdamW, SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam,
+    Adadelta, ASGD; not subclasses) already do so from their second step on once ``fully_shard``
+    has been called; this applies it from the first step, and to other elementwise optimizers::
 
-        optimizer = fsdp2.local_step(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        optimizer = fsdp2.local_step(MyAdam(model.parameters(), lr=3e-4))
+
+    ``enabled=False`` keeps (or puts back) the DTensor path for this optimizer.
 
     The numbers are those of the DTensor path (the same elementwise update on the same values); only
     the DTensor dispatch per tensor and per op is saved. ``model.parameters()``, ``state_dict()``,
@@ -42,21 +51,78 @@ def local_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"local_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    _seen.add(optimizer)  # the user decided: the automatic path leaves it alone
+    if enabled:
+        _patch(optimizer, strict=True)
+    elif getattr(optimizer, _PATCHED, False):
+        before = optimizer.__dict__.pop(_UNPATCHED)
+        if before is None:  # the class's own step again
+            del optimizer.__dict__["step"]
+        else:
+            optimizer.step = before  # type: ignore[method-assign]
+        delattr(optimizer, _PATCHED)
+    return optimizer
+
+
+def _patch(optimizer: torch.optim.Optimizer, strict: bool) -> None:
+    """Wrap ``optimizer.step`` (the instance attribute: LR schedulers' wrappers stay in the chain)."""
     if getattr(optimizer, _PATCHED, False):
-        return optimizer
+        return
     original: Callable[..., Any] = optimizer.step
     swap = _on_local_shards(optimizer)
 
     @functools.wraps(original)
-    def step(closure: Callable[[], Any] | None = None) -> Any:
-        if closure is not None:
-            raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
-        with swap:
+    def step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        if closure is not None or args or kwargs:  # a closure re-runs forward and backward
+            if strict and closure is not None:
+                raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
+            return original(closure, *args, **kwargs)
+        try:
+            swap.__enter__()
+        except _NotLocal:
+            return original()  # e.g. a Partial gradient: the DTensor path reduces it
+        try:
             return original()
+        finally:
+            swap.__exit__()
 
+    optimizer.__dict__[_UNPATCHED] = optimizer.__dict__.get("step")  # None: the class's own
     optimizer.step = step  # type: ignore[method-assign]  # reason: the documented wrapping
     setattr(optimizer, _PATCHED, True)
-    return optimizer
+
+
+# Optimizers whose update is elementwise on each parameter (the same on a shard as on the whole):
+# fsdp2 runs them on local shards by default. Anything else (LBFGS, subclasses, other libraries'
+# optimizers) keeps the DTensor path unless the user calls local_step.
+_ELEMENTWISE = {
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+}  # fmt: skip
+_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_auto_hook: Any = None
+
+
+def enable_automatic_local_steps() -> None:
+    """Run torch's elementwise optimizers over DTensors on local shards from their second step on.
+
+    Called by ``fully_shard``; ``FSDP2_LOCAL_STEP=0`` in the environment turns it off.
+    """
+    global _auto_hook
+    if _auto_hook is not None or os.environ.get("FSDP2_LOCAL_STEP", "1") == "0":
+        return
+    _auto_hook = register_optimizer_step_pre_hook(_first_step)
+
+
+def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Runs before every step of every optimizer in the process: one set lookup once decided.
+    if optimizer in _seen:
+        return
+    _seen.add(optimizer)
+    if type(optimizer) not in _ELEMENTWISE or any(g.get("differentiable") for g in optimizer.param_groups):
+        return
+    dtensors = [p for g in optimizer.param_groups for p in g["params"] if _is_dtensor(p)]
+    if dtensors and all(is_managed(p) for p in dtensors):  # only what fully_shard sharded
+        _patch(optimizer, strict=False)  # this step runs as it began; the next ones on local shards
 
 
 class _on_local_shards:  # noqa: N801 - used as a context manager
@@ -75,9 +141,17 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
 
     def __enter__(self) -> None:
         opt = self.optimizer
-        state = opt.state
         self.groups = []
         self.to_dtensor = {}
+        try:
+            self._swap_in(opt)
+        except _NotLocal:
+            self.groups += [g["params"] for g in opt.param_groups[len(self.groups) :]]
+            self.__exit__()
+            raise
+
+    def _swap_in(self, opt: torch.optim.Optimizer) -> None:
+        state = opt.state
         for group in opt.param_groups:
             params = group["params"]
             self.groups.append(params)
@@ -88,6 +162,13 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
                     continue
                 local = local_of(param)
                 grad = param.grad
+                if (
+                    grad is not None
+                    and _is_dtensor(grad)
+                    and spec_of(grad).placements != spec_of(param).placements
+                ):
+                    group["params"] = local_params + params[len(local_params) :]
+                    raise _NotLocal  # a Partial (unreduced) gradient, say: its local tensor is not the update
                 local.grad = local_of(grad) if _is_dtensor(grad) else grad
                 self.to_dtensor[id(local)] = param
                 saved = state.pop(param, None)
@@ -121,6 +202,10 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
             wrapper = wrap_local(value, _like(spec_of(param), value))
         self.wrappers[key] = wrapper
         return wrapper
+
+
+class _NotLocal(Exception):  # noqa: N818 - control flow, never escapes this module
+    """This step cannot run on local shards."""
 
 
 def _is_dtensor(value: Any) -> bool:

@@ -151,6 +151,7 @@ class FSDPParam:
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
         self._local_view = local  # the sharded DTensor's local tensor as fsdp2 made it
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
+        mark_managed(self.sharded_param)
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
         self._extension = ExtensionRecord() if has_extension(local, self.fqn) else None
         self._mp_policy: Any = None
@@ -227,6 +228,7 @@ class FSDPParam:
                 "fully_shard modules, or use torch.distributed.checkpoint.state_dict helpers."
             )
         self.sharded_param = param
+        mark_managed(self.sharded_param)
         self._spec = spec_of(param)
         local = local_of(param)
         if local is self._local_view and not (self.offload_to_cpu and local.device.type != "cpu"):
@@ -277,6 +279,7 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(
             wrap_local(self._local_view, self._spec), requires_grad=requires_grad
         )
+        mark_managed(self.sharded_param)
         self._register(self.sharded_param)
 
     @property
@@ -641,6 +644,17 @@ def _can_pin(policy: OffloadPolicy | None) -> bool:
 
 
 _source_ids = itertools.count()
+_MANAGED = "_fsdp2_managed"
+
+
+def mark_managed(param: torch.Tensor) -> None:
+    """Tag a sharded parameter fsdp2 registered (an attribute: tensors cannot be weak-set members)."""
+    param.__dict__[_MANAGED] = True
+
+
+def is_managed(param: torch.Tensor) -> bool:
+    """Whether ``fully_shard`` sharded this parameter (tools above the engine ask, e.g. local steps)."""
+    return param.__dict__.get(_MANAGED, False) is True
 
 
 def _source_id(param: nn.Parameter) -> int:

@@ -40,7 +40,7 @@ def _compare(rank: int, world_size: int, base: nn.Module, name: str) -> None:
     make = OPTIMIZERS[name]
     ours, theirs = _model(base), _model(base)
     opt = fsdp2.local_step(make(ours.parameters()))
-    ref_opt = make(theirs.parameters())
+    ref_opt = fsdp2.local_step(make(theirs.parameters()), enabled=False)  # the DTensor path
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
         for model, optim in ((ours, opt), (theirs, ref_opt)):
@@ -95,7 +95,7 @@ def _reload_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
     """State replaced by load_state_dict between steps: the reused wrappers must not keep old tensors."""
     ours, theirs = _model(base), _model(base)
     opt = fsdp2.local_step(torch.optim.AdamW(ours.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    ref_opt = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2), enabled=False)
     for step in range(5):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
         for model, optim in ((ours, opt), (theirs, ref_opt)):
@@ -123,3 +123,89 @@ def test_local_step_after_load_state_dict_between_steps() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     run_ranks(2, _reload_between_steps, base)
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """A subclass may change the update: it keeps the DTensor path unless the user opts in."""
+
+
+def _automatic(rank: int, world_size: int, base: nn.Module) -> None:
+    ours, theirs, sub = _model(base), _model(base), _model(base)
+    auto = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)  # the user's line, unchanged
+    ref = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1), enabled=False)
+    subclassed = _MyAdamW(sub.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model, optim in ((ours, auto), (theirs, ref), (sub, subclassed)):
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        # the first step runs on DTensors and switches the plain AdamW over for the next ones
+        assert getattr(auto, "_fsdp2_local_step", False)
+        assert not getattr(ref, "_fsdp2_local_step", False)
+        assert not getattr(subclassed, "_fsdp2_local_step", False)
+    for p, q, r in zip(ours.parameters(), theirs.parameters(), sub.parameters(), strict=True):
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+        torch.testing.assert_close(r.to_local(), q.to_local(), rtol=0, atol=0)
+        for key, value in ref.state[q].items():
+            mine = auto.state[p][key]
+            assert type(mine) is type(value), key
+            if isinstance(value, DTensor):
+                assert mine.placements == value.placements
+                torch.testing.assert_close(mine.to_local(), value.to_local(), rtol=0, atol=0)
+    # turning it off puts the class's step back
+    fsdp2.local_step(auto, enabled=False)
+    assert "step" not in auto.__dict__
+    assert not getattr(auto, "_fsdp2_local_step", False)
+
+
+def test_elementwise_optimizers_run_on_local_shards_automatically() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _automatic, base)
+
+
+def _partial_gradient(rank: int, world_size: int) -> None:
+    """A gradient that is not laid out like its parameter (here Partial) keeps the DTensor path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = [nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()])) for _ in range(2)]
+    fast = fsdp2.local_step(torch.optim.SGD([params[0]], lr=0.5))
+    slow = fsdp2.local_step(torch.optim.SGD([params[1]], lr=0.5), enabled=False)
+    for param in params:
+        param.grad = DTensor.from_local(torch.full((4,), float(rank + 1)), mesh, [Partial()])
+    fast.step()
+    slow.step()
+    want = 1 - 0.5 * sum(range(1, world_size + 1))  # the Partial gradient is reduced first
+    for param in params:
+        torch.testing.assert_close(param.to_local(), torch.full((4,), want), rtol=0, atol=0)
+    assert isinstance(fast.param_groups[0]["params"][0], DTensor)  # swapped back after the fallback
+
+
+def test_partial_gradients_fall_back_to_the_dtensor_path() -> None:
+    run_ranks(2, _partial_gradient)
+
+
+def test_environment_variable_turns_the_automatic_path_off() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fsdp2\n"
+        "from fsdp2.testing import run_ranks\n"
+        "def body(rank, world):\n"
+        "    model = torch.nn.Linear(4, 4)\n"
+        "    fsdp2.fully_shard(model)\n"
+        "    opt = torch.optim.AdamW(model.parameters())\n"
+        "    for _ in range(2):\n"
+        "        model(torch.ones(2, 4)).sum().backward()\n"
+        "        opt.step()\n"
+        "    return getattr(opt, '_fsdp2_local_step', False)\n"
+        "print(run_ranks(2, body))\n"
+    )
+    env = {**__import__("os").environ, "FSDP2_LOCAL_STEP": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[False, False]"

@@ -1,0 +1,212 @@
+"""The benchmark suite: every figure of docs/performance.md in one run (about 3 minutes on 2 cores).
+
+(a) overhead per group per step by phase at world 1 (``step_overhead.py``), (b) step time at world 2
+and 4 in gloo processes and (d) bytes per collective against the unpadded minimum (``scale.py``),
+(c) peak memory per rank at world 4 and 8 against torch and the floor (``memory_floor.py``),
+(e) a model of 64 tiny groups at world 4: collectives per step and step time, bucketed or not,
+against torch (``bucketing.py`` under ``torchrun``). Each part interleaves torch's ``fully_shard``
+and fsdp2 (and an unsharded baseline where it applies) round by round in one run.
+
+Run:  python benchmarks/suite.py [--quick]      (or: nox -s bench)
+Writes benchmarks/results/suite.json, suite.md (the tables) and suite.png (one panel per part),
+next to each part's own JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import memory_floor  # noqa: E402 - the parts live next to this file
+import scale  # noqa: E402
+import step_overhead  # noqa: E402
+
+
+def run_bucketing(out: Path, quick: bool) -> dict[str, Any]:
+    path = out / "bucketing.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        str(HERE / "bucketing.py"), "--json", str(path), "--rounds", "3" if quick else "5",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def tables(results: dict[str, Any]) -> str:
+    lines = [f"Machine: {results['machine']}; suite time {results['seconds']:.0f} s.", ""]
+    a = results["a_overhead"]
+    per, ratio, local = (
+        a["overhead_us_per_group_per_step"],
+        a["ratio_fsdp2_over_torch"],
+        a["ratio_fsdp2_local_step_over_torch"],
+    )
+    lines += [
+        "(a) Overhead over the unsharded model, µs per group per step, world 1 "
+        f"({a['config']['blocks']} blocks of dim {a['config']['dim']} + root, AdamW, clipping):",
+        "",
+        "| phase | torch | fsdp2 | fsdp2 / torch (p05-p95) | fsdp2 + local_step | / torch |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for phase in (*step_overhead.PHASES, "step"):
+        r, rl = ratio[phase], local[phase]
+        lines.append(
+            f"| {phase} | {per['torch'][phase]:.0f} | {per['fsdp2'][phase]:.0f} | {r['median']:.2f} "
+            f"({r['p05']:.2f}-{r['p95']:.2f}) | {per['fsdp2-local'][phase]:.0f} | {rl['median']:.2f} |"
+        )
+    b = results["b_scale"]
+    lines += [
+        "",
+        "(b) Step time, gloo processes, slowest rank, median over rounds "
+        f"({b['config']['blocks']} blocks of dim {b['config']['dim']}, AdamW):",
+        "",
+        "| world | DDP ms | torch ms | fsdp2 ms | fsdp2 / torch (p05-p95) | fsdp2 + local_step / torch |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, row in b["worlds"].items():
+        ms, r, rl = row["step_ms"], row["ratio_fsdp2_over_torch"], row["ratio_fsdp2_local_over_torch"]
+        lines.append(
+            f"| {world} | {ms['ddp']:.1f} | {ms['torch']:.1f} | {ms['fsdp2']:.1f} | {r['median']:.2f} "
+            f"({r['p05']:.2f}-{r['p95']:.2f}) | {rl['median']:.2f} |"
+        )
+    low = b["minimum_bytes"]
+    lines += [
+        "",
+        "(d) Bytes per step in collective buffers on rank 0 (all-gather outputs, reduce-scatter inputs) "
+        "against the unpadded minimum of the same schedule:",
+        "",
+        "| world | library | all-gather B | / minimum | reduce-scatter B | / minimum | all-reduce B |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for world, row in b["worlds"].items():
+        for kind in ("torch", "fsdp2"):
+            got = row["bytes"][kind]
+            lines.append(
+                f"| {world} | {kind} | {got['all_gather']:,} | {got['all_gather'] / low['all_gather']:.4f} | "
+                f"{got['reduce_scatter']:,} | {got['reduce_scatter'] / low['reduce_scatter']:.4f} | "
+                f"{got['all_reduce']:,} |"
+            )
+    c = results["c_memory"]
+    lines += [
+        "",
+        "(c) Peak memory of rank 0 over a training step (live tensor bytes, thread ranks), against the floor "
+        "(shards of parameters, gradients and AdamW states + the root and two blocks unsharded + "
+        "activations):",
+        "",
+        "| world | floor MiB | torch MiB | torch / floor | fsdp2 MiB | fsdp2 / floor | fsdp2 / torch |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, row in c["worlds"].items():
+        mib = lambda n: n / 2**20  # noqa: E731
+        lines.append(
+            f"| {world} | {mib(row['floor']['floor']):.2f} | {mib(row['torch']['peak_bytes']):.2f} | "
+            f"{row['torch']['over_floor']:.3f} | {mib(row['fsdp2']['peak_bytes']):.2f} | "
+            f"{row['fsdp2']['over_floor']:.3f} | {row['ratio_fsdp2_over_torch']:.3f} |"
+        )
+    e = results.get("e_bucketing")
+    if e:
+        lines += [
+            "",
+            f"(e) {e['config']['layers']} tiny groups (dim {e['config']['dim']}) at world {e['world_size']}, "
+            "gloo processes: collectives and step time per step (median over rounds):",
+            "",
+            "| model | all-gathers | reduce-scatters | step ms | / torch |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        torch_ms = e["models"]["torch"]["step_ms"]
+        for name, row in e["models"].items():
+            lines.append(
+                f"| {name} | {row['all_gather']:.0f} | {row['reduce_scatter']:.0f} | {row['step_ms']:.1f} | "
+                f"{row['step_ms'] / torch_ms:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    a = results["a_overhead"]["overhead_us_per_group_per_step"]
+    phases = list(step_overhead.PHASES)
+    for offset, kind in ((-0.27, "torch"), (0.0, "fsdp2"), (0.27, "fsdp2-local")):
+        axes[0].bar([i + offset for i in range(len(phases))], [a[kind][p] for p in phases], 0.27, label=kind)
+    axes[0].set_xticks(range(len(phases)), phases)
+    axes[0].set_title("(a) µs per group per step, world 1")
+    axes[0].legend(fontsize=7)
+    worlds = list(results["b_scale"]["worlds"])
+    for offset, kind in ((-0.3, "ddp"), (-0.1, "torch"), (0.1, "fsdp2"), (0.3, "fsdp2-local")):
+        values = [results["b_scale"]["worlds"][w]["step_ms"][kind] for w in worlds]
+        axes[1].bar([i + offset for i in range(len(worlds))], values, 0.2, label=kind)
+    axes[1].set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
+    axes[1].set_title("(b) step time, ms")
+    axes[1].legend(fontsize=7)
+    mem = results["c_memory"]["worlds"]
+    worlds = list(mem)
+    for offset, kind in ((-0.25, "floor"), (0.0, "torch"), (0.25, "fsdp2")):
+        values = [
+            (mem[w]["floor"]["floor"] if kind == "floor" else mem[w][kind]["peak_bytes"]) / 2**20 for w in worlds
+        ]
+        axes[2].bar([i + offset for i in range(len(worlds))], values, 0.25, label=kind)
+    axes[2].set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
+    axes[2].set_title("(c) peak MiB, rank 0")
+    axes[2].legend(fontsize=7)
+    e = results.get("e_bucketing")
+    if e:
+        names = list(e["models"])
+        axes[3].bar(names, [e["models"][n]["step_ms"] for n in names])
+        for i, n in enumerate(names):
+            row = e["models"][n]
+            axes[3].annotate(f"{row['all_gather'] + row['reduce_scatter']:.0f} coll.", (i, row["step_ms"]), ha="center")
+        axes[3].set_title(f"(e) {e['config']['layers']} tiny groups, world {e['world_size']}: ms/step")
+        axes[3].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument("--skip-bucketing", action="store_true")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    rounds = ["--rounds", "3"] if args.quick else []
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "a_overhead": step_overhead.main(["--out", str(out), *(["--rounds", "4"] if args.quick else [])]),
+        "b_scale": scale.main(["--out", str(out), *rounds]),
+        "c_memory": memory_floor.main(["--out", str(out)]),
+    }
+    if not args.skip_bucketing:
+        results["e_bucketing"] = run_bucketing(out, args.quick)
+    results["seconds"] = time.perf_counter() - start
+    (out / "suite.json").write_text(json.dumps(results, indent=2))
+    text = tables(results)
+    (out / "suite.md").write_text(text)
+    plot(results, out / "suite.png")
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
