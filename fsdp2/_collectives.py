@@ -38,6 +38,9 @@ class AllGatherResult:
     world_size: int
     event: torch.Event | None  # all-gather stream event (CUDA); None on CPU
     work: dist.Work | None  # async work handle (async_op=True)
+    # A bucketed all-gather (several groups, one collective): ``(start, width)``, the columns of the
+    # ``(W, row)`` output that hold this group's inputs. ``None``: the whole row is this group's.
+    columns: tuple[int, int] | None = None
 
 
 def all_gather_copy_in(
@@ -104,6 +107,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Ten
 def copy_out_2d(result: AllGatherResult, outputs_2d: list[torch.Tensor]) -> None:
     """Copy-out into outputs already viewed as ``(W, split)`` (callers may cache those views)."""
     gathered = result.output.view(result.world_size, -1)
+    if result.columns is not None:
+        gathered = gathered.narrow(1, *result.columns)
     torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outputs_2d)
 
 
