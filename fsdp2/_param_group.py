@@ -176,16 +176,16 @@ class FSDPParamGroup:
         if self._all_gather_result is not None or self.sharded_state is _UNSHARDED:
             return
         state = self.training_state if as_state is None else as_state
-        _events.record("unshard", self.module_fqn, state, self.event_scope)
-        self._gather_span = (_events.span_start(self.event_scope), state)
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        info = self._post_forward_mesh_info if post_forward else self.mesh_info
-        assert info is not None, "post-forward state without a post-forward mesh"
-        if not async_op and not post_forward:
+        if not async_op and not post_forward and self.bucketing is not None:
             members = self._bucket_members(state)
             if members is not None:
-                self._unshard_bucket(members, state)
+                self._unshard_bucket(members, state)  # records every member's unshard
                 return
+        _events.record("unshard", self.module_fqn, state, self.event_scope)
+        self._gather_span = (_events.span_start(self.event_scope), state)
+        info = self._post_forward_mesh_info if post_forward else self.mesh_info
+        assert info is not None, "post-forward state without a post-forward mesh"
         ctx = self.comm_ctx
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = self.comms.all_gather if info.shard_size > 1 else None
