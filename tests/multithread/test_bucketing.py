@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -396,16 +397,23 @@ def test_cap_refused_mid_iteration() -> None:
 # ---- other settings ------------------------------------------------------------------------------
 
 
-def _settings_body(configure: Callable[[Blocks], None]) -> None:
+def _settings_body(
+    configure: Callable[[Blocks], None],
+    build: Callable[[], Blocks] = lambda: Blocks(DIMS_UNEVEN),
+    shard: Callable[[Blocks], None] = lambda m: _shard(m, True),
+) -> None:
+    """Bucketed and unbucketed training of the same model, sharded by ``shard``: exactly equal."""
     torch.manual_seed(0)
-    base = broadcast_module_(Blocks(DIMS_UNEVEN))
+    base = broadcast_module_(build())
     results = []
     for caps in ((None, None), (ALL, ALL)):
         model = copy.deepcopy(base)
-        _shard(model, True)
+        shard(model)
         configure(model)
         model.set_bucket_cap_mb(*caps)
-        results.append(_train(model, DIMS_UNEVEN[0], 3, 2))
+        results.append(_train(model, model.inp.in_features, 3, 2))
+        with torch.no_grad():  # an eval forward between steps: bucketed too, same output
+            results[-1][0].append(model(_input(model.inp.in_features, dist.get_rank(), 99)))
     for want, got in zip(*results, strict=True):
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, **EXACT)
@@ -463,3 +471,46 @@ def test_cpu_offload_exact() -> None:
                 torch.testing.assert_close(b, a, **EXACT)
 
     run_threaded(2, body)
+
+
+def _nothing(model: Blocks) -> None:
+    pass
+
+
+def _hsdp(model: Blocks) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+
+
+def _checkpointed(model: Blocks) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for block in model.blocks:
+        checkpoint(block)
+    _shard(model, True)
+
+
+class Reused(Blocks):
+    """Block 0 runs twice per forward: its state stands alone in the bucket plan."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize(
+    ("world", "build", "shard"),
+    [
+        pytest.param(4, lambda: Blocks(DIMS_UNEVEN), _hsdp, id="hsdp"),
+        pytest.param(2, lambda: Blocks(DIMS_UNEVEN), _checkpointed, id="activation-checkpointing"),
+        pytest.param(2, lambda: Reused([16] * 6), lambda m: _shard(m, True), id="module-reused"),
+    ],
+)
+def test_other_layouts_still_exact(
+    world: int, build: Callable[[], Blocks], shard: Callable[[Blocks], None]
+) -> None:
+    run_threaded(world, _settings_body, _nothing, build, shard)
