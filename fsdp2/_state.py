@@ -23,9 +23,10 @@ iteration's execution order into buckets (``_bucket.split_into_buckets``) and te
 bucket: forward uses the order in which pre-forwards ran (the order of the forward all-gathers);
 backward uses the reversed post-forward order restricted to groups that all-gather again in backward
 (``reshard_after_forward=True`` and ``unshard_in_backward``). The plan made at the end of one forward
-serves that iteration's backward and the next forward, so the first forward runs unbucketed. A state
-that ran more than once in a forward stands alone. Reduce-scatters need no plan: the root's queue
-takes post-backwards as they come and is flushed by the end-of-backward callback.
+serves that iteration's backward and the next forward, so the first forward runs unbucketed (a
+forward without gradients replans forward only). A state that ran more than once in a forward stands
+alone. Reduce-scatters need no plan: the root's queue takes post-backwards as they come and is
+flushed by the end-of-backward callback.
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ class FSDPState:
             self.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
         cap = ctx.bucketing.all_gather_cap
-        if cap is not None and torch.is_grad_enabled():
-            plan_all_gather_buckets(ctx, cap)
+        if cap is not None:
+            plan_all_gather_buckets(ctx, cap, backward=torch.is_grad_enabled())
         return output
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
@@ -431,20 +432,25 @@ class FSDPState:
             ctx.callback_queued = False
 
 
-def plan_all_gather_buckets(ctx: SharedContext, cap: int) -> None:
-    """Tell every group which groups it all-gathers with, in forward and in backward ([Note: Bucket plan])."""
+def plan_all_gather_buckets(ctx: SharedContext, cap: int, *, backward: bool) -> None:
+    """Tell every group which groups it all-gathers with in forward and, if ``backward``, in backward.
+
+    See [Note: Bucket plan]; a forward without gradients (no backward follows) keeps the backward plan.
+    """
     for state in ctx.all_states:
         for group in state.groups:
             group.forward_bucket = None
-            group.backward_bucket = None
-    forward = _order_groups(ctx.pre_forward_order)
-    _assign_buckets(forward, cap, backward=False)
-    backward = [
+            if backward:
+                group.backward_bucket = None
+    _assign_buckets(_order_groups(ctx.pre_forward_order), cap, backward=False)
+    if not backward:
+        return
+    regathered = [
         (group, alone)
         for group, alone in _order_groups(list(reversed(ctx.post_forward_order[ctx.iteration_order_start :])))
         if group.post_forward_mesh_info is group.mesh_info and group.controls.unshard_in_backward
     ]
-    _assign_buckets(backward, cap, backward=True)
+    _assign_buckets(regathered, cap, backward=True)
 
 
 def _order_groups(states: list[FSDPState]) -> list[tuple[FSDPParamGroup, bool]]:
