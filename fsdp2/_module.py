@@ -350,9 +350,11 @@ class FSDPModule(_ModuleBase):
         ``all_gather`` MiB together are gathered by one collective when the first of them unshards (from
         the second iteration on: the first one records the order). Post-backwards pack their gradients
         and wait until the packed bytes reach ``reduce_scatter`` MiB, or backward ends, then one
-        reduce-scatter serves them all. Results are bit-identical to the unbucketed run. Groups that
-        cannot share a collective (another process group or dtype, HSDP, custom collectives, all-gather
-        extensions, tensor parallelism, an int ``reshard_after_forward``) keep their own.
+        reduce-scatter serves them all. Each element is reduced as without bucketing (bit-identical
+        unless the backend's summation order depends on the buffer, as gloo's does beyond 2 ranks:
+        last-bit differences). Groups that cannot share a collective (another process group or dtype,
+        HSDP for reduce-scatters, custom collectives, all-gather extensions, tensor parallelism, an int
+        ``reshard_after_forward``) keep their own. See docs/performance.md, "Bucketing small groups".
 
         Args:
             all_gather: cap in MiB of one bucketed all-gather's output, or ``None``.
