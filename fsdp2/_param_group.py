@@ -223,14 +223,8 @@ class FSDPParamGroup:
             or any(p.is_tensor_parallel for p in self.fsdp_params)
         ):
             return None
-        comm = self.comms.all_gather
-        return (
-            id(info.shard_group),
-            self._all_gather_dtype,
-            self.device,
-            type(comm),
-            id(getattr(comm, "_group", None)),
-        )
+        # The built-in collectives a setter installs are bound to the shard group: their type suffices.
+        return (id(info.shard_group), self._all_gather_dtype, self.device, type(self.comms.all_gather))
 
     def all_gather_bytes(self) -> int:
         """Bytes of this group's all-gather output (what the all-gather cap counts)."""
@@ -320,7 +314,7 @@ class FSDPParamGroup:
         factors = self.reducer.divide_factors(dtype, controls)
         group = comms.reduce_scatter_group or info.shard_group
         comm = comms.reduce_scatter
-        key = (id(group), dtype, factors, self.device, type(comm), id(getattr(comm, "_group", None)))
+        key = (id(group), dtype, factors, self.device, type(comm))
         return key, dtype
 
     def _queue_reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
@@ -337,11 +331,8 @@ class FSDPParamGroup:
         if ctx is not None:
             ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
         start = _events.span_start(self.event_scope)
-        split = self.reducer.split_by_dtype(params, grads)  # empties grads
-        if not split:  # only zero-element parameters
-            self.reducer.assign_empty(params)
-            return True
-        reduced, packed_grads = split[dtype]
+        # One reduce dtype (the key says so): the split holds exactly one entry. Empties grads.
+        reduced, packed_grads = self.reducer.split_by_dtype(params, grads)[dtype]
         shard_numel = sum(p.padded_shard_numel for p in reduced)
         buffer = reduce_scatter_copy_in(
             packed_grads, self.mesh_info.shard_size, dtype, shard_numel, comms.reduce_scatter

@@ -514,3 +514,24 @@ def test_other_layouts_still_exact(
     world: int, build: Callable[[], Blocks], shard: Callable[[Blocks], None]
 ) -> None:
     run_threaded(world, _settings_body, _nothing, build, shard)
+
+
+def test_deepcopy_keeps_the_caps() -> None:
+    def body() -> list[Counter[str]]:
+        torch.manual_seed(0)
+        model = broadcast_module_(Blocks(DIMS_EVEN))
+        _shard(model, True)
+        model.set_bucket_cap_mb(ALL, 0.01)
+        _train(model, DIMS_EVEN[0], 1, 1)
+        twin = copy.deepcopy(model)
+        assert _caps(twin) == (int(ALL * MIB), int(0.01 * MIB))
+        counts: list[Counter[str]] = []
+        want = _train(model, DIMS_EVEN[0], 2, 1)
+        got = _train(twin, DIMS_EVEN[0], 2, 1, counts)
+        for w, g in zip(want, got, strict=True):
+            for a, b in zip(w, g, strict=True):
+                torch.testing.assert_close(b, a, **EXACT)
+        return counts
+
+    for counts in run_threaded(2, body):
+        assert counts[1]["all_gather"] == 2
