@@ -502,12 +502,28 @@ class Reused(Blocks):
         return self.out(x)
 
 
+class WithEmpty(Blocks):
+    """A zero-element parameter on the root and an unused one in every block."""
+
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__(dims)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+        for block in self.blocks:
+            block.unused = nn.Parameter(torch.ones(5, 2))
+
+
+def _shard_with_unused(model: Blocks) -> None:
+    _shard(model, True)
+    model.set_reduce_scatter_unused_params(True)
+
+
 @pytest.mark.parametrize(
     ("world", "build", "shard"),
     [
         pytest.param(4, lambda: Blocks(DIMS_UNEVEN), _hsdp, id="hsdp"),
         pytest.param(2, lambda: Blocks(DIMS_UNEVEN), _checkpointed, id="activation-checkpointing"),
         pytest.param(2, lambda: Reused([16] * 6), lambda m: _shard(m, True), id="module-reused"),
+        pytest.param(4, lambda: WithEmpty(DIMS_UNEVEN), _shard_with_unused, id="empty-and-unused-params"),
     ],
 )
 def test_other_layouts_still_exact(
