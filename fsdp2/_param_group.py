@@ -325,6 +325,8 @@ class FSDPParamGroup:
             return False
         found = self._reduce_scatter_bucket_key(params, grads)
         if found is None:
+            # Reduce alone, after the queue: buckets stay runs of consecutive post-backwards.
+            bucketing.queue.flush(self.comm_ctx)
             return False
         key, dtype = found
         ctx, controls, comms = self.comm_ctx, self.controls, self.comms

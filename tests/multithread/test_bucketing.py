@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2._state import get_state
@@ -517,6 +517,26 @@ def _shard_with_unused(model: Blocks) -> None:
     model.set_reduce_scatter_unused_params(True)
 
 
+def _shard_dim1(model: Blocks) -> None:
+    """``Shard(1)`` for the 2-D weights whose columns split evenly (staged copy-out, dim-0 regrouping)."""
+    world = dist.get_world_size()
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param.ndim == 2 and param.size(1) % world == 0 else None
+
+    for block in model.blocks:
+        fsdp2.fully_shard(block, shard_placement_fn=placement)
+    fsdp2.fully_shard(model, shard_placement_fn=placement)
+
+
+def _shard_in_pairs(model: Blocks) -> None:
+    """``fully_shard([block_i, block_i+1])``: one group for two modules."""
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks) - 1, 2):
+        fsdp2.fully_shard(blocks[i : i + 2], reshard_after_forward=True)
+    fsdp2.fully_shard(model, reshard_after_forward=True)
+
+
 @pytest.mark.parametrize(
     ("world", "build", "shard"),
     [
@@ -524,6 +544,8 @@ def _shard_with_unused(model: Blocks) -> None:
         pytest.param(2, lambda: Blocks(DIMS_UNEVEN), _checkpointed, id="activation-checkpointing"),
         pytest.param(2, lambda: Reused([16] * 6), lambda m: _shard(m, True), id="module-reused"),
         pytest.param(4, lambda: WithEmpty(DIMS_UNEVEN), _shard_with_unused, id="empty-and-unused-params"),
+        pytest.param(4, lambda: Blocks([16, 32, 20, 32, 24, 12]), _shard_dim1, id="shard-dim-1"),
+        pytest.param(2, lambda: Blocks(DIMS_UNEVEN), _shard_in_pairs, id="grouped-modules"),
     ],
 )
 def test_other_layouts_still_exact(
@@ -551,3 +573,59 @@ def test_deepcopy_keeps_the_caps() -> None:
 
     for counts in run_threaded(2, body):
         assert counts[1]["all_gather"] == 2
+
+
+class _CountingAllGather(fsdp2.AllGather):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+        self.calls += 1
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter(fsdp2.ReduceScatter):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        self.calls += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def test_custom_collectives_stay_per_group() -> None:
+    """A block with its own collectives splits the buckets around it and keeps its own calls."""
+
+    def body() -> tuple[list[Counter[str]], int, int]:
+        torch.manual_seed(0)
+        base = broadcast_module_(Blocks(DIMS_EVEN))
+        results = []
+        gather, scatter = _CountingAllGather(), _CountingReduceScatter()
+        counts: list[Counter[str]] = []
+        for caps in ((None, None), (ALL, ALL)):
+            model = copy.deepcopy(base)
+            _shard(model, True)
+            model.set_bucket_cap_mb(*caps)
+            if caps[0] is not None:
+                custom = model.blocks[3]
+                assert isinstance(custom, fsdp2.FSDPModule)
+                custom.set_custom_all_gather(gather)
+                custom.set_custom_reduce_scatter(scatter)
+            results.append(_train(model, DIMS_EVEN[0], 3, 1, counts if caps[0] is not None else None))
+        for want, got in zip(*results, strict=True):
+            for a, b in zip(want, got, strict=True):
+                torch.testing.assert_close(b, a, **EXACT)
+        return counts, gather.calls, scatter.calls
+
+    for counts, gathers, scatters in run_threaded(2, body):
+        assert (gathers, scatters) == (2 * 3, 3)  # its forward and backward all-gather, its reduce-scatter
+        # [root, blocks 0-2] [block 3] [blocks 4-11] in forward, reversed in backward; same for gradients
+        assert counts[1] == counts[2] == Counter(all_gather=6, reduce_scatter=3)
