@@ -12,6 +12,8 @@ Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n
   rank's input is the view ``[r*B, (r+1)*B)`` so the collective runs in place.
 - reduce-scatter input: viewed as ``(W, S)``; row ``j`` is chunk ``j`` (dim 0, zero-padded) of every
   gradient, flattened, in parameter order. Row ``j`` is what rank ``j`` receives.
+Several groups sharing one collective (``_bucket``) place their blocks side by side within each row;
+an ``AllGatherResult`` then names its group's columns.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """A communication group: the parameters of one ``fully_shard`` call.
 
 Owns: the group's ``TrainingState`` and ``ShardedState``; unshard (one all-gather), wait_for_unshard
-(copy-out and register), reshard, pre/post forward and backward of its own parameters, and prefetch.
-Gradient reduction is delegated to its ``GradientReducer``. Does not own: hooks, root logic, the
-cross-group forward order or default backward prefetch (``FSDPState``).
+(copy-out and register), reshard, pre/post forward and backward of its own parameters, and prefetch;
+with bucketing, its bucket keys, issuing one all-gather for its bucket's members, and packing its
+gradients into the root's reduce-scatter queue. Gradient reduction is delegated to its
+``GradientReducer``. Does not own: hooks, root logic, the cross-group forward order, the bucket plan
+or default backward prefetch (``FSDPState``).
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
-pending (``_all_gather_result``); an unshard is a no-op while one is pending or when unsharded; every
-training-state change goes through ``_lifecycle.transition``.
+pending (``_all_gather_result``, possibly this group's part of a bucket); an unshard is a no-op while
+one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
 pre/post hooks, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
 default prefetch (the cross-group forward order), root discovery at the first forward, and the final
-callback queued on the autograd engine. Also ``SharedContext``, the flags and order every state under
-one root shares. Does not own: parameters or collectives (its group does).
+callback queued on the autograd engine, and the bucket plan (see [Note: Bucket plan]). Also
+``SharedContext``, the flags, order and bucketing settings every state under one root shares. Does
+not own: parameters or collectives (its group does).
 Invariants: the root's lazy init creates one ``SharedContext``, ``CommContext`` and ``EventScope`` and
 hands them to every state and group under it (none exist before, except those a setter or
 ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
