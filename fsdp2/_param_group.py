@@ -179,7 +179,8 @@ class FSDPParamGroup:
             return
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        if not async_op and not post_forward and self.bucketing is not None:
+        bucketing = self.bucketing
+        if bucketing is not None and bucketing.all_gather_cap is not None and not (async_op or post_forward):
             members = self._bucket_members(state)
             if members is not None:
                 self._unshard_bucket(members, state)  # records every member's unshard
@@ -556,7 +557,9 @@ class FSDPParamGroup:
         if controls.reshard_after_backward:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
-        if grads and not self._queue_reduce_scatter(reduced, grads):
+        bucketing = self.bucketing
+        queued = bucketing is not None and bucketing.reduce_scatter_cap is not None
+        if grads and not (queued and self._queue_reduce_scatter(reduced, grads)):
             start = _events.span_start(self.event_scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
