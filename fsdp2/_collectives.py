@@ -12,6 +12,8 @@ Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n
   rank's input is the view ``[r*B, (r+1)*B)`` so the collective runs in place.
 - reduce-scatter input: viewed as ``(W, S)``; row ``j`` is chunk ``j`` (dim 0, zero-padded) of every
   gradient, flattened, in parameter order. Row ``j`` is what rank ``j`` receives.
+Several groups sharing one collective (``_bucket``) place their blocks side by side within each row;
+an ``AllGatherResult`` then names its group's columns.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class AllGatherResult:
     world_size: int
     event: torch.Event | None  # all-gather stream event (CUDA); None on CPU
     work: dist.Work | None  # async work handle (async_op=True)
+    # A bucketed all-gather (several groups, one collective): ``(start, width)``, the columns of the
+    # ``(W, row)`` output that hold this group's inputs. ``None``: the whole row is this group's.
+    columns: tuple[int, int] | None = None
 
 
 def all_gather_copy_in(
@@ -104,6 +109,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Ten
 def copy_out_2d(result: AllGatherResult, outputs_2d: list[torch.Tensor]) -> None:
     """Copy-out into outputs already viewed as ``(W, split)`` (callers may cache those views)."""
     gathered = result.output.view(result.world_size, -1)
+    if result.columns is not None:
+        gathered = gathered.narrow(1, *result.columns)
     torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outputs_2d)
 
 

@@ -65,7 +65,16 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
         _copy_shards(state, new_state)
         new_state.auto_reshard = state.auto_reshard
     _copy_prefetch_lists(states, names, new_modules)
+    _copy_bucket_caps(get_state(root), get_state(plain_copy))
     return plain_copy
+
+
+def _copy_bucket_caps(state: FSDPState | None, new_state: FSDPState | None) -> None:
+    """The copy's root buckets like the original's root (``set_bucket_cap_mb``)."""
+    if state is None or new_state is None or state.ctx is None or not state.ctx.bucketing.enabled:
+        return
+    old, new = state.ctx.bucketing, new_state.shared_context().bucketing
+    new.all_gather_cap, new.reduce_scatter_cap = old.all_gather_cap, old.reduce_scatter_cap
 
 
 def _states_under(root: nn.Module) -> list[FSDPState]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._autograd import eager
+from ._bucket import cap_bytes
 from ._comms import (
     AllGather,
     DefaultAllGather,
@@ -31,6 +32,7 @@ from ._comms import (
     check_comm,
     check_symmetric_memory,
 )
+from ._lifecycle import TrainingState
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
@@ -339,6 +341,51 @@ class FSDPModule(_ModuleBase):
                 if ranks not in created:
                     created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
                 group.comms.reduce_scatter_group = created[ranks]
+
+    def set_bucket_cap_mb(self, all_gather: float | None = None, reduce_scatter: float | None = None) -> None:
+        """Root only: let consecutive small groups share one all-gather / one reduce-scatter.
+
+        Applies to every ``fully_shard`` group under this root; ``None`` (the default) keeps one
+        collective per group. Consecutive groups in execution order whose all-gather outputs fit in
+        ``all_gather`` MiB together are gathered by one collective when the first of them unshards (from
+        the second iteration on: the first one records the order). Post-backwards pack their gradients
+        and wait until the packed bytes reach ``reduce_scatter`` MiB, or backward ends, then one
+        reduce-scatter serves them all. Each element is reduced as without bucketing (bit-identical
+        unless the backend's summation order depends on the buffer, as gloo's does beyond 2 ranks:
+        last-bit differences). Groups that cannot share a collective (another process group or dtype,
+        HSDP for reduce-scatters, custom collectives, all-gather extensions, tensor parallelism, an int
+        ``reshard_after_forward``) keep their own. See docs/performance.md, "Bucketing small groups".
+
+        Args:
+            all_gather: cap in MiB of one bucketed all-gather's output, or ``None``.
+            reduce_scatter: cap in MiB of one bucketed reduce-scatter's input, or ``None``.
+
+        Raises:
+            ValueError: a cap that is not ``None`` or a positive finite number.
+            RuntimeError: called on a module that is not the root, or during a forward or backward.
+        """
+        ag_bytes = cap_bytes(all_gather, "all_gather")
+        rs_bytes = cap_bytes(reduce_scatter, "reduce_scatter")
+        state = self._get_fsdp_state()
+        if state.is_root is False or len(state.modules) > 1:
+            raise RuntimeError(
+                f"set_bucket_cap_mb must be called on the root fully_shard module (the one whose forward "
+                f"runs first), not on {type(self).__name__}: the caps apply to every group under the root."
+            )
+        ctx = state.shared_context()
+        busy = ctx.iteration_root is not None or ctx.callback_queued
+        if busy or state.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                "set_bucket_cap_mb cannot change the caps during a forward or backward; call it between "
+                "training steps (e.g. after optimizer.step())."
+            )
+        ctx.bucketing.all_gather_cap = ag_bytes
+        ctx.bucketing.reduce_scatter_cap = rs_bytes
+        if ag_bytes is None:
+            for member in ctx.all_states:
+                for group in member.groups:
+                    group.forward_bucket = None
+                    group.backward_bucket = None
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""

@@ -1,21 +1,26 @@
 """A communication group: the parameters of one ``fully_shard`` call.
 
 Owns: the group's ``TrainingState`` and ``ShardedState``; unshard (one all-gather), wait_for_unshard
-(copy-out and register), reshard, pre/post forward and backward of its own parameters, and prefetch.
-Gradient reduction is delegated to its ``GradientReducer``. Does not own: hooks, root logic, the
-cross-group forward order or default backward prefetch (``FSDPState``).
+(copy-out and register), reshard, pre/post forward and backward of its own parameters, and prefetch;
+with bucketing, its bucket keys, issuing one all-gather for its bucket's members, and packing its
+gradients into the root's reduce-scatter queue. Gradient reduction is delegated to its
+``GradientReducer``. Does not own: hooks, root logic, the cross-group forward order, the bucket plan
+or default backward prefetch (``FSDPState``).
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
-pending (``_all_gather_result``); an unshard is a no-op while one is pending or when unsharded; every
-training-state change goes through ``_lifecycle.transition``.
+pending (``_all_gather_result``, possibly this group's part of a bucket); an unshard is a no-op while
+one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 from torch import nn
 
 from . import _events
 from ._autograd import in_backward_task_id, outside_functorch
+from ._bucket import Bucketing, PendingReduceScatter, all_gather_bucket
 from ._collectives import (
     AllGatherResult,
     all_gather_copy_in,
@@ -23,6 +28,7 @@ from ._collectives import (
     copy_out_2d,
     foreach_all_gather,
     issue_all_gather,
+    reduce_scatter_copy_in,
     wait_all_gather,
 )
 from ._comm_context import CommContext
@@ -82,6 +88,11 @@ class FSDPParamGroup:
         self._has_extension = False  # some parameter all-gathers through fsdp_pre_all_gather
         self._padded_rule_agreed = False  # all ranks checked the extension's padded-size rule once
         self._gather_span: tuple[float | None, TrainingState] = (None, _IDLE)  # timeline: issue time
+        # set_bucket_cap_mb: the root's settings (handed down at lazy init), and the groups this one
+        # shares an all-gather with in forward / in backward (set by the root's plan, None: alone)
+        self.bucketing: Bucketing | None = None
+        self.forward_bucket: list[FSDPParamGroup] | None = None
+        self.backward_bucket: list[FSDPParamGroup] | None = None
 
     def __str__(self) -> str:
         return f"group {self.module_fqn or '<root>'}"
@@ -167,9 +178,15 @@ class FSDPParamGroup:
         if self._all_gather_result is not None or self.sharded_state is _UNSHARDED:
             return
         state = self.training_state if as_state is None else as_state
+        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        bucketing = self.bucketing
+        if bucketing is not None and bucketing.all_gather_cap is not None and not (async_op or post_forward):
+            members = self._bucket_members(state)
+            if members is not None:
+                self._unshard_bucket(members, state)  # records every member's unshard
+                return
         _events.record("unshard", self.module_fqn, state, self.event_scope)
         self._gather_span = (_events.span_start(self.event_scope), state)
-        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         ctx = self.comm_ctx
@@ -188,6 +205,158 @@ class FSDPParamGroup:
                     async_op,
                     comm,
                 )
+
+    # ---- bucketing (set_bucket_cap_mb) -----------------------------------------------------------
+
+    def all_gather_bucket_key(self) -> Hashable | None:
+        """What groups sharing one all-gather must agree on; ``None``: this group gathers alone.
+
+        Alone: a single-rank shard group, all-gather extensions, several gathered dtypes (byte
+        gathers), tensor-parallel parameters, custom collectives, or an int ``reshard_after_forward``.
+        """
+        info = self.mesh_info
+        post = self._post_forward_mesh_info
+        if (
+            info.shard_size == 1
+            or not self._lazy_initialized
+            or self._has_extension
+            or self._byte_gather
+            or self.comms.custom
+            or (post is not None and post is not info)
+            or any(p.is_tensor_parallel for p in self.fsdp_params)
+        ):
+            return None
+        # The built-in collectives a setter installs are bound to the shard group: their type suffices.
+        return (id(info.shard_group), self._all_gather_dtype, self.device, type(self.comms.all_gather))
+
+    def all_gather_bytes(self) -> int:
+        """Bytes of this group's all-gather output (what the all-gather cap counts)."""
+        numel = sum(p.padded_shard_numel for p in self.fsdp_params) * self.mesh_info.shard_size
+        return numel * self._all_gather_dtype.itemsize
+
+    def _bucket_members(self, state: TrainingState) -> list[FSDPParamGroup] | None:
+        """The groups (this one first) to all-gather with now, or ``None`` to gather alone."""
+        bucketing = self.bucketing
+        if bucketing is None or bucketing.all_gather_cap is None:
+            return None
+        if state is _FORWARD:
+            bucket = self.forward_bucket
+        elif state is _PRE_BACKWARD:
+            bucket = self.backward_bucket
+        else:
+            return None
+        if bucket is None:
+            return None
+        key = self.all_gather_bucket_key()
+        if key is None:
+            return None
+        members = [self]
+        members.extend(g for g in bucket if g is not self and g.joins_bucket(state, key))
+        return members if len(members) > 1 else None
+
+    def joins_bucket(self, state: TrainingState, key: Hashable) -> bool:
+        """Whether this group joins a bucketed all-gather for ``state`` now (it needs one, same key)."""
+        return (
+            self._all_gather_result is None
+            and self.sharded_state is ShardedState.SHARDED
+            and (state is _FORWARD or self.controls.unshard_in_backward)
+            and self.all_gather_bucket_key() == key
+        )
+
+    def bucket_inputs(self, state: TrainingState) -> list[torch.Tensor]:
+        """This group's all-gather inputs for a bucket issued for ``state`` (records its unshard)."""
+        _events.record("unshard", self.module_fqn, state, self.event_scope)
+        self._gather_span = (_events.span_start(self.event_scope), state)
+        return self._all_gather_inputs(False)
+
+    def set_bucket_result(self, result: AllGatherResult) -> None:
+        """This group's part of a bucketed all-gather, copied out by ``wait_for_unshard``."""
+        self._all_gather_result = result
+
+    def _unshard_bucket(self, members: list[FSDPParamGroup], state: TrainingState) -> None:
+        """One all-gather for ``members``; each waits for (and copies out) its own part later."""
+        info = self.mesh_info
+        names = "; ".join(g.module_fqn or "<root>" for g in members)
+        with watch_collective("all-gather (bucket)", names, state.name):
+            results = all_gather_bucket(
+                lambda: [g.bucket_inputs(state) for g in members],
+                info.shard_group,
+                info.shard_size,
+                info.shard_rank,
+                self._all_gather_dtype,
+                self.comms.all_gather,
+                self.comm_ctx,
+            )
+        for group, result in zip(members, results, strict=True):
+            group.set_bucket_result(result)
+
+    def _reduce_scatter_bucket_key(
+        self, params: list[FSDPParam], grads: list[torch.Tensor]
+    ) -> tuple[Hashable, torch.dtype] | None:
+        """What groups sharing one reduce-scatter must agree on, and the reduce dtype; ``None``: alone.
+
+        Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
+        collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
+        """
+        info = self.mesh_info
+        controls, comms = self.controls, self.comms
+        if (
+            info.shard_size == 1
+            or info.replicate_group is not None
+            or controls.all_reduce_hook is not None
+            or comms.custom
+            or any(p.is_tensor_parallel for p in params)
+        ):
+            return None
+        dtypes = {
+            p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel
+        }
+        if len(dtypes) != 1:
+            return None
+        dtype = dtypes.pop()
+        factors = self.reducer.divide_factors(dtype, controls)
+        group = comms.reduce_scatter_group or info.shard_group
+        comm = comms.reduce_scatter
+        key = (id(group), dtype, factors, self.device, type(comm))
+        return key, dtype
+
+    def _queue_reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
+        """Pack the gradients and queue them for a shared reduce-scatter; ``False``: reduce them now."""
+        bucketing = self.bucketing
+        cap = bucketing.reduce_scatter_cap if bucketing is not None else None
+        if bucketing is None or cap is None:
+            return False
+        found = self._reduce_scatter_bucket_key(params, grads)
+        if found is None:
+            # Reduce alone, after the queue: buckets stay runs of consecutive post-backwards.
+            bucketing.queue.flush(self.comm_ctx)
+            return False
+        key, dtype = found
+        ctx, controls, comms = self.comm_ctx, self.controls, self.comms
+        if ctx is not None:
+            ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
+        start = _events.span_start(self.event_scope)
+        # One reduce dtype (the key says so): the split holds exactly one entry. Empties grads.
+        reduced, packed_grads = self.reducer.split_by_dtype(params, grads)[dtype]
+        shard_numel = sum(p.padded_shard_numel for p in reduced)
+        buffer = reduce_scatter_copy_in(
+            packed_grads, self.mesh_info.shard_size, dtype, shard_numel, comms.reduce_scatter
+        )
+        packed_grads.clear()
+        entry = PendingReduceScatter(
+            self.reducer,
+            params,
+            reduced,
+            buffer,
+            controls,
+            comms,
+            self.module_fqn,
+            self.training_state,
+            self.event_scope,
+            start,
+        )
+        bucketing.queue.add(entry, key, cap, ctx)
+        return True
 
     def _all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
         if self._has_extension:
@@ -387,7 +556,10 @@ class FSDPParamGroup:
                 grads.append(grad)
         if controls.reshard_after_backward:
             self.reshard()
-        if grads:
+        # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
+        bucketing = self.bucketing
+        queued = bucketing is not None and bucketing.reduce_scatter_cap is not None
+        if grads and not (queued and self._queue_reduce_scatter(reduced, grads)):
             start = _events.span_start(self.event_scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)

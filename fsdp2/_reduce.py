@@ -2,8 +2,9 @@
 
 Owns: ``GradientReducer``: packing a group's unsharded gradients (one buffer per reduce dtype), the
 reduce-scatter (and HSDP all-reduce, with partial accumulation while all-reduce is off), divisions,
-the user's all-reduce hook, and assigning the sharded DTensor gradients; the divide-factor cache, the
-post-reduce event and the CPU-offload copies in flight. Does not own: when to reduce (the group's
+the user's all-reduce hook, and assigning the sharded DTensor gradients (also from a slice of a
+bucketed reduce-scatter's output); the divide-factor cache, the post-reduce event and the CPU-offload
+copies in flight. Does not own: when to reduce (the group's
 post-backward) or the shared reduce-scatter stream (``CommContext``).
 Invariants: at most one post-reduce event is outstanding per group; partial HSDP outputs exist only
 while ``all_reduce_grads`` is off.
@@ -47,6 +48,10 @@ class GradientReducer:
             self._factors[key] = factors
         return factors
 
+    def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
+        """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
+        return self._divide_factors(dtype, controls)
+
     def reduce(
         self,
         params: list[FSDPParam],
@@ -63,6 +68,21 @@ class GradientReducer:
             comm_ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = comms.reduce_scatter if self.mesh_info.shard_size > 1 else None
+        buckets = self.split_by_dtype(params, grads)
+        for dtype, (bucket_params, bucket_grads) in buckets.items():
+            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
+            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel, comm)
+            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
+            self.reduce_packed(buffer, bucket_params, comm_ctx, controls, comms)
+        self.assign_empty(params)
+
+    def split_by_dtype(
+        self, params: list[FSDPParam], grads: list[torch.Tensor]
+    ) -> dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]]:
+        """The gradients to reduce, by reduce dtype, laid out on dim 0; empties ``grads``.
+
+        Zero-element parameters are left out (``assign_empty`` gives them their empty gradient).
+        """
         buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for fsdp_param, grad in zip(params, grads, strict=True):
             if fsdp_param.padded_shard_numel == 0:
@@ -74,20 +94,30 @@ class GradientReducer:
             bucket[0].append(fsdp_param)
             bucket[1].append(grad)
         grads.clear()
-        for dtype, (bucket_params, bucket_grads) in buckets.items():
-            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
-            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel, comm)
-            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
-            stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
-            if stream is None or comm_ctx is None:
-                self._reduce_and_assign(buffer, bucket_params, controls, comms)
-                continue
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._reduce_and_assign(buffer, bucket_params, controls, comms)
-                event = stream.record_event()
-            comm_ctx.pending_reduce_scatters.append((buffer, event))
-            self._post_reduce_event = event
+        return buckets
+
+    def reduce_packed(
+        self,
+        buffer: torch.Tensor,
+        params: list[FSDPParam],
+        comm_ctx: CommContext | None,
+        controls: GroupControls,
+        comms: GroupComms,
+    ) -> None:
+        """Reduce-scatter one packed buffer (on the reduce-scatter stream, if any) and assign the shards."""
+        stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
+        if stream is None or comm_ctx is None:
+            self._reduce_and_assign(buffer, params, controls, comms)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._reduce_and_assign(buffer, params, controls, comms)
+            event = stream.record_event()
+        comm_ctx.pending_reduce_scatters.append((buffer, event))
+        self._post_reduce_event = event
+
+    def assign_empty(self, params: list[FSDPParam]) -> None:
+        """Give zero-element parameters their (empty) sharded gradient."""
         for fsdp_param in params:
             if fsdp_param.padded_shard_numel == 0:
                 fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
@@ -112,6 +142,11 @@ class GradientReducer:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
             controls.all_reduce_hook(output)
+        self.assign_reduced(output, params, controls)
+
+    def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
+        """Post-divide this group's reduced shards (``output``, 1-D) and accumulate them as gradients."""
+        factors = self._divide_factors(output.dtype, controls)
         if factors.postdivide is not None:
             output.div_(factors.postdivide)
         views = view_out_shards(
@@ -123,6 +158,11 @@ class GradientReducer:
         for fsdp_param, view in zip(params, views, strict=True):
             if fsdp_param.accumulate_sharded_grad(view):
                 self._offload_copies_in_flight = True
+
+    def reduced_by(self, event: torch.Event | None) -> None:
+        """A reduction shared with other groups (a bucket) assigned this group's gradients by ``event``."""
+        if event is not None:
+            self._post_reduce_event = event
 
     def finalize(self) -> None:
         """End of the last backward: make the current stream (and, for offload, the CPU) wait."""

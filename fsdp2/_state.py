@@ -3,8 +3,9 @@
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
 pre/post hooks, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
 default prefetch (the cross-group forward order), root discovery at the first forward, and the final
-callback queued on the autograd engine. Also ``SharedContext``, the flags and order every state under
-one root shares. Does not own: parameters or collectives (its group does).
+callback queued on the autograd engine, and the bucket plan (see [Note: Bucket plan]). Also
+``SharedContext``, the flags, order and bucketing settings every state under one root shares. Does
+not own: parameters or collectives (its group does).
 Invariants: the root's lazy init creates one ``SharedContext``, ``CommContext`` and ``EventScope`` and
 hands them to every state and group under it (none exist before, except those a setter or
 ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
@@ -16,6 +17,17 @@ Every post-forward of a state with a group (that a backward may use) appends the
 explicit prefetch list pops its latest index ``i`` and unshards ``post_forward_order[i - 1]``: the
 module that ran just before it in forward runs just after it in backward. Explicit lists replace that
 default.
+
+[Note: Bucket plan]
+With an all-gather cap (``set_bucket_cap_mb``), the iteration root's post-forward splits this
+iteration's execution order into buckets (``_bucket.split_into_buckets``) and tells every group its
+bucket: forward uses the order in which pre-forwards ran (the order of the forward all-gathers);
+backward uses the reversed post-forward order restricted to groups that all-gather again in backward
+(``reshard_after_forward=True`` and ``unshard_in_backward``). The plan made at the end of one forward
+serves that iteration's backward and the next forward, so the first forward runs unbucketed (a
+forward without gradients replans forward only). A state that ran more than once in a forward stands
+alone. Reduce-scatters need no plan: the root's queue takes post-backwards as they come and is
+flushed by the end-of-backward callback.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from ._autograd import (
     register_post_backward,
     route_untracked_outputs,
 )
+from ._bucket import Bucketing, split_into_buckets
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
 from ._debug import check_same_model, debug_enabled
@@ -69,6 +82,12 @@ class SharedContext:
         # backward prefetch walks it in reverse. See [Note: Prefetch order].
         self.post_forward_order: list[FSDPState] = []
         self.event_scope = EventScope()
+        # set_bucket_cap_mb: the caps and reduce-scatter queue; with an all-gather cap, the states in
+        # the order their pre-forward ran this iteration, and where this iteration's post-forward
+        # entries start. See [Note: Bucket plan].
+        self.bucketing = Bucketing()
+        self.pre_forward_order: list[FSDPState] = []
+        self.iteration_order_start = 0
 
 
 class FSDPState:
@@ -166,6 +185,7 @@ class FSDPState:
                 )
             states.append(state)
         _check_prefetch_targets(states, module_names)
+        _check_bucketing_on_root(self, states, module_names)
         _check_ignored_params(states, root_module)
         # Validate every group before changing any state, so a failed first forward can be retried.
         owners: dict[int, str] = {}
@@ -190,6 +210,7 @@ class FSDPState:
             for group in state.groups:
                 group.comm_ctx = comm_ctx
                 group.event_scope = ctx.event_scope
+                group.bucketing = ctx.bucketing
         device = _state_device(states)
         comm_ctx.lazy_init(device)
         if device.type != "cpu":
@@ -221,6 +242,9 @@ class FSDPState:
             args, kwargs = cast_floating((args, kwargs), self._input_dtype)
         if groups:
             entering = groups[0].training_state is not _FORWARD
+            shared = self.ctx
+            if entering and shared is not None and shared.bucketing.all_gather_cap is not None:
+                shared.pre_forward_order.append(self)
             for group in groups:
                 group.pre_forward()
             if entering and torch.is_grad_enabled():
@@ -245,6 +269,8 @@ class FSDPState:
         if ctx.iteration_root is None:
             ctx.iteration_root = self
             ctx.event_scope.capture()
+            ctx.pre_forward_order.clear()
+            ctx.iteration_order_start = len(ctx.post_forward_order)
             self.shared_comm_context().wait_for_current_stream(ctx.post_optim_event)
             ctx.post_optim_event = None
         return ctx
@@ -287,6 +313,9 @@ class FSDPState:
         if self.comm_ctx is not None:
             self.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
+        cap = ctx.bucketing.all_gather_cap
+        if cap is not None:
+            plan_all_gather_buckets(ctx, cap, backward=torch.is_grad_enabled())
         return output
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
@@ -363,6 +392,15 @@ class FSDPState:
         ctx = self.shared_context()
         ctx.iteration_root = None
         last = ctx.is_last_backward
+        queue = ctx.bucketing.queue
+        if ctx.bucketing.reduce_scatter_cap is not None or queue.pending:
+            # Every post-backward first (those autograd never reached queue their gradients too), then
+            # the queued reduce-scatters, and only then the waits of finalize_backward.
+            for state in ctx.all_states:
+                for group in state.groups:
+                    if group.training_state is not TrainingState.POST_BACKWARD:
+                        group.post_backward()
+            queue.flush(self.comm_ctx)
         for state in ctx.all_states:
             state.modules_to_run.clear()
             for group in state.groups:
@@ -389,8 +427,66 @@ class FSDPState:
             self.comm_ctx.reset()
         if ctx is not None:
             ctx.post_forward_order.clear()
+            ctx.pre_forward_order.clear()
+            ctx.bucketing.queue.reset()
             ctx.iteration_root = None
             ctx.callback_queued = False
+
+
+def plan_all_gather_buckets(ctx: SharedContext, cap: int, *, backward: bool) -> None:
+    """Tell every group which groups it all-gathers with in forward and, if ``backward``, in backward.
+
+    See [Note: Bucket plan]; a forward without gradients (no backward follows) keeps the backward plan.
+    """
+    for state in ctx.all_states:
+        for group in state.groups:
+            group.forward_bucket = None
+            if backward:
+                group.backward_bucket = None
+    _assign_buckets(_order_groups(ctx.pre_forward_order), cap, backward=False)
+    if not backward:
+        return
+    regathered = [
+        (group, alone)
+        for group, alone in _order_groups(list(reversed(ctx.post_forward_order[ctx.iteration_order_start :])))
+        if group.post_forward_mesh_info is group.mesh_info and group.controls.unshard_in_backward
+    ]
+    _assign_buckets(regathered, cap, backward=True)
+
+
+def _order_groups(states: list[FSDPState]) -> list[tuple[FSDPParamGroup, bool]]:
+    """The groups of ``states`` in order, each with whether it must stand alone (its state repeats)."""
+    seen: dict[FSDPState, int] = {}
+    for state in states:
+        seen[state] = seen.get(state, 0) + 1
+    return [(group, seen[state] > 1) for state in states for group in state.groups]
+
+
+def _assign_buckets(order: list[tuple[FSDPParamGroup, bool]], cap: int, *, backward: bool) -> None:
+    keys = [None if alone else group.all_gather_bucket_key() for group, alone in order]
+    sizes = [group.all_gather_bytes() for group, _ in order]
+    for positions in split_into_buckets(sizes, keys, cap):
+        if len(positions) < 2:
+            continue
+        members = [order[i][0] for i in positions]
+        for group in members:
+            if backward:
+                group.backward_bucket = members
+            else:
+                group.forward_bucket = members
+
+
+def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:
+    """Refuse bucket caps set on a module that turned out not to be the root (they would be lost)."""
+    for state in states:
+        if state is not root and state.ctx is not None and state.ctx.bucketing.enabled:
+            name = names.get(state.modules[0], "?")
+            raise RuntimeError(
+                f"set_bucket_cap_mb was called on {name!r} ({type(state.modules[0]).__name__}), but the "
+                f"root fully_shard module is {type(root.modules[0]).__name__}, which runs forward first. "
+                "Bucket caps apply to the whole tree under the root: call set_bucket_cap_mb on the root "
+                f"module (and set_bucket_cap_mb(None, None) on {name!r} to clear it there)."
+            )
 
 
 def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen: dict[int, str]) -> None:
