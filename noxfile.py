@@ -74,9 +74,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Whole-step overhead by phase against torch's fully_shard (benchmarks/step_overhead.py)."""
+    """The benchmark suite against torch's fully_shard (benchmarks/suite.py, about 3 minutes)."""
     _install(session, "test")
-    session.run("python", "benchmarks/step_overhead.py", *session.posargs)
+    session.run("python", "benchmarks/suite.py", *session.posargs)
     session.run("python", "examples/bench_clip.py")
 
 

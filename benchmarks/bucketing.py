@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--cap", type=float, nargs="+", default=[25.0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)  # view-output warnings of both libraries
@@ -86,14 +89,14 @@ def main() -> None:
     torch.manual_seed(0)
     base = Model(args.layers, args.dim)
     models: dict[str, nn.Module] = {
-        "torch fully_shard": _shard(copy.deepcopy(base), torch_fully_shard),
+        "torch": _shard(copy.deepcopy(base), torch_fully_shard),
         "fsdp2": _shard(copy.deepcopy(base), fsdp2.fully_shard),
     }
     for cap in args.cap:
         bucketed = _shard(copy.deepcopy(base), fsdp2.fully_shard)
         assert isinstance(bucketed, fsdp2.FSDPModule)
         bucketed.set_bucket_cap_mb(cap, cap)
-        models[f"fsdp2, bucketed ({cap:g} MiB)"] = bucketed
+        models[f"fsdp2 bucketed {cap:g} MiB"] = bucketed
     optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(8, args.dim, generator=gen)
@@ -124,6 +127,18 @@ def main() -> None:
             opt = statistics.median(t[1] for t in times[name]) * 1e3
             gathers, scatters = counts[name].get("all_gather", 0), counts[name].get("reduce_scatter", 0)
             print(f"| {name} | {gathers} | {scatters} | {fb:.1f} | {opt:.1f} |")
+        if args.json:
+            rows = {
+                name: {
+                    "all_gather": counts[name].get("all_gather", 0),
+                    "reduce_scatter": counts[name].get("reduce_scatter", 0),
+                    "step_ms": statistics.median(t[0] + t[1] for t in times[name]) * 1e3,
+                }
+                for name in models
+            }
+            config = {"layers": args.layers, "dim": args.dim, "caps": args.cap, "rounds": args.rounds}
+            result = {"world_size": world, "config": config, "models": rows}
+            Path(args.json).write_text(json.dumps(result, indent=2))
     dist.barrier()
     dist.destroy_process_group()
 

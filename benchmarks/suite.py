@@ -134,6 +134,11 @@ def tables(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peak_mib(row: dict[str, Any], kind: str) -> float:
+    nbytes = row["floor"]["floor"] if kind == "floor" else row[kind]["peak_bytes"]
+    return float(nbytes) / 2**20
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -160,9 +165,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     mem = results["c_memory"]["worlds"]
     worlds = list(mem)
     for offset, kind in ((-0.25, "floor"), (0.0, "torch"), (0.25, "fsdp2")):
-        values = [
-            (mem[w]["floor"]["floor"] if kind == "floor" else mem[w][kind]["peak_bytes"]) / 2**20 for w in worlds
-        ]
+        values = [_peak_mib(mem[w], kind) for w in worlds]
         axes[2].bar([i + offset for i in range(len(worlds))], values, 0.25, label=kind)
     axes[2].set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
     axes[2].set_title("(c) peak MiB, rank 0")
@@ -173,7 +176,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axes[3].bar(names, [e["models"][n]["step_ms"] for n in names])
         for i, n in enumerate(names):
             row = e["models"][n]
-            axes[3].annotate(f"{row['all_gather'] + row['reduce_scatter']:.0f} coll.", (i, row["step_ms"]), ha="center")
+            count = row["all_gather"] + row["reduce_scatter"]
+            axes[3].annotate(f"{count:.0f} coll.", (i, row["step_ms"]), ha="center")
         axes[3].set_title(f"(e) {e['config']['layers']} tiny groups, world {e['world_size']}: ms/step")
         axes[3].tick_params(axis="x", labelsize=7)
     fig.tight_layout()
@@ -182,7 +186,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--skip-bucketing", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
