@@ -33,41 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from step_overhead import Model  # the same blocks as the world-1 benchmark
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 
 KINDS = ("ddp", "torch", "fsdp2", "fsdp2-local")
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
-        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Model(nn.Module):
-    def __init__(self, blocks: int, dim: int) -> None:
-        super().__init__()
-        self.embed = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
-        self.head = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def build(kind: str, blocks: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:

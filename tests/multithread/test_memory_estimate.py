@@ -284,3 +284,28 @@ def test_plan_errors() -> None:
         fsdp2.plan(lambda: Blocks(n=2), _plan_step, world_size=2, budget_bytes=2**30, mesh=None)
     with pytest.raises(ValueError, match=r"\['nope'\] are not submodules"):
         fsdp2.plan(lambda: Blocks(n=2), _plan_step, world_size=2, budget_bytes=2**30, candidates=["nope"])
+
+
+@pytest.mark.parametrize("variant", ["cpu-offload", "bucketed", "reshard-after-forward-false"])
+def test_estimate_matches_measured_with_engine_options(variant: str) -> None:
+    world = 4
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        mesh = init_device_mesh("cpu", (world,))
+        model = Blocks(n=5)
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if variant == "cpu-offload":
+            kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=False)
+        if variant == "reshard-after-forward-false":
+            kwargs["reshard_after_forward"] = False
+        for layer in model.layers:
+            fsdp2.fully_shard(layer, **kwargs)
+        fsdp2.fully_shard(model, **kwargs)
+        if variant == "bucketed":
+            model.set_bucket_cap_mb(all_gather=25, reduce_scatter=25)  # type: ignore[operator]
+        return model, torch.optim.AdamW(model.parameters())
+
+    estimate = fsdp2.estimate_memory(build, _plan_step, world_size=world, steps=3)
+    measured = measure_memory(world, build, _plan_step, steps=3)[0]
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= 0.10 * measured.peak_bytes
+    assert estimate.collectives == measured.collectives
