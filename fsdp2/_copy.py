@@ -62,7 +62,7 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
         fully_shard(targets if len(targets) > 1 else targets[0], **args)
         new_state = get_state(targets[0])
         assert new_state is not None, "fully_shard left no state on the copy"
-        _copy_shards(state, new_state)
+        _copy_shards(state, new_state, memo)
         new_state.auto_reshard = state.auto_reshard
     _copy_prefetch_lists(states, names, new_modules)
     _copy_bucket_caps(get_state(root), get_state(plain_copy))
@@ -129,12 +129,18 @@ def _as_plain_modules(states: list[FSDPState]) -> Iterator[None]:
             hooks.update(items)
 
 
-def _copy_shards(state: FSDPState, new_state: FSDPState) -> None:
-    """Fill the copy's (meta) local shards from the original's, group by group, parameter by parameter."""
+def _copy_shards(state: FSDPState, new_state: FSDPState, memo: dict[int, Any]) -> None:
+    """Fill the copy's (meta) local shards from the original's, group by group, parameter by parameter.
+
+    Each original sharded parameter maps to its copy in ``memo``, so objects copied in the same
+    ``deepcopy`` call after the model (``copy.deepcopy((model, optimizer))``) refer to the copy's
+    parameters, as they do for plain modules.
+    """
     for group, new_group in zip(state.groups, new_state.groups, strict=True):
         new_group.controls = copy.copy(group.controls)
         for fsdp_param, new_param in zip(group.fsdp_params, new_group.fsdp_params, strict=True):
             new_param.adopt_local_shard(fsdp_param.local_shard_copy())
+            memo[id(fsdp_param.sharded_param)] = new_param.sharded_param
 
 
 def _copy_prefetch_lists(

@@ -68,27 +68,37 @@ def _patch(optimizer: torch.optim.Optimizer, strict: bool) -> None:
     """Wrap ``optimizer.step`` (the instance attribute: LR schedulers' wrappers stay in the chain)."""
     if getattr(optimizer, _PATCHED, False):
         return
-    original: Callable[..., Any] = optimizer.step
-    swap = _on_local_shards(optimizer)
-
-    @functools.wraps(original)
-    def step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        if closure is not None or args or kwargs:  # a closure re-runs forward and backward
-            if strict and closure is not None:
-                raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
-            return original(closure, *args, **kwargs)
-        try:
-            swap.__enter__()
-        except _NotLocal:
-            return original()  # e.g. a Partial gradient: the DTensor path reduces it
-        try:
-            return original()
-        finally:
-            swap.__exit__()
-
     optimizer.__dict__[_UNPATCHED] = optimizer.__dict__.get("step")  # None: the class's own
-    optimizer.step = step  # type: ignore[method-assign]  # reason: the documented wrapping
+    optimizer.step = _LocalStep(optimizer.step, _on_local_shards(optimizer), strict)  # type: ignore[method-assign]
     setattr(optimizer, _PATCHED, True)
+
+
+class _LocalStep:
+    """``optimizer.step`` on local shards.
+
+    An object, not a closure: ``copy.deepcopy(optimizer)`` copies it along with the optimizer, so the
+    copy steps itself, not the original.
+    """
+
+    def __init__(self, original: Callable[..., Any], swap: _on_local_shards, strict: bool) -> None:
+        self.original = original  # the bound step (or an LR scheduler's wrapper of it)
+        self.swap = swap
+        self.strict = strict
+        functools.update_wrapper(self, original)
+
+    def __call__(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        if closure is not None or args or kwargs:  # a closure re-runs forward and backward
+            if self.strict and closure is not None:
+                raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
+            return self.original(closure, *args, **kwargs)
+        try:
+            self.swap.__enter__()
+        except _NotLocal:
+            return self.original()  # e.g. a Partial gradient: the DTensor path reduces it
+        try:
+            return self.original()
+        finally:
+            self.swap.__exit__()
 
 
 # Optimizers whose update is elementwise on each parameter (the same on a shard as on the whole):

@@ -209,3 +209,34 @@ def test_environment_variable_turns_the_automatic_path_off() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[False, False]"
+
+
+def _deepcopied_optimizer(rank: int, world_size: int, base: nn.Module) -> None:
+    """A deep copy of a patched optimizer (model and optimizer copied together) steps its own model."""
+    model = _model(base)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 8)
+    for _ in range(2):  # the second step runs on local shards
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    assert getattr(optim, "_fsdp2_local_step", False)
+    model_copy, optim_copy = copy.deepcopy((model, optim))
+    copied = list(model_copy.parameters())  # the copied optimizer holds the copied model's parameters
+    assert all(any(p is q for q in copied) for p in optim_copy.param_groups[0]["params"])
+    before = [p.to_local().clone() for p in model.parameters()]
+    model_copy(x).sum().backward()
+    optim_copy.step()
+    for p, old in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.to_local(), old, rtol=0, atol=0)  # the original did not move
+    moved = [
+        not torch.equal(p.to_local(), q.to_local())
+        for p, q in zip(model_copy.parameters(), model.parameters(), strict=True)
+    ]
+    assert any(moved)
+
+
+def test_deepcopy_of_a_patched_optimizer_steps_the_copy() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _deepcopied_optimizer, base)
