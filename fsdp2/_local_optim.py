@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._autograd import eager
 from ._dtensor import local_of, make_spec, spec_of, wrap_local
 from ._param import is_managed
 
@@ -86,6 +87,7 @@ class _LocalStep:
         self.strict = strict
         functools.update_wrapper(self, original)
 
+    @eager  # swaps the optimizer's lists and dicts: never traced (runs eagerly)
     def __call__(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         if closure is not None or args or kwargs:  # a closure re-runs forward and backward
             if self.strict and closure is not None:
@@ -123,6 +125,7 @@ def enable_automatic_local_steps() -> None:
     _auto_hook = register_optimizer_step_pre_hook(_first_step)
 
 
+@eager  # reads the optimizer's lists and patches it: never traced
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # Runs before every step of every optimizer in the process: one set lookup once decided.
     if optimizer in _seen:
