@@ -412,6 +412,24 @@ def watch_modules(tracker: MemoryTracker, built: Any) -> list[Any]:
     return handles
 
 
+def _check_materialized(modules: list[nn.Module], handles: list[Any]) -> None:
+    """Meta tensors hold no memory and compute nothing: an estimate over them would read zero."""
+    meta = [
+        name
+        for module in modules
+        for name, tensor in (*module.named_parameters(), *module.named_buffers())
+        if (local_of(tensor) if isinstance(tensor, DTensor) else tensor).is_meta
+    ]
+    if meta:
+        for handle in handles:
+            handle.remove()
+        raise ValueError(
+            f"build_model returned a model with tensors on the meta device ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}); materialize them as the job does, e.g. "
+            "model.to_empty(device='cpu') and reset_parameters(), inside build_model."
+        )
+
+
 def _leaves(built: Any) -> list[Any]:
     if isinstance(built, (tuple, list)):
         return [x for item in built for x in _leaves(item)]
@@ -438,6 +456,7 @@ def run_tracked(
         tracker.set_phase("init")
         built = build_model()
         handles = watch_modules(tracker, built)
+        _check_materialized(tracker.modules, handles)
         try:
             for _ in range(steps):
                 before = tracker.steps

@@ -309,3 +309,15 @@ def test_estimate_matches_measured_with_engine_options(variant: str) -> None:
     measured = measure_memory(world, build, _plan_step, steps=3)[0]
     assert abs(estimate.peak_bytes - measured.peak_bytes) <= 0.10 * measured.peak_bytes
     assert estimate.collectives == measured.collectives
+
+
+def test_a_model_left_on_meta_is_a_clear_error() -> None:
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = nn.Linear(4, 4)
+        fsdp2.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        return model
+
+    with pytest.raises(ValueError, match=r"meta device \(weight, bias\).*to_empty"):
+        fsdp2.estimate_memory(build, lambda m: None, world_size=2)
+    assert not torch.distributed.is_initialized()
