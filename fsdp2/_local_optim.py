@@ -141,21 +141,21 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 class _on_local_shards:  # noqa: N801 - used as a context manager
     """Swap DTensor params, grads and state of ``optimizer`` for their local tensors, then back.
 
-    One instance per optimizer, entered once per step. The DTensors wrapping state tensors are kept
-    from step to step: optimizers update their state in place, so the same local tensor comes back
-    and its wrapper is reused instead of rebuilding a DTensor (and its spec) per tensor per step.
+    One instance per optimizer, entered once per step. The DTensor-keyed state stays in
+    ``optimizer.state`` during the step, next to the local-keyed views the optimizer updates; on
+    exit only what the step added or replaced is wrapped back. Optimizers update their state in
+    place, so after the first step a parameter costs a few dict operations, no DTensor construction.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.groups: list[list[Any]] = []
-        self.to_dtensor: dict[int, DTensor] = {}  # id(local param) -> DTensor param
-        self.wrappers: dict[int, DTensor] = {}  # id(local state tensor) -> its DTensor, last step
+        self.groups: list[list[Any]] = []  # each group's own params list, restored on exit
+        self.swapped: list[tuple[DTensor, torch.Tensor]] = []  # (DTensor param, its local tensor)
 
     def __enter__(self) -> None:
         opt = self.optimizer
         self.groups = []
-        self.to_dtensor = {}
+        self.swapped = []
         try:
             self._swap_in(opt)
         except _NotLocal:
@@ -165,6 +165,7 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
 
     def _swap_in(self, opt: torch.optim.Optimizer) -> None:
         state = opt.state
+        swapped = self.swapped
         for group in opt.param_groups:
             params = group["params"]
             self.groups.append(params)
@@ -175,17 +176,16 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
                     continue
                 local = local_of(param)
                 grad = param.grad
-                if (
-                    grad is not None
-                    and _is_dtensor(grad)
-                    and spec_of(grad).placements != spec_of(param).placements
-                ):
-                    group["params"] = local_params + params[len(local_params) :]
-                    raise _NotLocal  # a Partial (unreduced) gradient, say: its local tensor is not the update
-                local.grad = local_of(grad) if _is_dtensor(grad) else grad
-                self.to_dtensor[id(local)] = param
-                saved = state.pop(param, None)
-                if saved is not None:
+                if grad is not None and _is_dtensor(grad):
+                    grad_spec, param_spec = spec_of(grad), spec_of(param)
+                    if grad_spec is not param_spec and grad_spec.placements != param_spec.placements:
+                        group["params"] = local_params + params[len(local_params) :]
+                        raise _NotLocal  # e.g. a Partial (unreduced) gradient: its local is not the update
+                    grad = local_of(grad)
+                local.grad = grad
+                swapped.append((param, local))
+                saved = state.get(param)
+                if saved:
                     state[local] = {k: local_of(v) if _is_dtensor(v) else v for k, v in saved.items()}
                 local_params.append(local)
             group["params"] = local_params
@@ -193,28 +193,24 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
     def __exit__(self, *exc: object) -> None:
         opt = self.optimizer
         state = opt.state
-        previous, self.wrappers = self.wrappers, {}
+        for param, local in self.swapped:
+            local.grad = None
+            updated = state.pop(local, None)
+            if updated:
+                _write_back(state[param], updated, param, local)
         for group, params in zip(opt.param_groups, self.groups, strict=True):
-            for local in group["params"]:
-                param = self.to_dtensor.get(id(local))
-                if param is None:
-                    continue
-                local.grad = None
-                if local in state:
-                    state[param] = {
-                        k: self._wrap(v, param, local, previous) for k, v in state.pop(local).items()
-                    }
             group["params"] = params
 
-    def _wrap(self, value: Any, param: DTensor, local: torch.Tensor, previous: dict[int, DTensor]) -> Any:
-        key = id(value)
-        wrapper = previous.get(key)  # alive (and its id unique) while the wrapper holds it
-        if wrapper is None or local_of(wrapper) is not value:
-            if not _is_shard_state(value, local):
-                return value
-            wrapper = wrap_local(value, _like(spec_of(param), value))
-        self.wrappers[key] = wrapper
-        return wrapper
+
+def _write_back(kept: dict[str, Any], updated: dict[str, Any], param: DTensor, local: torch.Tensor) -> None:
+    """Fold the step's local state into the DTensor-keyed state: only new or replaced entries."""
+    for key, value in updated.items():
+        current = kept.get(key)
+        if current is value or (type(current) is DTensor and local_of(current) is value):
+            continue  # updated in place: the DTensor already wraps it
+        kept[key] = (
+            wrap_local(value, _like(spec_of(param), value)) if _is_shard_state(value, local) else value
+        )
 
 
 class _NotLocal(Exception):  # noqa: N818 - control flow, never escapes this module
