@@ -43,6 +43,7 @@ _REAL_INT_LIMIT = 1 << 22  # integer tensors made from nothing up to this many e
 _RECLASSIFY = 1.005  # refresh the category sets when a phase peak grows by more than 0.5%
 _thread = threading.local()
 _READ_VALUE = torch.ops.aten._local_scalar_dense.default  # noqa: SLF001 - the op every value read ends in
+_NOT_COLLECTIVES = {"wait_tensor", "wrap_tensor_autograd"}  # functional collectives' bookkeeping ops
 _C10D_KINDS = {
     "allgather_base": "all_gather",
     "allgather": "all_gather",
@@ -52,6 +53,11 @@ _C10D_KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce",
+    # functional collectives (DTensor redistributions, tensor parallelism)
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
 }
 
 
@@ -159,9 +165,10 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # tensor subclasses (DTensor) decompose into ops on their locals
         if self.paused or getattr(_thread, "propagating", False):
             return func(*args, **kwargs)
-        if func.namespace == "c10d":
+        if self.simulate and func.namespace in ("c10d", "_c10d_functional"):  # real runs: the backend counts
             name = func.__name__.split(".")[0].strip("_")
-            self.collectives[_C10D_KINDS.get(name, name)] += 1
+            if name not in _NOT_COLLECTIVES:
+                self.collectives[_C10D_KINDS.get(name, name)] += 1
         out = self._run(func, args, kwargs) if self.simulate else func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):

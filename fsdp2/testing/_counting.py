@@ -21,6 +21,10 @@ _KINDS = {
     "ReduceScatter": "reduce_scatter",
     "AllReduce": "all_reduce",
     "Broadcast": "broadcast",
+    "Scatter": "scatter",
+    "Gather": "gather",
+    "AllToAll": "all_to_all",
+    "AllToAllBase": "all_to_all",
 }
 _DEBUG_MODE_KINDS = {
     "all_gather_into_tensor": "all_gather",

@@ -321,3 +321,24 @@ def test_a_model_left_on_meta_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"meta device \(weight, bias\).*to_empty"):
         fsdp2.estimate_memory(build, lambda m: None, world_size=2)
     assert not torch.distributed.is_initialized()
+
+
+def test_estimate_matches_measured_with_tensor_parallelism() -> None:
+    """A (dp=2, tp=2) mesh: torch's parallelize_module inside each block, fully_shard over dp."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = Blocks(n=3, dim=32, hidden=128)
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fsdp2.fully_shard(layer, mesh=mesh["dp"])
+        fsdp2.fully_shard(model, mesh=mesh["dp"])
+        return model, torch.optim.AdamW(model.parameters())
+
+    estimate = fsdp2.estimate_memory(build, _plan_step, world_size=4)
+    measured = measure_memory(4, build, _plan_step)[0]
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= 0.10 * measured.peak_bytes
+    assert estimate.collectives == measured.collectives
+    assert estimate.collectives["all_reduce"] > 0  # the row-wise layers' all-reduce, counted too
