@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from step_overhead import Model  # the same blocks as the world-1 benchmark
+from step_overhead import Model, _median_and_band  # the world-1 benchmark's blocks and summary
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,12 +141,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _band(values: list[float]) -> dict[str, float]:
-    clean = sorted(values)
-    pick = lambda q: clean[min(len(clean) - 1, max(0, round(q * (len(clean) - 1))))]  # noqa: E731
-    return {"median": statistics.median(clean), "p05": pick(0.05), "p95": pick(0.95)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     result: dict[str, Any] = {
@@ -169,8 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rounds = measured["rounds"]
         result["worlds"][str(world)] = {
             "step_ms": {k: statistics.median(r[k] for r in rounds) * 1e3 for k in KINDS},
-            "ratio_fsdp2_over_torch": _band([r["fsdp2"] / r["torch"] for r in rounds]),
-            "ratio_fsdp2_local_over_torch": _band([r["fsdp2-local"] / r["torch"] for r in rounds]),
+            "ratio_fsdp2_over_torch": _median_and_band([r["fsdp2"] / r["torch"] for r in rounds]),
+            "ratio_fsdp2_local_over_torch": _median_and_band([r["fsdp2-local"] / r["torch"] for r in rounds]),
             "bytes": measured["bytes"],
         }
     return result

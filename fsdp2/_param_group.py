@@ -28,7 +28,6 @@ from ._collectives import (
     copy_out_2d,
     foreach_all_gather,
     issue_all_gather,
-    reduce_scatter_copy_in,
     wait_all_gather,
 )
 from ._comm_context import CommContext
@@ -69,6 +68,7 @@ class FSDPParamGroup:
         ]
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
         self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
+        self._tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
         self._byte_gather = False  # parameters of several dtypes: all-gather their bytes
         self._all_gather_dtype = self.fsdp_params[0].orig_dtype
         self._post_forward_mesh_info = post_forward_mesh_info
@@ -223,7 +223,7 @@ class FSDPParamGroup:
             or self._byte_gather
             or self.comms.custom
             or (post is not None and post is not info)
-            or any(p.is_tensor_parallel for p in self.fsdp_params)
+            or self._tensor_parallel
         ):
             return None
         # The built-in collectives a setter installs are bound to the shard group: their type suffices.
@@ -292,8 +292,8 @@ class FSDPParamGroup:
 
     def _reduce_scatter_bucket_key(
         self, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> tuple[Hashable, torch.dtype] | None:
-        """What groups sharing one reduce-scatter must agree on, and the reduce dtype; ``None``: alone.
+    ) -> Hashable | None:
+        """What groups sharing one reduce-scatter must agree on; ``None``: alone.
 
         Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
         collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
@@ -305,7 +305,7 @@ class FSDPParamGroup:
             or info.replicate_group is not None
             or controls.all_reduce_hook is not None
             or comms.custom
-            or any(p.is_tensor_parallel for p in params)
+            or self._tensor_parallel
         ):
             return None
         dtypes = {
@@ -317,32 +317,21 @@ class FSDPParamGroup:
         factors = self.reducer.divide_factors(dtype, controls)
         group = comms.reduce_scatter_group or info.shard_group
         comm = comms.reduce_scatter
-        key = (id(group), dtype, factors, self.device, type(comm))
-        return key, dtype
+        return (id(group), dtype, factors, self.device, type(comm))
 
-    def _queue_reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
+    def _queue_reduce_scatter(
+        self, bucketing: Bucketing, cap: int, params: list[FSDPParam], grads: list[torch.Tensor]
+    ) -> bool:
         """Pack the gradients and queue them for a shared reduce-scatter; ``False``: reduce them now."""
-        bucketing = self.bucketing
-        cap = bucketing.reduce_scatter_cap if bucketing is not None else None
-        if bucketing is None or cap is None:
-            return False
-        found = self._reduce_scatter_bucket_key(params, grads)
-        if found is None:
+        key = self._reduce_scatter_bucket_key(params, grads)
+        if key is None:
             # Reduce alone, after the queue: buckets stay runs of consecutive post-backwards.
             bucketing.queue.flush(self.comm_ctx)
             return False
-        key, dtype = found
         ctx, controls, comms = self.comm_ctx, self.controls, self.comms
-        if ctx is not None:
-            ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
         start = _events.span_start(self.event_scope)
-        # One reduce dtype (the key says so): the split holds exactly one entry. Empties grads.
-        reduced, packed_grads = self.reducer.split_by_dtype(params, grads)[dtype]
-        shard_numel = sum(p.padded_shard_numel for p in reduced)
-        buffer = reduce_scatter_copy_in(
-            packed_grads, self.mesh_info.shard_size, dtype, shard_numel, comms.reduce_scatter
-        )
-        packed_grads.clear()
+        # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
+        ((_, reduced, buffer),) = self.reducer.pack(params, grads, ctx, controls, comms.reduce_scatter)
         entry = PendingReduceScatter(
             self.reducer,
             params,
@@ -558,8 +547,12 @@ class FSDPParamGroup:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
         bucketing = self.bucketing
-        queued = bucketing is not None and bucketing.reduce_scatter_cap is not None
-        if grads and not (queued and self._queue_reduce_scatter(reduced, grads)):
+        cap = bucketing.reduce_scatter_cap if bucketing is not None else None
+        if grads and not (
+            bucketing is not None
+            and cap is not None
+            and self._queue_reduce_scatter(bucketing, cap, reduced, grads)
+        ):
             start = _events.span_start(self.event_scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)

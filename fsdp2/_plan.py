@@ -66,12 +66,7 @@ class Plan:
         ``plan`` was given.
         """
         fully_shard_kwargs.pop("reshard_after_forward", None)
-        for names, raf in zip(self.groups, self.reshard_after_forward, strict=True):
-            modules = [model.get_submodule(name) for name in names]
-            fully_shard(
-                modules if len(modules) > 1 else modules[0], reshard_after_forward=raf, **fully_shard_kwargs
-            )
-        fully_shard(model, **fully_shard_kwargs)
+        _shard(model, self.groups, self.reshard_after_forward, fully_shard_kwargs)
         return model
 
     def __str__(self) -> str:
@@ -86,6 +81,14 @@ class Plan:
             lines.append(f"  fully_shard({shown}, reshard_after_forward={raf})")
         lines.append("  fully_shard(<root>)")
         return "\n".join(lines)
+
+
+def _shard(model: nn.Module, groups: list[list[str]], rafs: list[bool], kwargs: dict[str, Any]) -> None:
+    """``fully_shard`` each group of named modules (bottom-up), then the root."""
+    for names, raf in zip(groups, rafs, strict=True):
+        modules = [model.get_submodule(name) for name in names]
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=raf, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 class PlanError(RuntimeError):
@@ -237,17 +240,13 @@ class _Search:
         def build() -> tuple[nn.Module, torch.optim.Optimizer]:
             model = self.build_model()
             mesh = init_device_mesh(_device_type(model), (self.world_size,))
-            shard_plan = Plan(self.world_size, 1, groups, rafs, _EMPTY_REPORT, [])
-            shard_plan.apply(model, mesh=mesh, **self.shard_kwargs)
+            _shard(model, groups, rafs, {"mesh": mesh, **self.shard_kwargs})
             return model, self.make_optimizer(model.parameters())
 
         tracker = MemoryTracker(simulate=True)
         with simulated_world(self.world_size):
             run_tracked(tracker, build, self.train_step, 2)
         return tracker.report(self.world_size, 0)
-
-
-_EMPTY_REPORT = MemoryReport(world_size=1, rank=0, peak_bytes=0, phases={}, collectives={}, simulated=True)
 
 
 def _device_type(model: nn.Module) -> str:

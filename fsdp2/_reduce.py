@@ -12,6 +12,8 @@ while ``all_reduce_grads`` is off.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._collectives import (
@@ -39,7 +41,8 @@ class GradientReducer:
         self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
 
-    def _divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
+    def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
+        """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
         key = (dtype, controls.gradient_divide_factor, controls.force_sum_reduction)
         factors = self._factors.get(key)
         if factors is None:
@@ -47,10 +50,6 @@ class GradientReducer:
             factors = divide_factors(info.shard_size * info.replicate_size, *key)
             self._factors[key] = factors
         return factors
-
-    def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
-        """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
-        return self._divide_factors(dtype, controls)
 
     def reduce(
         self,
@@ -64,17 +63,34 @@ class GradientReducer:
 
         Empties ``grads`` as it packs them, so the unsharded gradients are freed early.
         """
-        if comm_ctx is not None:
-            comm_ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = comms.reduce_scatter if self.mesh_info.shard_size > 1 else None
-        buckets = self.split_by_dtype(params, grads)
-        for dtype, (bucket_params, bucket_grads) in buckets.items():
+        for _, packed_params, buffer in self.pack(params, grads, comm_ctx, controls, comm):
+            self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms)
+        self.assign_empty(params)
+
+    def pack(
+        self,
+        params: list[FSDPParam],
+        grads: list[torch.Tensor],
+        comm_ctx: CommContext | None,
+        controls: GroupControls,
+        comm: Any,
+    ) -> list[tuple[torch.dtype, list[FSDPParam], torch.Tensor]]:
+        """Reduce-scatter inputs, one per reduce dtype: ``(dtype, params, buffer)``; empties ``grads``.
+
+        Waits first until at most ``reduce_scatter_max_input_buffers - 1`` earlier inputs are alive.
+        Each gradient is freed as soon as it is packed. Zero-element parameters are left out.
+        """
+        if comm_ctx is not None:
+            comm_ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
+        packed = []
+        for dtype, (bucket_params, bucket_grads) in self.split_by_dtype(params, grads).items():
             shard_numel = sum(p.padded_shard_numel for p in bucket_params)
             buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel, comm)
-            bucket_grads.clear()  # free the unsharded gradients as soon as they are packed
-            self.reduce_packed(buffer, bucket_params, comm_ctx, controls, comms)
-        self.assign_empty(params)
+            bucket_grads.clear()
+            packed.append((dtype, bucket_params, buffer))
+        return packed
 
     def split_by_dtype(
         self, params: list[FSDPParam], grads: list[torch.Tensor]
@@ -126,7 +142,7 @@ class GradientReducer:
         self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls, comms: GroupComms
     ) -> None:
         info = self.mesh_info
-        factors = self._divide_factors(buffer.dtype, controls)
+        factors = self.divide_factors(buffer.dtype, controls)
         group = comms.reduce_scatter_group or info.shard_group
         comm = comms.reduce_scatter if info.shard_size > 1 else None
         output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
@@ -146,7 +162,7 @@ class GradientReducer:
 
     def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         """Post-divide this group's reduced shards (``output``, 1-D) and accumulate them as gradients."""
-        factors = self._divide_factors(output.dtype, controls)
+        factors = self.divide_factors(output.dtype, controls)
         if factors.postdivide is not None:
             output.div_(factors.postdivide)
         views = view_out_shards(
