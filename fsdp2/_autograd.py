@@ -98,6 +98,30 @@ class _PostBackwardNode(torch.autograd.Function):
         return tangents
 
 
+class _PostBackwardNodeEager(torch.autograd.Function):
+    """``_PostBackwardNode`` for use outside torch.func transforms.
+
+    ``Function.apply`` binds the arguments of a Function with a separate ``setup_context`` through
+    ``inspect.signature`` on every call (tens of µs); this one takes ``ctx`` in ``forward``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _post_backward_node(callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    node = _PostBackwardNode if functorch_active() else _PostBackwardNodeEager
+    outs: tuple[torch.Tensor, ...] = node.apply(callback, *inputs)  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
+    return outs
+
+
 def register_post_backward(
     callback: Callable[[], None], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -110,7 +134,7 @@ def register_post_backward(
         picks = [i for i, a in enumerate(args) if a.requires_grad]
         if not picks:
             return args, kwargs
-        outs = _PostBackwardNode.apply(callback, *(args[i] for i in picks))  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
+        outs = _post_backward_node(callback, *(args[i] for i in picks))
         new_args = list(args)
         for i, out in zip(picks, outs, strict=True):
             new_args[i] = out
@@ -119,7 +143,7 @@ def register_post_backward(
     picks = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not picks:
         return args, kwargs
-    outs = _PostBackwardNode.apply(callback, *(flat[i] for i in picks))  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
+    outs = _post_backward_node(callback, *(flat[i] for i in picks))
     for i, out in zip(picks, outs, strict=True):
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)

@@ -22,7 +22,9 @@ __all__ = [
     "local_in_placements",
     "local_of",
     "make_spec",
+    "rebase_local",
     "set_local",
+    "sole_reference",
     "spec_of",
     "strided_shard",
     "wrap_local",
@@ -40,8 +42,17 @@ def make_spec(
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(size, stride, dtype))
 
 
+# DTensor's constructor is its C++ ``__new__`` followed by a Python ``__init__`` that only wraps
+# ``Tensor.__init__`` in a torch.compile guard (a few µs a call). Building through ``__new__`` alone
+# skips that guard; where a torch version lacks the C++ constructor, the full constructor is used.
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
 def wrap_local(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` (no copy, no autograd edge)."""
+    if _DTENSOR_NEW is not None and DTensor.__new__ is _DTENSOR_NEW and not torch.compiler.is_compiling():
+        tensor: DTensor = _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)
+        return tensor
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
@@ -54,6 +65,35 @@ def local_of(tensor: DTensor) -> torch.Tensor:
 def set_local(tensor: DTensor, local: torch.Tensor) -> None:
     """Point ``tensor`` at new local storage (same local shape)."""
     tensor._local_tensor = local  # noqa: SLF001 - this module owns DTensor internals
+
+
+def rebase_local(param: DTensor, local: torch.Tensor) -> bool:
+    """Point ``param`` at ``local`` (same shape, any storage offset), keeping the Python object.
+
+    The wrapper tensor records its local tensor's storage offset, and torch.compile relies on the two
+    agreeing. A local at another offset therefore gets a new wrapper whose tensor is swapped into
+    ``param`` (as ``nn.Module._apply`` does for DTensor parameters): identity, attributes and
+    post-accumulate-grad hooks stay, and the gradient is carried over. Returns ``False`` and changes
+    nothing where another reference to the tensor (an autograd graph) makes swapping unsafe.
+    """
+    if local.storage_offset() == param.storage_offset():
+        set_local(param, local)
+        return True
+    if not sole_reference(param):
+        return False
+    grad = param.grad
+    replacement = wrap_local(local, spec_of(param), requires_grad=param.requires_grad)
+    param.grad = None
+    torch._C._swap_tensor_impl(param, replacement)  # noqa: SLF001 - the primitive under torch.utils.swap_tensors
+    set_local(param, local)
+    param.grad = grad
+    return True
+
+
+def sole_reference(tensor: torch.Tensor) -> bool:
+    """Whether only ``tensor``'s Python object refers to its tensor (no autograd graph or C++ user)."""
+    count: int = tensor._use_count()  # type: ignore[attr-defined]  # noqa: SLF001 - untyped private accessor
+    return count == 1
 
 
 def spec_of(tensor: DTensor) -> DTensorSpec:

@@ -418,10 +418,9 @@ class FSDPModule(_ModuleBase):
         # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]  # reason: untyped in torch
-        for group in self._get_fsdp_state().groups:
-            with torch.no_grad():
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.reset_sharded_param()
+        with torch.no_grad():
+            for group in self._get_fsdp_state().groups:
+                group.readopt_sharded_params()
         return result
 
 

@@ -46,7 +46,9 @@ from ._dtensor import (
     local_in_placements,
     local_of,
     make_spec,
+    rebase_local,
     set_local,
+    sole_reference,
     spec_of,
     strided_shard,
     wrap_local,
@@ -59,6 +61,18 @@ from ._extension import (
     padded_rule_holds,
 )
 from ._mesh import MeshInfo
+
+
+def padded_shard_numel(size: torch.Size, shard_dim: int, world_size: int) -> int:
+    """Elements of every rank's local shard of a tensor of ``size``.
+
+    Dim-0 chunks are padded to chunk 0's rows; ``shard_dim > 0`` (evenly divisible) is an exact piece.
+    """
+    if shard_dim != 0:
+        return math.prod(size) // world_size
+    rows = size[0]
+    row_numel = math.prod(size[1:])
+    return chunk_rows(rows, world_size, 0)[0] * row_numel
 
 
 def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -78,7 +92,13 @@ class FSDPParam:
         post_forward_mesh_info: MeshInfo | None,
         device: torch.device,
         offload: OffloadPolicy | None = None,
+        shard_slot: torch.Tensor | None = None,
     ) -> None:
+        """Lay out ``spec``'s parameter as a local shard and register the sharded DTensor.
+
+        ``shard_slot``: a zeroed 1-D buffer of :func:`padded_shard_numel` elements where the local
+        shard lives (a slot of the group's packed buffer, on the shard's device); ``None``: its own.
+        """
         param, owners, shard_dim = spec.param, spec.owners, spec.shard_dim
         self.owners = owners  # every (module, attribute) the parameter is registered under
         self.source_id = _source_id(param)  # identifies the original tensor across fully_shard calls
@@ -98,23 +118,26 @@ class FSDPParam:
         self.device = device  # compute device: where all-gather outputs and unsharded params live
         self.shard_dim = shard_dim
         self.offload_to_cpu = isinstance(offload, CPUOffloadPolicy)
-        self._pin_memory = self.offload_to_cpu and _can_pin(offload)
+        self._pin_memory = self.offload_to_cpu and can_pin(offload)
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         rows = self.orig_size[0]
         self.row_numel = self.orig_numel // rows if rows else math.prod(self.orig_size[1:])
+        self.padded_shard_numel = padded_shard_numel(self.orig_size, shard_dim, world)
         if shard_dim == 0:
-            padded_rows, start, local_rows = chunk_rows(rows, world, rank)
-            self.padded_shard_numel = padded_rows * self.row_numel
+            _, start, local_rows = chunk_rows(rows, world, rank)
             self.local_shard_size = torch.Size((local_rows, *self.orig_size[1:]))
         else:  # even sharding on a later dim (validated by fully_shard): no padding
             sizes = list(self.orig_size)
             sizes[shard_dim] //= world
             self.local_shard_size = torch.Size(sizes)
-            self.padded_shard_numel = math.prod(sizes)
         self.local_numel = self.local_shard_size.numel()
         # 1D, padded to padded_shard_numel; the all-gather source in the SHARDED state
         # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
-        self._local_shard = param.detach().new_zeros(self.padded_shard_numel)
+        if shard_slot is not None:
+            assert shard_slot.numel() == self.padded_shard_numel, f"{self.fqn}: a shard slot of wrong size"
+            self._local_shard = shard_slot
+        else:
+            self._local_shard = param.detach().new_zeros(self.padded_shard_numel)
         if param.device.type != "meta":
             if shard_dim == 0:
                 flat = param.detach().reshape(-1)
@@ -123,7 +146,7 @@ class FSDPParam:
             else:
                 piece = param.detach().chunk(world, dim=shard_dim)[rank]
                 self._local_shard.view(self.local_shard_size).copy_(piece)
-        if self.offload_to_cpu and not self._local_shard.is_meta:
+        if self.offload_to_cpu and not self._local_shard.is_meta and shard_slot is None:
             # A meta shard stays meta until materialized; reset_sharded_param offloads it then.
             self._local_shard = self._offloaded(self._local_shard)
         shard = Shard(shard_dim)
@@ -167,6 +190,7 @@ class FSDPParam:
         self._unsharded_nbytes = 0
         self._unsharded_full: torch.Tensor | None = None  # ND, Shard(d > 0) only: the parameter storage
         self._unsharded_full_nbytes = 0
+        self._shared_storage = False  # _unsharded_flat views a group buffer that the group resizes
         self.unsharded_param: nn.Parameter | None = None  # ND, original shape, reused every step
         self._accumulated_grad: torch.Tensor | None = None  # ND, reduce_dtype, no-sync accumulation
         # 1D, (shard_size / k) * padded_shard_numel; only between forward and backward with an int k
@@ -182,6 +206,9 @@ class FSDPParam:
             param_dtype = None
         self.param_dtype = param_dtype
         self.reduce_dtype = None if reduce_dtype == (param_dtype or self.orig_dtype) else reduce_dtype
+        flat = self._unsharded_flat
+        if flat is not None and flat.dtype != self.unsharded_dtype:
+            self.drop_unsharded()  # converted since the last unshard (e.g. model.double()): rebuild
 
     def init_extension(self, mp_policy: Any) -> None:
         """Re-detect the all-gather extension on the local tensor (lazy init); keep the policy for it."""
@@ -236,7 +263,7 @@ class FSDPParam:
         elif local.is_meta:
             self._local_shard = local.new_zeros(self.padded_shard_numel)
         elif (
-            not _same_storage(local, self._local_shard)
+            not _same_memory(local, self._local_view)
             or local.dtype != self._local_shard.dtype
             or (self.offload_to_cpu and local.device.type != "cpu")
         ):
@@ -269,6 +296,45 @@ class FSDPParam:
         """A copy of the padded local shard (for a deep copy of the model)."""
         with torch.no_grad():
             return self._local_shard.detach().clone()
+
+    def new_shard_buffer(self, numel: int) -> torch.Tensor:
+        """An empty 1-D buffer where this parameter's local shard could live (device, dtype, pinning)."""
+        shard = self._local_shard
+        if shard.is_meta or not self._pin_memory:
+            return torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        return torch.empty(numel, dtype=shard.dtype, device=shard.device, pin_memory=True)
+
+    def can_move_shard(self) -> bool:
+        """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``rebase_local``)."""
+        return sole_reference(self.sharded_param)
+
+    def move_shard_into(self, view: torch.Tensor) -> None:
+        """Move the padded local shard into ``view`` (part of a group's packed buffer); same parameter.
+
+        The sharded parameter stays the same object and now views ``view``, so optimizers and
+        references taken before keep working; in-place updates land in the packed buffer.
+        """
+        assert view.numel() == self.padded_shard_numel, f"{self.fqn}: a packed slot of the wrong size"
+        local = view[: self.local_numel].view(self.local_shard_size)
+        if not view.is_meta:
+            with torch.no_grad():
+                view.copy_(self._local_shard)
+        moved = rebase_local(cast(DTensor, self.sharded_param), local)
+        assert moved, f"{self.fqn}: moved a shard that can_move_shard() refused"
+        self._local_shard = view
+        self._local_view = local
+
+    def holds_shard(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` is (still) this parameter's padded local shard."""
+        return self._local_shard is view
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self._local_shard.dtype
+
+    @property
+    def shard_device(self) -> torch.device:
+        return self._local_shard.device
 
     def adopt_local_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (a padded local shard of this parameter's layout) the sharded parameter's data."""
@@ -385,24 +451,62 @@ class FSDPParam:
         if data is None:
             numel = self.mesh_info.shard_size * self.padded_shard_numel
             flat = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
-            self._unsharded_flat = flat
-            self._unsharded_flat_data = data = flat.data
+            self._adopt_unsharded_flat(flat, flat.data)
             self._unsharded_nbytes = flat.untyped_storage().nbytes()
-            if self.shard_dim == 0:
-                view = flat[: self.orig_numel].view(self.orig_size)
-            else:
-                full = torch.empty(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
-                self._unsharded_full = full
-                self._unsharded_full_nbytes = full.untyped_storage().nbytes()
-                view = full
-            if self._tp_spec is not None:
-                view = wrap_local(view, self._unsharded_tp_spec())
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
-        elif data.untyped_storage().nbytes() == 0:
+            data = flat.data
+        elif not self._shared_storage and data.untyped_storage().nbytes() == 0:
             data.untyped_storage().resize_(self._unsharded_nbytes)
             if self._unsharded_full is not None:
                 self._unsharded_full.untyped_storage().resize_(self._unsharded_full_nbytes)
-        return data
+        return self._unsharded_flat_data  # type: ignore[return-value]  # reason: set above
+
+    def bind_unsharded_storage(self, flat: torch.Tensor, data: torch.Tensor) -> None:
+        """Use ``flat`` (1-D, ``W * padded_shard_numel``, a view into a group's buffer) as the output.
+
+        ``data`` is ``flat``'s ``.data`` alias. The group allocates and frees that storage for all its
+        parameters at once; this parameter never resizes it. ``Shard(0)`` without extension only.
+        """
+        assert self.shard_dim == 0, f"{self.fqn}: a Shard(d > 0) parameter cannot share a group buffer"
+        assert self._extension is None, f"{self.fqn}: an extension parameter cannot share a group buffer"
+        assert flat.numel() == self.mesh_info.shard_size * self.padded_shard_numel, f"{self.fqn}: wrong size"
+        self._adopt_unsharded_flat(flat, data)
+        self._shared_storage = True
+
+    def _adopt_unsharded_flat(self, flat: torch.Tensor, data: torch.Tensor) -> None:
+        """Make ``flat`` the all-gather output and build the unsharded parameter over it."""
+        self._unsharded_flat = flat
+        self._unsharded_flat_data = data
+        if self.shard_dim == 0:
+            view = flat[: self.orig_numel].view(self.orig_size)
+        else:
+            full = torch.empty(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+            self._unsharded_full = full
+            self._unsharded_full_nbytes = full.untyped_storage().nbytes()
+            view = full
+        if self._tp_spec is not None:
+            view = wrap_local(view, self._unsharded_tp_spec())
+        self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+
+    def drop_unsharded(self) -> None:
+        """Forget the unsharded buffers and parameter (sharded state only): the next unshard rebuilds them.
+
+        For a change of the unsharded dtype or layout between steps (``model.double()``).
+        """
+        self._unsharded_flat = self._unsharded_flat_data = self._unsharded_full = None
+        self.unsharded_param = None
+        self._shared_storage = False
+        self._post_forward_slice = None
+
+    def registration_slots(self, unsharded: bool) -> list[tuple[dict[str, Any], str, torch.Tensor]] | None:
+        """``(module._parameters, name, tensor)`` entries registering the sharded or unsharded form.
+
+        ``None`` where an owner customises ``__setattr__`` (then register one by one).
+        """
+        if not self._fast_register:
+            return None
+        tensor = self.unsharded_param if unsharded else self.sharded_param
+        assert tensor is not None, f"{self.fqn}: no unsharded parameter yet"
+        return [(module._parameters, name, tensor) for module, name in self.owners]  # noqa: SLF001 - see _register
 
     def finish_unshard(self) -> None:
         """After copy-out: run the extension's post hook, or (``Shard(d > 0)``) concatenate rank blocks."""
@@ -516,7 +620,7 @@ class FSDPParam:
         if self._extension is not None:
             for tensor in (*self._extension_outputs, *self._extension.inner_tensors):
                 tensor.untyped_storage().resize_(0)
-        if self._unsharded_flat_data is not None:
+        if self._unsharded_flat_data is not None and not self._shared_storage:
             self._unsharded_flat_data.untyped_storage().resize_(0)
         if self._unsharded_full is not None:
             self._unsharded_full.untyped_storage().resize_(0)
@@ -625,7 +729,7 @@ def _spmd_sharded_placements(spec: DTensorSpec, shard_index: int) -> tuple[Place
 _warned_no_pinning = False
 
 
-def _can_pin(policy: OffloadPolicy | None) -> bool:
+def can_pin(policy: OffloadPolicy | None) -> bool:
     """Whether to pin offloaded shards: asked for, and possible (pinning needs an accelerator)."""
     global _warned_no_pinning
     if not getattr(policy, "pin_memory", False):
@@ -672,8 +776,18 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and _storage_key(a) == _storage_key(b)
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements of the same storage (aliases of each other).
+
+    Not merely the same storage: a group's packed shards share one storage, one region per parameter.
+    """
+    return (
+        a.device == b.device
+        and _storage_key(a) == _storage_key(b)
+        and a.storage_offset() == b.storage_offset()
+        and a.size() == b.size()
+        and a.stride() == b.stride()
+    )
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

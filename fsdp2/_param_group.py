@@ -9,16 +9,37 @@ or default backward prefetch (``FSDPState``).
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
 pending (``_all_gather_result``, possibly this group's part of a bucket); an unshard is a no-op while
 one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.
+
+[Note: Packed shards]
+At ``fully_shard`` the group allocates one zeroed buffer and each parameter's padded local shard is
+built in its own slot of it, in parameter order (the sharded DTensors view their slots). The slots
+are exactly the all-gather input layout, so the unshard reads the buffer itself: no copy-in at all
+with the built-in all-gather, one copy for a cast, one host-to-device copy under CPU offload, and
+nothing to gather for a one-rank shard group. Groups with all-gather extensions or with parameters
+of several dtypes or devices keep one buffer per parameter. Conversions and loads that install new
+local tensors (``to_empty``, ``.double()``, ``load_state_dict(assign=True)``, a deep copy) are
+packed again; the sharded parameters keep their Python identity (``_dtensor.rebase_local``), so an
+optimizer built before keeps training them. Packing is checked (``_packing_intact``) at lazy init.
+
+[Note: One unsharded buffer per group]
+For ``Shard(0)`` groups without extensions, every parameter's all-gather output (``W`` padded
+shards, rank blocks in order) is a slot of one group buffer, so unsharding grows one storage and
+resharding frees it; the copy-out views into it are built once. For one rank the gathered layout is
+the buffer's own and copy-out is a single copy. Registering the unsharded and sharded parameters is
+a list of dict writes resolved once (``_build_slots``) instead of a method call per parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import _events
+from ._api import CPUOffloadPolicy
 from ._autograd import in_backward_task_id, outside_functorch
 from ._bucket import Bucketing, PendingReduceScatter, all_gather_bucket
 from ._collectives import (
@@ -28,17 +49,20 @@ from ._collectives import (
     copy_out_2d,
     foreach_all_gather,
     issue_all_gather,
+    packed_all_gather,
+    packed_all_gather_copy_in,
     wait_all_gather,
 )
 from ._comm_context import CommContext
 from ._comms import GroupComms
 from ._config import GroupConfig, GroupControls, ParamSpec
 from ._debug import watch_collective
+from ._dtensor import local_of
 from ._events import EventScope
 from ._extension import padded_rule_error
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._mesh import MeshInfo
-from ._param import FSDPParam
+from ._param import FSDPParam, can_pin, padded_shard_numel
 from ._reduce import GradientReducer
 
 _IDLE = TrainingState.IDLE
@@ -62,10 +86,21 @@ class FSDPParamGroup:
         self.config = config
         self.mesh_info = config.mesh_info
         self.device = config.device  # the compute / communication device
+        # See [Note: Packed shards]: the local shards as parts of one buffer, and the parts handed out.
+        self._packed_shards = _packed_buffer(specs, config)
+        world = self.mesh_info.shard_size
+        sizes = [padded_shard_numel(_local_size(s.param), s.shard_dim, world) for s in specs]
+        self._packed_splits: list[int] = sizes
+        packed = self._packed_shards
+        slots = _slots(packed, sizes) if packed is not None else (None,) * len(specs)
         self.fsdp_params = [
-            FSDPParam(spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy)
-            for spec in specs
+            FSDPParam(
+                spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy, slot
+            )
+            for spec, slot in zip(specs, slots, strict=True)
         ]
+        self._packed_views: tuple[torch.Tensor, ...] = tuple(v for v in slots if v is not None)
+        self._gather_packed = False  # resolved at lazy init: all-gather straight from the packed buffer
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
         self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
         self._tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
@@ -85,6 +120,15 @@ class FSDPParamGroup:
         self._lazy_initialized = False
         self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
+        # See [Note: One unsharded buffer per group]; resolved at lazy init.
+        self._shares_storage = False
+        self._unsharded_buffer: torch.Tensor | None = None  # .data alias of the 1-D group buffer
+        self._unsharded_buffer_nbytes = 0
+        # (module._parameters, name, tensor) entries registering every parameter's unsharded / sharded
+        # form, and (sharded, unsharded) pairs whose requires_grad must agree; None: one by one.
+        self._unsharded_slots: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
+        self._sharded_slots: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
+        self._requires_grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._has_extension = False  # some parameter all-gathers through fsdp_pre_all_gather
         self._padded_rule_agreed = False  # all ranks checked the extension's padded-size rule once
         self._gather_span: tuple[float | None, TrainingState] = (None, _IDLE)  # timeline: issue time
@@ -109,6 +153,7 @@ class FSDPParamGroup:
     @post_forward_mesh_info.setter
     def post_forward_mesh_info(self, info: MeshInfo | None) -> None:
         self._post_forward_mesh_info = info
+        self._forget_slots()
         for fsdp_param in self.fsdp_params:
             fsdp_param.post_forward_mesh_info = info
 
@@ -145,8 +190,76 @@ class FSDPParamGroup:
         # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
         self._byte_gather = len(gather_dtypes) > 1
         self._all_gather_dtype = torch.uint8 if self._byte_gather else gather_dtypes.pop()
+        shares = not self._byte_gather and all(
+            p.shard_dim == 0 and not p.has_extension for p in self.fsdp_params
+        )
+        if self.sharded_state is ShardedState.SHARDED and not self._packing_intact():
+            self._pack_shards()  # shards replaced since fully_shard (e.g. a deep copy's adopted shards)
+        self._gather_packed = not self._has_extension and not self._byte_gather and self._packing_intact()
+        buffer = self._unsharded_buffer
+        if (
+            self.sharded_state is ShardedState.SHARDED
+            and buffer is not None
+            and (not shares or buffer.dtype != self._all_gather_dtype)
+        ):
+            # Converted since the last unshard (e.g. model.double()): rebuild the buffer at the next one.
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.drop_unsharded()
+            self._unsharded_buffer = None
+        self._shares_storage = shares
         self._copy_out_targets.clear()
+        self._forget_slots()
         self._lazy_initialized = True
+
+    def _pack_shards(self) -> None:
+        """Move the local shards into one buffer, one padded slot per parameter, in parameter order.
+
+        See [Note: Packed shards]. Not for groups with all-gather extensions (their inputs come from a
+        hook) or with shards of several dtypes or devices: those keep one buffer per parameter.
+        """
+        params = self.fsdp_params
+        if not params or any(p.has_extension for p in params):
+            return
+        if len({p.shard_dtype for p in params}) != 1 or len({p.shard_device for p in params}) != 1:
+            return
+        if not all(p.can_move_shard() for p in params):
+            return  # a sharded parameter is part of an autograd graph now: keep per-parameter shards
+        flat = params[0].new_shard_buffer(sum(self._packed_splits))
+        views = _slots(flat, self._packed_splits)
+        for fsdp_param, view in zip(params, views, strict=True):
+            fsdp_param.move_shard_into(view)
+        self._packed_shards, self._packed_views = flat, views
+
+    def _packing_intact(self) -> bool:
+        """Every parameter's local shard is still its slot of the packed buffer."""
+        views = self._packed_views
+        return bool(views) and all(p.holds_shard(v) for p, v in zip(self.fsdp_params, views, strict=True))
+
+    def _packed_input(self) -> torch.Tensor | None:
+        """The packed shards as this rank's all-gather input (on the compute device), if usable."""
+        flat = self._packed_shards
+        if not self._gather_packed or flat is None:
+            return None
+        first = self.fsdp_params[0]
+        if first.offload_to_cpu and self.device.type != "cpu":
+            return flat.to(self.device, non_blocking=flat.is_pinned())
+        return flat
+
+    def readopt_sharded_params(self) -> None:
+        """Re-adopt the registered sharded parameters; the next unshard re-runs lazy init.
+
+        After a conversion (``model.to``, ``to_empty``, ``.double()``) or ``load_state_dict(assign=True)``.
+        """
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.reset_sharded_param()
+        if not self._packing_intact():
+            self._pack_shards()
+        self._forget_slots()
+        self._lazy_initialized = False
+
+    def _forget_slots(self) -> None:
+        self._unsharded_slots = self._sharded_slots = None
+        self._requires_grad_pairs = []
 
     def _check_extension_support(self) -> None:
         """All-gather extensions: resolve which parameters use one; refuse what they cannot do."""
@@ -177,6 +290,8 @@ class FSDPParamGroup:
         """
         if self._all_gather_result is not None or self.sharded_state is _UNSHARDED:
             return
+        if not self._lazy_initialized:
+            self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         bucketing = self.bucketing
@@ -196,6 +311,19 @@ class FSDPParamGroup:
             if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
                 self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward, comm)
             else:
+                packed = None if post_forward else self._packed_input()
+                if packed is not None:
+                    self._all_gather_result = packed_all_gather(
+                        packed,
+                        self._packed_splits,
+                        info.shard_group,
+                        info.shard_size,
+                        info.shard_rank,
+                        self._all_gather_dtype,
+                        async_op,
+                        comm,
+                    )
+                    return
                 self._all_gather_result = foreach_all_gather(
                     self._all_gather_inputs(post_forward),
                     info.shard_group,
@@ -399,13 +527,20 @@ class FSDPParamGroup:
             self._post_forward_event = None
         with torch.cuda.stream(copy_in_stream):
             # Inputs (host-to-device copies under CPU offload) are made on the copy-in stream too.
-            output, local, split_sizes = all_gather_copy_in(
-                self._all_gather_inputs(post_forward),
-                info.shard_size,
-                info.shard_rank,
-                self._all_gather_dtype,
-                comm,
-            )
+            packed = None if post_forward else self._packed_input()
+            if packed is not None:
+                split_sizes = self._packed_splits
+                output, local = packed_all_gather_copy_in(
+                    packed, info.shard_size, info.shard_rank, self._all_gather_dtype, comm
+                )
+            else:
+                output, local, split_sizes = all_gather_copy_in(
+                    self._all_gather_inputs(post_forward),
+                    info.shard_size,
+                    info.shard_rank,
+                    self._all_gather_dtype,
+                    comm,
+                )
         gather_stream.wait_stream(copy_in_stream)
         with torch.cuda.stream(gather_stream):
             issue_all_gather(output, local, info.shard_group, info.shard_size, False, comm)
@@ -420,20 +555,28 @@ class FSDPParamGroup:
             return
         with watch_collective("all-gather wait", self.module_fqn, self.training_state.name):
             wait_all_gather(result)
-        outputs = [o for p in self.fsdp_params for o in p.all_gather_outputs()]  # (re)allocates storage
+        if self._shares_storage:
+            self._grow_unsharded_buffer()
+        else:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.all_gather_outputs()  # (re)allocates their storage
         # Hot path: the (W, split) views survive storage resizes, so build them once per world size.
         targets = self._copy_out_targets.get(result.world_size)
         if targets is None:
+            outputs = [o for p in self.fsdp_params for o in p.all_gather_outputs()]
             if self._byte_gather:
                 outputs = [o.view(torch.uint8) for o in outputs]
             targets = [o.view(result.world_size, -1) for o in outputs]
             self._copy_out_targets[result.world_size] = targets
-        copy_out_2d(result, targets)
+        if result.world_size == 1 and self._shares_storage and result.columns is None:
+            # One rank: the gathered layout is the group buffer's, so copy-out is one copy.
+            self._unsharded_buffer.copy_(result.output)  # type: ignore[union-attr]  # reason: grown above
+        else:
+            copy_out_2d(result, targets)
         for fsdp_param in self._staged_params:
             fsdp_param.finish_unshard()
         self._all_gather_result = None
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.to_unsharded()
+        self._register_unsharded()
         self.sharded_state = _UNSHARDED
         start, issued_in = self._gather_span
         _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope)
@@ -460,6 +603,7 @@ class FSDPParamGroup:
                 if self.sharded_state is _UNSHARDED:
                     for fsdp_param in self.fsdp_params:
                         fsdp_param.to_sharded_post_forward()
+                    self._free_unsharded_buffer()
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
                     ctx = self.comm_ctx
                     if ctx is not None and ctx.use_streams:
@@ -467,10 +611,78 @@ class FSDPParamGroup:
                     _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.to_sharded()
+            slots = self._sharded_slots
+            if slots is not None and self.sharded_state is _UNSHARDED:
+                for params, name, tensor in slots:
+                    params[name] = tensor
+            else:
+                for fsdp_param in self.fsdp_params:
+                    fsdp_param.to_sharded()
+            self._free_unsharded_buffer()
             self.sharded_state = ShardedState.SHARDED
             _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+
+    # ---- the group's unsharded buffer and registrations --------------------------------------------
+
+    def _grow_unsharded_buffer(self) -> None:
+        """Allocate the group buffer (binding every parameter to its part), or re-grow its storage."""
+        buffer = self._unsharded_buffer
+        if buffer is None:
+            sizes = [self.mesh_info.shard_size * p.padded_shard_numel for p in self.fsdp_params]
+            flat = torch.empty(sum(sizes), dtype=self._all_gather_dtype, device=self.device)
+            self._unsharded_buffer = buffer = flat.data
+            self._unsharded_buffer_nbytes = buffer.untyped_storage().nbytes()
+            views = _slots(flat, sizes)
+            data_views = _slots(buffer, sizes)
+            for fsdp_param, view, data in zip(self.fsdp_params, views, data_views, strict=True):
+                fsdp_param.bind_unsharded_storage(view, data)
+            self._copy_out_targets.clear()
+            self._forget_slots()
+        elif buffer.untyped_storage().nbytes() == 0:
+            buffer.untyped_storage().resize_(self._unsharded_buffer_nbytes)
+
+    def _free_unsharded_buffer(self) -> None:
+        buffer = self._unsharded_buffer
+        if buffer is not None:
+            buffer.untyped_storage().resize_(0)
+
+    def _register_unsharded(self) -> None:
+        """Register every parameter's unsharded form (batched once the entries are known)."""
+        slots = self._unsharded_slots
+        if slots is None:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_unsharded()
+            self._build_slots()
+            return
+        for sharded, unsharded in self._requires_grad_pairs:
+            if sharded.requires_grad is not unsharded.requires_grad:
+                unsharded.requires_grad_(sharded.requires_grad)
+        for params, name, tensor in slots:
+            params[name] = tensor
+
+    def _build_slots(self) -> None:
+        """Resolve the batched registrations, where every owner module allows them.
+
+        Not with an int ``reshard_after_forward`` (post-forward placeholders are registered too) or
+        all-gather extensions (their unsharded parameters may be rebuilt).
+        """
+        info = self._post_forward_mesh_info
+        if self._has_extension or (info is not None and info is not self.mesh_info):
+            return
+        unsharded: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        sharded: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for fsdp_param in self.fsdp_params:
+            entries = fsdp_param.registration_slots(unsharded=True)
+            back = fsdp_param.registration_slots(unsharded=False)
+            if entries is None or back is None:
+                return
+            unsharded.extend(entries)
+            sharded.extend(back)
+        self._requires_grad_pairs = [
+            (p.sharded_param, p.unsharded_param)  # type: ignore[misc]  # reason: unsharded after to_unsharded
+            for p in self.fsdp_params
+        ]
+        self._unsharded_slots, self._sharded_slots = unsharded, sharded
 
     def prefetch(self, as_state: TrainingState) -> None:
         """Unshard ahead of a use in ``as_state`` (``FORWARD`` or ``PRE_BACKWARD``)."""
@@ -486,8 +698,7 @@ class FSDPParamGroup:
         if self.sharded_state is _UNSHARDED:
             # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
             # since a restore such as torch.func.functional_call's may have put the sharded ones back.
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.to_unsharded()
+            self._register_unsharded()
         self.unshard()
         self.wait_for_unshard()
 
@@ -584,8 +795,9 @@ class FSDPParamGroup:
         The in-flight all-gather output, the unsharded parameters' storages and post-forward slices.
         """
         tensors = [t for p in self.fsdp_params for t in p.unsharded_tensors()]
-        if self._all_gather_result is not None:
-            tensors.append(self._all_gather_result.output)
+        result = self._all_gather_result
+        if result is not None and result.output is not self._packed_shards:
+            tensors.append(result.output)
         return tensors
 
     def reset(self) -> None:
@@ -605,3 +817,47 @@ class FSDPParamGroup:
 def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in ``dtype``, viewed as bytes (for a group that gathers several dtypes at once)."""
     return (tensor if tensor.dtype == dtype else tensor.to(dtype)).view(torch.uint8)
+
+
+def _slots(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """Consecutive 1-D views of ``flat`` of ``sizes`` elements.
+
+    Plain ``narrow`` views, not ``split``'s: autograd and torch.compile treat views made by one
+    multi-output op specially (no in-place updates through them, no view replay when fakified).
+    """
+    views = []
+    offset = 0
+    for size in sizes:
+        views.append(flat.narrow(0, offset, size))
+        offset += size
+    return tuple(views)
+
+
+def _local_size(param: torch.Tensor) -> torch.Size:
+    """The shape FSDP shards: the tensor-parallel local shape for a DTensor parameter."""
+    return local_of(param).size() if isinstance(param, DTensor) else param.size()
+
+
+def _packed_buffer(specs: list[ParamSpec], config: GroupConfig) -> torch.Tensor | None:
+    """A zeroed buffer for the group's packed shards, or ``None`` where they cannot share one.
+
+    Not with all-gather extensions (their inputs come from a hook; their shards keep their tensor
+    subclass) or with parameters of several dtypes or devices.
+    """
+    world = config.mesh_info.shard_size
+    locals_ = [local_of(s.param) if isinstance(s.param, DTensor) else s.param for s in specs]
+    if not locals_ or any(_defines_extension(t) for t in locals_):
+        return None
+    if len({t.dtype for t in locals_}) != 1 or len({t.device for t in locals_}) != 1:
+        return None
+    first = locals_[0]
+    numel = sum(padded_shard_numel(t.size(), s.shard_dim, world) for t, s in zip(locals_, specs, strict=True))
+    device = first.device
+    offload = config.offload_policy
+    if isinstance(offload, CPUOffloadPolicy) and device.type != "meta":
+        return torch.zeros(numel, dtype=first.dtype, device="cpu", pin_memory=can_pin(offload))
+    return torch.zeros(numel, dtype=first.dtype, device=device)
+
+
+def _defines_extension(local: torch.Tensor) -> bool:
+    return hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather")

@@ -63,11 +63,35 @@ class GradientReducer:
 
         Empties ``grads`` as it packs them, so the unsharded gradients are freed early.
         """
+        if self._passes_through(params, grads, controls):
+            # One rank, nothing to average or cast: each unsharded gradient is its own shard.
+            for fsdp_param, grad in zip(params, grads, strict=True):
+                fsdp_param.accumulate_sharded_grad(grad)
+            grads.clear()
+            return
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = comms.reduce_scatter if self.mesh_info.shard_size > 1 else None
         for _, packed_params, buffer in self.pack(params, grads, comm_ctx, controls, comm):
             self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms)
         self.assign_empty(params)
+
+    def _passes_through(
+        self, params: list[FSDPParam], grads: list[torch.Tensor], controls: GroupControls
+    ) -> bool:
+        """Whether the reduction is the identity: one rank, no replicas, hook, division or cast.
+
+        Not under CPU offload (its device-to-host copies are waited on through the reduce event).
+        """
+        info = self.mesh_info
+        if info.shard_size != 1 or info.replicate_group is not None or controls.all_reduce_hook is not None:
+            return False
+        for fsdp_param, grad in zip(params, grads, strict=True):
+            if fsdp_param.offload_to_cpu or (fsdp_param.reduce_dtype not in (None, grad.dtype)):
+                return False
+            factors = self.divide_factors(grad.dtype, controls)
+            if factors.predivide is not None or factors.postdivide is not None:
+                return False
+        return True
 
     def pack(
         self,

@@ -37,8 +37,7 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of
     def adopt_loaded(mod: nn.Module, incompatible_keys: Any) -> None:
         # load_state_dict(assign=True) installs new DTensors: re-pad them into local shards.
         with torch.no_grad():
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.reset_sharded_param()
+            group.readopt_sharded_params()
 
     return [
         module.register_state_dict_pre_hook(reshard_for_save),
