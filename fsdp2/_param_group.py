@@ -124,6 +124,7 @@ class FSDPParamGroup:
         self._shares_storage = False
         self._unsharded_buffer: torch.Tensor | None = None  # .data alias of the 1-D group buffer
         self._unsharded_buffer_nbytes = 0
+        self._unsharded_gapless = True  # no alignment gaps: the buffer is the one-rank gathered layout
         # (module._parameters, name, tensor) entries registering every parameter's unsharded / sharded
         # form, and (sharded, unsharded) pairs whose requires_grad must agree; None: one by one.
         self._unsharded_slots: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
@@ -568,9 +569,16 @@ class FSDPParamGroup:
                 outputs = [o.view(torch.uint8) for o in outputs]
             targets = [o.view(result.world_size, -1) for o in outputs]
             self._copy_out_targets[result.world_size] = targets
-        if result.world_size == 1 and self._shares_storage and result.columns is None:
+        if (
+            result.world_size == 1
+            and self._shares_storage
+            and self._unsharded_gapless
+            and result.columns is None
+        ):
             # One rank: the gathered layout is the group buffer's, so copy-out is one copy.
-            self._unsharded_buffer.copy_(result.output)  # type: ignore[union-attr]  # reason: grown above
+            buffer = self._unsharded_buffer
+            assert buffer is not None, "the group buffer is grown above"
+            buffer.narrow(0, 0, result.output.numel()).copy_(result.output)
         else:
             copy_out_2d(result, targets)
         for fsdp_param in self._staged_params:
@@ -629,11 +637,16 @@ class FSDPParamGroup:
         buffer = self._unsharded_buffer
         if buffer is None:
             sizes = [self.mesh_info.shard_size * p.padded_shard_numel for p in self.fsdp_params]
-            flat = torch.empty(sum(sizes), dtype=self._all_gather_dtype, device=self.device)
+            # Every parameter starts on a 64-byte boundary, as a tensor of its own would: vectorized
+            # kernels and cuBLAS pick slower paths for misaligned operands.
+            align = max(1, _ALIGN_BYTES // self._all_gather_dtype.itemsize)
+            aligned = [-(-size // align) * align for size in sizes]
+            self._unsharded_gapless = aligned[:-1] == sizes[:-1]
+            flat = torch.empty(sum(aligned), dtype=self._all_gather_dtype, device=self.device)
             self._unsharded_buffer = buffer = flat.data
             self._unsharded_buffer_nbytes = buffer.untyped_storage().nbytes()
-            views = _slots(flat, sizes)
-            data_views = _slots(buffer, sizes)
+            views = _slots(flat, sizes, aligned)
+            data_views = _slots(buffer, sizes, aligned)
             for fsdp_param, view, data in zip(self.fsdp_params, views, data_views, strict=True):
                 fsdp_param.bind_unsharded_storage(view, data)
             self._copy_out_targets.clear()
@@ -819,17 +832,22 @@ def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (tensor if tensor.dtype == dtype else tensor.to(dtype)).view(torch.uint8)
 
 
-def _slots(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
-    """Consecutive 1-D views of ``flat`` of ``sizes`` elements.
+_ALIGN_BYTES = 64  # where each parameter's part of a group's unsharded buffer starts
+
+
+def _slots(
+    flat: torch.Tensor, sizes: list[int], strides: list[int] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """1-D views of ``flat`` of ``sizes`` elements, each starting ``strides[i]`` after the previous.
 
     Plain ``narrow`` views, not ``split``'s: autograd and torch.compile treat views made by one
     multi-output op specially (no in-place updates through them, no view replay when fakified).
     """
     views = []
     offset = 0
-    for size in sizes:
+    for size, stride in zip(sizes, sizes if strides is None else strides, strict=True):
         views.append(flat.narrow(0, offset, size))
-        offset += size
+        offset += stride
     return tuple(views)
 
 

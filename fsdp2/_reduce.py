@@ -85,10 +85,14 @@ class GradientReducer:
         info = self.mesh_info
         if info.shard_size != 1 or info.replicate_group is not None or controls.all_reduce_hook is not None:
             return False
+        dtypes = set()
         for fsdp_param, grad in zip(params, grads, strict=True):
-            if fsdp_param.offload_to_cpu or (fsdp_param.reduce_dtype not in (None, grad.dtype)):
+            dtype = grad.dtype
+            if fsdp_param.offload_to_cpu or (fsdp_param.reduce_dtype not in (None, dtype)):
                 return False
-            factors = self.divide_factors(grad.dtype, controls)
+            dtypes.add(dtype)
+        for dtype in dtypes:
+            factors = self.divide_factors(dtype, controls)
             if factors.predivide is not None or factors.postdivide is not None:
                 return False
         return True

@@ -46,6 +46,7 @@ from ._autograd import (
     is_view,
     queue_end_of_backward_callback,
     register_post_backward,
+    register_pre_backward,
     route_untracked_outputs,
 )
 from ._bucket import Bucketing, split_into_buckets
@@ -124,6 +125,7 @@ class FSDPState:
         self.hook_handles: list[Any] = []  # every hook fsdp2 registered (hidden while deep-copying)
         self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
         self._pre_backward_hook = self._make_pre_backward_hook()
+        self._pre_backward_node_hook = eager(self._pre_backward_on_node)
         self.eager_finish_backward = eager(self.finish_backward)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
@@ -349,8 +351,11 @@ class FSDPState:
                     "it would drop FSDP's pre-backward hook. Return a non-view tensor (e.g. .clone()).",
                     stacklevel=4,
                 )
-            tensor.register_hook(hook)
+            register_pre_backward(tensor, hook, self._pre_backward_node_hook)
         return route_untracked_outputs(hook, output)
+
+    def _pre_backward_on_node(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        self.pre_backward()
 
     def _make_pre_backward_hook(self) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 - packed shards: a group's local shards live in one buffer, which the all-gather reads directly;
   it survives meta-device init, ``load_state_dict`` (copy and ``assign=True``), dtype conversions and
-  a deep copy, and the sharded parameters keep their identity, so an optimizer built before any of
-  these keeps training them;
+  a deep copy; conversions and copy-loads keep the sharded parameters' identity, so an optimizer
+  built before them keeps training the same objects;
 - one unsharded buffer per group, rebuilt when the unsharded dtype changes between steps
   (``model.double()`` after training: torch 2.13 fails the next forward, fsdp2 trains on);
 - a one-rank shard group gathers by one copy and hands each gradient over as its own shard.
@@ -137,9 +137,11 @@ def _double_after_training(impl_name: str) -> None:
     model = copy.deepcopy(ref)
     shard_blocks_then_root(impl, model, model.layers)
     train_in_lockstep(model, ref, _inputs(), 2, assert_sharded_parity)
+    before = list(model.parameters())
     model.double()
     ref.double()
     assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert all(p is q for p, q in zip(before, model.parameters(), strict=True))  # optimizers keep them
     losses = train_in_lockstep(model, ref, _inputs(torch.float64), 2, assert_sharded_parity)
     assert all(isinstance(loss, float) for loss in losses)
     if impl_name == "fsdp2":
@@ -166,9 +168,9 @@ _ONE_RANK_CASES = {
 }
 
 
-def _one_rank(case: str, divide: float | None) -> None:
+def _one_rank(case: str, divide: float | None, dim: int) -> None:
     ours, theirs = get_impl("fsdp2"), get_impl("torch")
-    base = seeded(_Blocks)
+    base = seeded(lambda: _Blocks(dim))
     models = []
     for impl in (ours, theirs):
         model = copy.deepcopy(base)
@@ -190,7 +192,7 @@ def _one_rank(case: str, divide: float | None) -> None:
         models.append(model)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     for step in range(3):
-        x = make_input((4, 8), 0, seed=step)
+        x = make_input((4, dim), 0, seed=step)
         losses = forward_backward(x, *models)
         torch.testing.assert_close(losses[0], losses[1], **EXACT)
         for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
@@ -202,7 +204,35 @@ def _one_rank(case: str, divide: float | None) -> None:
         torch.testing.assert_close(p.to_local(), q.to_local(), **TIGHT)
 
 
+# dim 16: every part of the unsharded buffer is a multiple of 64 bytes, so copy-out is one copy;
+# dim 8: 32-byte biases leave alignment gaps, so copy-out goes part by part.
+@pytest.mark.parametrize("dim", [16, 8])
 @pytest.mark.parametrize("divide", [None, 4.0], ids=["mean", "divide-4"])
 @pytest.mark.parametrize("case", list(_ONE_RANK_CASES))
-def test_one_rank_matches_torch(case: str, divide: float | None) -> None:
-    run_threaded(1, _one_rank, case, divide)
+def test_one_rank_matches_torch(case: str, divide: float | None, dim: int) -> None:
+    run_threaded(1, _one_rank, case, divide, dim)
+
+
+# ---- every unsharded parameter starts on a 64-byte boundary -------------------------------------
+
+
+def _aligned(world_size: int) -> None:
+    impl = get_impl("fsdp2")
+    ref = seeded(lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7), nn.LayerNorm(7)))
+    model = copy.deepcopy(ref)
+    impl.fully_shard(model)
+    model.unshard()
+    try:
+        for name, param in model.named_parameters():
+            assert not isinstance(param, torch.distributed.tensor.DTensor), name
+            assert param.data_ptr() % 64 == 0, f"{name} starts at {param.data_ptr() % 64} mod 64"
+    finally:
+        model.reshard()
+    train_in_lockstep(
+        model, ref, lambda rank, step: make_input((4, 5), rank, seed=step), 2, assert_sharded_parity
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_unsharded_parameters_are_aligned(world_size: int) -> None:
+    run_threaded(world_size, _aligned, world_size)
