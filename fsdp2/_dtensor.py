@@ -46,12 +46,13 @@ def make_spec(
 # ``Tensor.__init__`` in a torch.compile guard (a few µs a call). Building through ``__new__`` alone
 # skips that guard; where a torch version lacks the C++ constructor, the full constructor is used.
 _DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+_NEW_ONLY = _DTENSOR_NEW is not None and DTensor.__new__ is _DTENSOR_NEW
 
 
 def wrap_local(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` (no copy, no autograd edge)."""
-    if _DTENSOR_NEW is not None and DTensor.__new__ is _DTENSOR_NEW and not torch.compiler.is_compiling():
-        tensor: DTensor = _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)
+    if _NEW_ONLY and not torch.compiler.is_compiling():
+        tensor: DTensor = _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)  # type: ignore[misc]  # reason: checked not None
         return tensor
     return DTensor(local, spec, requires_grad=requires_grad)
 

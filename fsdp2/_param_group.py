@@ -208,6 +208,7 @@ class FSDPParamGroup:
                 fsdp_param.drop_unsharded()
             self._unsharded_buffer = None
         self._shares_storage = shares
+        self.reducer.resolve(self.fsdp_params)
         self._copy_out_targets.clear()
         self._forget_slots()
         self._lazy_initialized = True
@@ -667,9 +668,13 @@ class FSDPParamGroup:
                 fsdp_param.to_unsharded()
             self._build_slots()
             return
-        for sharded, unsharded in self._requires_grad_pairs:
-            if sharded.requires_grad is not unsharded.requires_grad:
-                unsharded.requires_grad_(sharded.requires_grad)
+        if self.training_state is not _PRE_BACKWARD:
+            # Freezing or unfreezing a sharded parameter takes effect at the next forward. Backward
+            # re-gathers for the graph that forward recorded, so it needs no sync (it is the costly
+            # part here: DTensor attribute reads).
+            for sharded, unsharded in self._requires_grad_pairs:
+                if sharded.requires_grad is not unsharded.requires_grad:
+                    unsharded.requires_grad_(sharded.requires_grad)
         for params, name, tensor in slots:
             params[name] = tensor
 

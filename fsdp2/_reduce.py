@@ -40,6 +40,7 @@ class GradientReducer:
         # HSDP with all-reduce off: shard-reduced gradients waiting for a step that all-reduces
         self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
+        self._identity = False  # resolved at lazy init: one rank, nothing to cast (see resolve)
 
     def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
         """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
@@ -63,7 +64,7 @@ class GradientReducer:
 
         Empties ``grads`` as it packs them, so the unsharded gradients are freed early.
         """
-        if self._passes_through(params, grads, controls):
+        if self._identity and controls.all_reduce_hook is None and self._no_division(grads, controls):
             # One rank, nothing to average or cast: each unsharded gradient is its own shard.
             for fsdp_param, grad in zip(params, grads, strict=True):
                 fsdp_param.accumulate_sharded_grad(grad)
@@ -75,27 +76,22 @@ class GradientReducer:
             self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms)
         self.assign_empty(params)
 
-    def _passes_through(
-        self, params: list[FSDPParam], grads: list[torch.Tensor], controls: GroupControls
-    ) -> bool:
-        """Whether the reduction is the identity: one rank, no replicas, hook, division or cast.
+    def resolve(self, params: list[FSDPParam]) -> None:
+        """Lazy init: whether reducing ``params`` is the identity (one rank, no replicas, no cast).
 
         Not under CPU offload (its device-to-host copies are waited on through the reduce event).
         """
         info = self.mesh_info
-        if info.shard_size != 1 or info.replicate_group is not None or controls.all_reduce_hook is not None:
-            return False
-        dtypes = set()
-        for fsdp_param, grad in zip(params, grads, strict=True):
-            dtype = grad.dtype
-            if fsdp_param.offload_to_cpu or (fsdp_param.reduce_dtype not in (None, dtype)):
-                return False
-            dtypes.add(dtype)
-        for dtype in dtypes:
-            factors = self.divide_factors(dtype, controls)
-            if factors.predivide is not None or factors.postdivide is not None:
-                return False
-        return True
+        self._identity = (
+            info.shard_size == 1
+            and info.replicate_group is None
+            and all(not p.offload_to_cpu and p.reduce_dtype is None for p in params)
+        )
+
+    def _no_division(self, grads: list[torch.Tensor], controls: GroupControls) -> bool:
+        """One rank divides by nothing unless a divide factor is set (the same for every dtype)."""
+        factors = self.divide_factors(grads[0].dtype, controls)
+        return factors.predivide is None and factors.postdivide is None
 
     def pack(
         self,
