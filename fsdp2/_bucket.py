@@ -183,14 +183,14 @@ class ReduceScatterQueue:
         self._nbytes = 0
         if len(pending) == 1:
             entry = pending[0]
-            with watch_collective("reduce-scatter", entry.module_fqn, entry.state.name):
+            with watch_collective("reduce-scatter", entry.module_fqn, entry.state):
                 entry.reducer.reduce_packed(
                     entry.buffer, entry.reduced_params, comm_ctx, entry.controls, entry.comms
                 )
             _finish_entry(entry)
             return
         names = "; ".join(e.module_fqn or "<root>" for e in pending)
-        with watch_collective("reduce-scatter (bucket)", names, pending[0].state.name):
+        with watch_collective("reduce-scatter (bucket)", names, pending[0].state):
             _reduce_bucket(pending, comm_ctx)
         for entry in pending:
             _finish_entry(entry)

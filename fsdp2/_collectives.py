@@ -116,22 +116,6 @@ def foreach_all_gather(
     return AllGatherResult(output, split_sizes, world_size, None, work)
 
 
-def packed_all_gather(
-    packed: torch.Tensor,
-    split_sizes: list[int],
-    group: dist.ProcessGroup,
-    world_size: int,
-    rank: int,
-    dtype: torch.dtype,
-    async_op: bool = False,
-    comm: Any = None,
-) -> AllGatherResult:
-    """All-gather a group's packed shards (``split_sizes``: each parameter's slot) on the current stream."""
-    output, local = packed_all_gather_copy_in(packed, world_size, rank, dtype, comm)
-    work = issue_all_gather(output, local, group, world_size, async_op, comm)
-    return AllGatherResult(output, split_sizes, world_size, None, work)
-
-
 def wait_all_gather(result: AllGatherResult) -> None:
     """Make the current stream (and, for async work, the CPU) wait for an issued all-gather."""
     if result.work is not None:

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -109,10 +110,14 @@ def _describe(item: ParamFingerprint) -> str:
 _OFF = contextlib.nullcontext()
 
 
-def watch_collective(kind: str, group_name: str, state_name: str) -> contextlib.AbstractContextManager[None]:
-    """A context reporting the collective if it outlives the debug deadline; a no-op when debug is off."""
+def watch_collective(kind: str, group_name: str, state: Any) -> contextlib.AbstractContextManager[None]:
+    """A context reporting the collective if it outlives the debug deadline; a no-op when debug is off.
+
+    ``state`` is the training state (an enum member, or its name); named only when debug is on.
+    """
     if not _Settings.enabled:
         return _OFF
+    state_name = getattr(state, "name", state)
     return _watch(f"the {kind} of module group {group_name or '<root>'} (training state {state_name})")
 
 

@@ -9,20 +9,24 @@ when to swap (``FSDPParamGroup``).
 - *original parameter*: the ``nn.Parameter`` on the module when ``fully_shard`` is called.
 - *local shard*: a 1-D tensor of ``padded_shard_numel`` elements holding this rank's rows of the
   original parameter, ``torch.chunk`` style, zero-padded to the size of chunk 0. Every rank therefore
-  contributes the same number of elements to the all-gather.
+  contributes the same number of elements to the all-gather. Usually a slot of the group's packed
+  buffer (``shard_slot``; see [Note: Packed shards] in ``_param_group``), else a tensor of its own.
 - *sharded parameter*: an ``nn.Parameter`` DTensor (``Shard(0)``) whose local tensor is a view of the
   leading, unpadded part of the local shard. In-place updates (optimizer steps, ``load_state_dict``)
   write straight into the all-gather source.
-- *all-gather input / output*: the local shard (or post-forward slice) copied into one flat buffer per
-  group / the per-parameter ``unsharded_flat`` buffer of ``world_size * padded_shard_numel`` elements.
+- *all-gather input / output*: the group's packed buffer itself, or the local shard (or post-forward
+  slice) copied into one flat buffer per group / ``unsharded_flat``, ``world_size *
+  padded_shard_numel`` elements: a part of the group's unsharded buffer (``bind_unsharded_storage``)
+  or, for ``Shard(d > 0)`` and extension parameters, a buffer of its own.
 - *unsharded parameter*: a plain ``nn.Parameter`` viewing the front of ``unsharded_flat`` at the original
   shape. Created once and kept for the life of the module, because autograd may have saved it.
 
 [Note: Storage resize instead of reallocation]
 Resharding frees the unsharded parameter's memory by resizing its storage to zero bytes; unsharding
-resizes it back and refills it. Tensor objects, views and autograd's saved references stay valid, and
-the refill goes through a ``.data`` alias so the version counter does not move (a saved parameter
-refilled for backward would otherwise fail autograd's in-place check).
+resizes it back and refills it (the group does so for its whole buffer where its parameters share
+one). Tensor objects, views and autograd's saved references stay valid, and the refill goes through a
+``.data`` alias so the version counter does not move (a saved parameter refilled for backward would
+otherwise fail autograd's in-place check).
 """
 
 from __future__ import annotations

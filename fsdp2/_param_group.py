@@ -47,9 +47,7 @@ from ._collectives import (
     all_gather_copy_in,
     all_ranks_true,
     copy_out_2d,
-    foreach_all_gather,
     issue_all_gather,
-    packed_all_gather,
     packed_all_gather_copy_in,
     wait_all_gather,
 )
@@ -309,32 +307,35 @@ class FSDPParamGroup:
         ctx = self.comm_ctx
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = self.comms.all_gather if info.shard_size > 1 else None
-        with watch_collective("all-gather", self.module_fqn, state.name):
+        with watch_collective("all-gather", self.module_fqn, state):
             if ctx is not None and ctx.use_streams and not async_op and state in (_FORWARD, _PRE_BACKWARD):
                 self._all_gather_result = self._all_gather_on_streams(ctx, info, post_forward, comm)
             else:
-                packed = None if post_forward else self._packed_input()
-                if packed is not None:
-                    self._all_gather_result = packed_all_gather(
-                        packed,
-                        self._packed_splits,
-                        info.shard_group,
-                        info.shard_size,
-                        info.shard_rank,
-                        self._all_gather_dtype,
-                        async_op,
-                        comm,
-                    )
-                    return
-                self._all_gather_result = foreach_all_gather(
-                    self._all_gather_inputs(post_forward),
-                    info.shard_group,
-                    info.shard_size,
-                    info.shard_rank,
-                    self._all_gather_dtype,
-                    async_op,
-                    comm,
-                )
+                output, local, split_sizes = self._copy_in(info, post_forward, comm)
+                work = issue_all_gather(output, local, info.shard_group, info.shard_size, async_op, comm)
+                self._all_gather_result = AllGatherResult(output, split_sizes, info.shard_size, None, work)
+
+    def _copy_in(
+        self, info: MeshInfo, post_forward: bool, comm: object
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``(output, this rank's input, split sizes)`` of the next all-gather, on the current stream.
+
+        The packed shards are the input where they can be; otherwise each parameter's input is copied
+        into this rank's block (post-forward slices, extensions, byte gathers).
+        """
+        packed = None if post_forward else self._packed_input()
+        if packed is not None:
+            output, local = packed_all_gather_copy_in(
+                packed, info.shard_size, info.shard_rank, self._all_gather_dtype, comm
+            )
+            return output, local, self._packed_splits
+        return all_gather_copy_in(
+            self._all_gather_inputs(post_forward),
+            info.shard_size,
+            info.shard_rank,
+            self._all_gather_dtype,
+            comm,
+        )
 
     # ---- bucketing (set_bucket_cap_mb) -----------------------------------------------------------
 
@@ -407,7 +408,7 @@ class FSDPParamGroup:
         """One all-gather for ``members``; each waits for (and copies out) its own part later."""
         info = self.mesh_info
         names = "; ".join(g.module_fqn or "<root>" for g in members)
-        with watch_collective("all-gather (bucket)", names, state.name):
+        with watch_collective("all-gather (bucket)", names, state):
             results = all_gather_bucket(
                 lambda: [g.bucket_inputs(state) for g in members],
                 info.shard_group,
@@ -529,20 +530,7 @@ class FSDPParamGroup:
             self._post_forward_event = None
         with torch.cuda.stream(copy_in_stream):
             # Inputs (host-to-device copies under CPU offload) are made on the copy-in stream too.
-            packed = None if post_forward else self._packed_input()
-            if packed is not None:
-                split_sizes = self._packed_splits
-                output, local = packed_all_gather_copy_in(
-                    packed, info.shard_size, info.shard_rank, self._all_gather_dtype, comm
-                )
-            else:
-                output, local, split_sizes = all_gather_copy_in(
-                    self._all_gather_inputs(post_forward),
-                    info.shard_size,
-                    info.shard_rank,
-                    self._all_gather_dtype,
-                    comm,
-                )
+            output, local, split_sizes = self._copy_in(info, post_forward, comm)
         gather_stream.wait_stream(copy_in_stream)
         with torch.cuda.stream(gather_stream):
             issue_all_gather(output, local, info.shard_group, info.shard_size, False, comm)
@@ -555,7 +543,7 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        with watch_collective("all-gather wait", self.module_fqn, self.training_state.name):
+        with watch_collective("all-gather wait", self.module_fqn, self.training_state):
             wait_all_gather(result)
         if self._shares_storage:
             self._grow_unsharded_buffer()
@@ -783,7 +771,7 @@ class FSDPParamGroup:
             and self._queue_reduce_scatter(bucketing, cap, reduced, grads)
         ):
             start = _events.span_start(self.event_scope)
-            with watch_collective("reduce-scatter", self.module_fqn, self.training_state.name):
+            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
             _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, self.event_scope)
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)

@@ -3,8 +3,9 @@
 Owns: ``GradientReducer``: packing a group's unsharded gradients (one buffer per reduce dtype), the
 reduce-scatter (and HSDP all-reduce, with partial accumulation while all-reduce is off), divisions,
 the user's all-reduce hook, and assigning the sharded DTensor gradients (also from a slice of a
-bucketed reduce-scatter's output); the divide-factor cache, the post-reduce event and the CPU-offload
-copies in flight. Does not own: when to reduce (the group's
+bucketed reduce-scatter's output); the one-rank identity (each unsharded gradient handed over as its
+shard when there is nothing to average or cast); the divide-factor cache, the post-reduce event and
+the CPU-offload copies in flight. Does not own: when to reduce (the group's
 post-backward) or the shared reduce-scatter stream (``CommContext``).
 Invariants: at most one post-reduce event is outstanding per group; partial HSDP outputs exist only
 while ``all_reduce_grads`` is off.

@@ -236,3 +236,34 @@ def _aligned(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_unsharded_parameters_are_aligned(world_size: int) -> None:
     run_threaded(world_size, _aligned, world_size)
+
+
+# ---- freezing and unfreezing sharded parameters between steps -----------------------------------
+
+
+def _freeze_between_steps() -> None:
+    impl = get_impl("fsdp2")
+    ref = seeded(_Blocks)
+    model = copy.deepcopy(ref)
+    shard_blocks_then_root(impl, model, model.layers)
+    train_in_lockstep(model, ref, _inputs(), 1, assert_sharded_parity)
+    for m in (model, ref):  # the registered unsharded parameters must follow at the next forward
+        m.layers[1].in_proj.weight.requires_grad_(False)
+        m.norm.bias.requires_grad_(False)
+    model.zero_grad()
+    ref.zero_grad()
+    forward_backward(make_input((4, 8), dist.get_rank(), seed=7), model, ref)
+    assert model.layers[1].in_proj.weight.grad is None
+    assert model.norm.bias.grad is None
+    average_grads(ref)
+    assert_sharded_parity(ref, model, grads=True)
+    for m in (model, ref):
+        m.zero_grad()
+        m.layers[1].in_proj.weight.requires_grad_(True)
+        m.norm.bias.requires_grad_(True)
+    # Unfrozen again: the first step's gradient parity covers the two parameters.
+    train_in_lockstep(model, ref, _inputs(), 2, assert_sharded_parity)
+
+
+def test_freezing_between_steps_takes_effect() -> None:
+    run_threaded(2, _freeze_between_steps)
