@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from scale import Model
+from scale import Model, add_model_arguments
 from torch import nn
 
 import fsdp2
@@ -125,11 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=126)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
+    add_model_arguments(parser, worlds=[4, 8])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     warnings.filterwarnings(

@@ -191,15 +191,20 @@ def print_table(result: dict[str, Any]) -> None:
     print(result["machine"])
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+def add_model_arguments(parser: argparse.ArgumentParser, worlds: list[int]) -> None:
+    """The world sizes and the model shape, shared with memory_floor.py (the same model)."""
+    parser.add_argument("--worlds", type=int, nargs="+", default=worlds)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--dim", type=int, default=126, help="126: shards are padded at world 4")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_arguments(parser, worlds=[2, 4])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="steps per model per round")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))

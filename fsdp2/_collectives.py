@@ -233,17 +233,16 @@ def split_divide_factor(total: float) -> tuple[float, float]:
 
 
 def view_out_shards(
-    output: torch.Tensor, padded_numels: list[int], local_numels: list[int], local_sizes: list[torch.Size]
+    output: torch.Tensor, padded_numels: list[int], local_sizes: list[torch.Size]
 ) -> list[torch.Tensor]:
     """Per-parameter views of the flat reduce-scatter output at their unpadded local shapes."""
     views = []
     offset = output.storage_offset()
-    for padded, numel, size in zip(padded_numels, local_numels, local_sizes, strict=True):
-        assert numel == size.numel(), f"local numel {numel} does not match the local shape {tuple(size)}"
+    for padded, size in zip(padded_numels, local_sizes, strict=True):
         # One as_strided per shard (about half the cost of narrow + view on the hot path).
         strides = _STRIDES.get(size)
         if strides is None:
-            strides = _STRIDES[size] = _contiguous_strides(size)
+            strides = _STRIDES[size] = contiguous_strides(size)
         views.append(output.as_strided(size, strides, offset))
         offset += padded
     return views
@@ -252,7 +251,8 @@ def view_out_shards(
 _STRIDES: dict[torch.Size, tuple[int, ...]] = {}  # contiguous strides by shape (shapes repeat every step)
 
 
-def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (a zero-size dim counts as 1)."""
     strides = [1] * len(size)
     for i in range(len(size) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(size[i + 1], 1)

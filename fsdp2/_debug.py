@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from enum import Enum
 
 import torch.distributed as dist
 
@@ -110,15 +110,14 @@ def _describe(item: ParamFingerprint) -> str:
 _OFF = contextlib.nullcontext()
 
 
-def watch_collective(kind: str, group_name: str, state: Any) -> contextlib.AbstractContextManager[None]:
+def watch_collective(kind: str, group_name: str, state: Enum) -> contextlib.AbstractContextManager[None]:
     """A context reporting the collective if it outlives the debug deadline; a no-op when debug is off.
 
-    ``state`` is the training state (an enum member, or its name); named only when debug is on.
+    ``state`` is the training state, named only when debug is on.
     """
     if not _Settings.enabled:
         return _OFF
-    state_name = getattr(state, "name", state)
-    return _watch(f"the {kind} of module group {group_name or '<root>'} (training state {state_name})")
+    return _watch(f"the {kind} of module group {group_name or '<root>'} (training state {state.name})")
 
 
 @contextlib.contextmanager

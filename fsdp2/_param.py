@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
 from ._autograd import preserve_version_counter
+from ._collectives import contiguous_strides
 from ._config import ParamSpec
 from ._dtensor import (
     DTensorSpec,
@@ -301,13 +302,6 @@ class FSDPParam:
         with torch.no_grad():
             return self._local_shard.detach().clone()
 
-    def new_shard_buffer(self, numel: int) -> torch.Tensor:
-        """An empty 1-D buffer where this parameter's local shard could live (device, dtype, pinning)."""
-        shard = self._local_shard
-        if shard.is_meta or not self._pin_memory:
-            return torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        return torch.empty(numel, dtype=shard.dtype, device=shard.device, pin_memory=True)
-
     def can_move_shard(self) -> bool:
         """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``rebase_local``)."""
         return sole_reference(self.sharded_param)
@@ -408,7 +402,7 @@ class FSDPParam:
             local,
             shard_mesh,
             self.orig_size,
-            _contiguous_stride(self.orig_size),
+            contiguous_strides(self.orig_size),
             self.owners[0][0],
             self._mp_policy,
             self.fqn,
@@ -455,14 +449,14 @@ class FSDPParam:
         if data is None:
             numel = self.mesh_info.shard_size * self.padded_shard_numel
             flat = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
-            self._adopt_unsharded_flat(flat, flat.data)
-            self._unsharded_nbytes = flat.untyped_storage().nbytes()
             data = flat.data
+            self._adopt_unsharded_flat(flat, data)
+            self._unsharded_nbytes = flat.untyped_storage().nbytes()
         elif not self._shared_storage and data.untyped_storage().nbytes() == 0:
             data.untyped_storage().resize_(self._unsharded_nbytes)
             if self._unsharded_full is not None:
                 self._unsharded_full.untyped_storage().resize_(self._unsharded_full_nbytes)
-        return self._unsharded_flat_data  # type: ignore[return-value]  # reason: set above
+        return data
 
     def bind_unsharded_storage(self, flat: torch.Tensor, data: torch.Tensor) -> None:
         """Use ``flat`` (1-D, ``W * padded_shard_numel``, a view into a group's buffer) as the output.
@@ -534,7 +528,7 @@ class FSDPParam:
             self._extension_nbytes = self._extension_nbytes[: len(outputs)] + [
                 t.untyped_storage().nbytes() for t in record.inner_tensors
             ]
-            view = torch.as_strided(unsharded, self.orig_size, _contiguous_stride(self.orig_size), 0)
+            view = torch.as_strided(unsharded, self.orig_size, contiguous_strides(self.orig_size), 0)
             self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
             return
         for tensor, nbytes in zip(record.inner_tensors, self._extension_nbytes[len(outputs) :], strict=True):
@@ -771,13 +765,6 @@ def _source_id(param: nn.Parameter) -> int:
     if source is None:
         source = param.__dict__["_fsdp2_source_id"] = next(_source_ids)
     return source
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    strides = [1] * len(size)
-    for i in range(len(size) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(size[i + 1], 1)
-    return tuple(strides)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

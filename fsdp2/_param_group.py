@@ -57,7 +57,7 @@ from ._config import GroupConfig, GroupControls, ParamSpec
 from ._debug import watch_collective
 from ._dtensor import local_of
 from ._events import EventScope
-from ._extension import padded_rule_error
+from ._extension import has_extension, padded_rule_error
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._mesh import MeshInfo
 from ._param import FSDPParam, can_pin, padded_shard_numel
@@ -85,11 +85,18 @@ class FSDPParamGroup:
         self.mesh_info = config.mesh_info
         self.device = config.device  # the compute / communication device
         # See [Note: Packed shards]: the local shards as parts of one buffer, and the parts handed out.
-        self._packed_shards = _packed_buffer(specs, config)
+        self._offload = isinstance(config.offload_policy, CPUOffloadPolicy)
+        locals_ = [_local_of_param(s.param) for s in specs]
         world = self.mesh_info.shard_size
-        sizes = [padded_shard_numel(_local_size(s.param), s.shard_dim, world) for s in specs]
+        sizes = [
+            padded_shard_numel(t.size(), s.shard_dim, world) for t, s in zip(locals_, specs, strict=True)
+        ]
         self._packed_splits: list[int] = sizes
-        packed = self._packed_shards
+        packed = self._packed_shards = (
+            self._zeroed_shards(sum(sizes), locals_[0].dtype, locals_[0].device)
+            if _can_pack(specs, locals_)
+            else None
+        )
         slots = _slots(packed, sizes) if packed is not None else (None,) * len(specs)
         self.fsdp_params = [
             FSDPParam(
@@ -122,7 +129,8 @@ class FSDPParamGroup:
         self._shares_storage = False
         self._unsharded_buffer: torch.Tensor | None = None  # .data alias of the 1-D group buffer
         self._unsharded_buffer_nbytes = 0
-        self._unsharded_gapless = True  # no alignment gaps: the buffer is the one-rank gathered layout
+        # One rank without alignment gaps: the gathered layout is the buffer's, copy-out is one copy.
+        self._one_copy_target: torch.Tensor | None = None
         # (module._parameters, name, tensor) entries registering every parameter's unsharded / sharded
         # form, and (sharded, unsharded) pairs whose requires_grad must agree; None: one by one.
         self._unsharded_slots: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
@@ -204,7 +212,7 @@ class FSDPParamGroup:
             # Converted since the last unshard (e.g. model.double()): rebuild the buffer at the next one.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.drop_unsharded()
-            self._unsharded_buffer = None
+            self._unsharded_buffer = self._one_copy_target = None
         self._shares_storage = shares
         self.reducer.resolve(self.fsdp_params)
         self._copy_out_targets.clear()
@@ -224,11 +232,18 @@ class FSDPParamGroup:
             return
         if not all(p.can_move_shard() for p in params):
             return  # a sharded parameter is part of an autograd graph now: keep per-parameter shards
-        flat = params[0].new_shard_buffer(sum(self._packed_splits))
+        flat = self._zeroed_shards(sum(self._packed_splits), params[0].shard_dtype, params[0].shard_device)
         views = _slots(flat, self._packed_splits)
         for fsdp_param, view in zip(params, views, strict=True):
             fsdp_param.move_shard_into(view)
         self._packed_shards, self._packed_views = flat, views
+
+    def _zeroed_shards(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed 1-D buffer for packed shards: on the CPU (pinned where possible) under offload."""
+        policy = self.config.offload_policy
+        if self._offload and device.type != "meta":
+            return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=can_pin(policy))
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def _packing_intact(self) -> bool:
         """Every parameter's local shard is still its slot of the packed buffer."""
@@ -240,8 +255,7 @@ class FSDPParamGroup:
         flat = self._packed_shards
         if not self._gather_packed or flat is None:
             return None
-        first = self.fsdp_params[0]
-        if first.offload_to_cpu and self.device.type != "cpu":
+        if self._offload and self.device.type != "cpu":
             return flat.to(self.device, non_blocking=flat.is_pinned())
         return flat
 
@@ -558,16 +572,9 @@ class FSDPParamGroup:
                 outputs = [o.view(torch.uint8) for o in outputs]
             targets = [o.view(result.world_size, -1) for o in outputs]
             self._copy_out_targets[result.world_size] = targets
-        if (
-            result.world_size == 1
-            and self._shares_storage
-            and self._unsharded_gapless
-            and result.columns is None
-        ):
-            # One rank: the gathered layout is the group buffer's, so copy-out is one copy.
-            buffer = self._unsharded_buffer
-            assert buffer is not None, "the group buffer is grown above"
-            buffer.narrow(0, 0, result.output.numel()).copy_(result.output)
+        one_copy = self._one_copy_target if self._shares_storage else None
+        if one_copy is not None:
+            one_copy.copy_(result.output)  # one rank: no buckets, no post-forward mesh
         else:
             copy_out_2d(result, targets)
         for fsdp_param in self._staged_params:
@@ -630,10 +637,11 @@ class FSDPParamGroup:
             # kernels and cuBLAS pick slower paths for misaligned operands.
             align = max(1, _ALIGN_BYTES // self._all_gather_dtype.itemsize)
             aligned = [-(-size // align) * align for size in sizes]
-            self._unsharded_gapless = aligned[:-1] == sizes[:-1]
             flat = torch.empty(sum(aligned), dtype=self._all_gather_dtype, device=self.device)
             self._unsharded_buffer = buffer = flat.data
             self._unsharded_buffer_nbytes = buffer.untyped_storage().nbytes()
+            gapless = self.mesh_info.shard_size == 1 and aligned[:-1] == sizes[:-1]
+            self._one_copy_target = buffer.narrow(0, 0, sum(sizes)) if gapless else None
             views = _slots(flat, sizes, aligned)
             data_views = _slots(buffer, sizes, aligned)
             for fsdp_param, view, data in zip(self.fsdp_params, views, data_views, strict=True):
@@ -844,31 +852,17 @@ def _slots(
     return tuple(views)
 
 
-def _local_size(param: torch.Tensor) -> torch.Size:
-    """The shape FSDP shards: the tensor-parallel local shape for a DTensor parameter."""
-    return local_of(param).size() if isinstance(param, DTensor) else param.size()
+def _local_of_param(param: torch.Tensor) -> torch.Tensor:
+    """The tensor FSDP shards: the tensor-parallel local tensor of a DTensor parameter."""
+    return local_of(param) if isinstance(param, DTensor) else param
 
 
-def _packed_buffer(specs: list[ParamSpec], config: GroupConfig) -> torch.Tensor | None:
-    """A zeroed buffer for the group's packed shards, or ``None`` where they cannot share one.
+def _can_pack(specs: list[ParamSpec], locals_: list[torch.Tensor]) -> bool:
+    """Whether the group's shards can share one buffer (see [Note: Packed shards]).
 
     Not with all-gather extensions (their inputs come from a hook; their shards keep their tensor
     subclass) or with parameters of several dtypes or devices.
     """
-    world = config.mesh_info.shard_size
-    locals_ = [local_of(s.param) if isinstance(s.param, DTensor) else s.param for s in specs]
-    if not locals_ or any(_defines_extension(t) for t in locals_):
-        return None
-    if len({t.dtype for t in locals_}) != 1 or len({t.device for t in locals_}) != 1:
-        return None
-    first = locals_[0]
-    numel = sum(padded_shard_numel(t.size(), s.shard_dim, world) for t, s in zip(locals_, specs, strict=True))
-    device = first.device
-    offload = config.offload_policy
-    if isinstance(offload, CPUOffloadPolicy) and device.type != "meta":
-        return torch.zeros(numel, dtype=first.dtype, device="cpu", pin_memory=can_pin(offload))
-    return torch.zeros(numel, dtype=first.dtype, device=device)
-
-
-def _defines_extension(local: torch.Tensor) -> bool:
-    return hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather")
+    if not locals_ or any(has_extension(t, s.owners[0][1]) for t, s in zip(locals_, specs, strict=True)):
+        return False
+    return len({t.dtype for t in locals_}) == 1 and len({t.device for t in locals_}) == 1

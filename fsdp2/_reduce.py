@@ -193,7 +193,6 @@ class GradientReducer:
         views = view_out_shards(
             output,
             [p.padded_shard_numel for p in params],
-            [p.local_numel for p in params],
             [p.local_shard_size for p in params],
         )
         for fsdp_param, view in zip(params, views, strict=True):

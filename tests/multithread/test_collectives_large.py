@@ -211,7 +211,7 @@ def _reduce_scatter_free_functions(
         output.div_(factors.postdivide)
     padded = [chunk_rows(g.size(0), WORLD_SIZE, rank)[0] * g[0].numel() for g in grads]
     sizes = [_chunk(g, WORLD_SIZE, rank).shape for g in grads]
-    return view_out_shards(output, padded, [s.numel() for s in sizes], sizes)
+    return view_out_shards(output, padded, sizes)
 
 
 def _reduce_scatter(reduce_dtype: torch.dtype) -> None:

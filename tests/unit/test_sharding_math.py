@@ -104,7 +104,7 @@ def test_view_out_shards_skips_padding() -> None:
     # Rank 1 of (5, 3) and (4,) over W=2: 2 real rows (6 elements) of a 9-element padded shard.
     output = torch.arange(11, dtype=torch.float32)
     sizes = [torch.Size((2, 3)), torch.Size((2,))]
-    views = view_out_shards(output, [9, 2], [6, 2], sizes)
+    views = view_out_shards(output, [9, 2], sizes)
     torch.testing.assert_close(views[0], torch.arange(6, dtype=torch.float32).view(2, 3), rtol=0, atol=0)
     torch.testing.assert_close(views[1], torch.tensor([9.0, 10.0]), rtol=0, atol=0)
     assert all(v.untyped_storage().data_ptr() == output.untyped_storage().data_ptr() for v in views)
@@ -112,5 +112,5 @@ def test_view_out_shards_skips_padding() -> None:
 
 def test_view_out_shards_empty_rank() -> None:
     # Rank 1 of a (1, 4) parameter over W=2 owns no rows: an empty (0, 4) view.
-    views = view_out_shards(torch.arange(4, dtype=torch.float32), [4], [0], [torch.Size((0, 4))])
+    views = view_out_shards(torch.arange(4, dtype=torch.float32), [4], [torch.Size((0, 4))])
     assert views[0].shape == (0, 4)
