@@ -16,6 +16,7 @@ import functools
 import os
 import weakref
 from collections.abc import Callable
+from operator import is_
 from typing import Any
 
 import torch
@@ -142,15 +143,25 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
     """Swap DTensor params, grads and state of ``optimizer`` for their local tensors, then back.
 
     One instance per optimizer, entered once per step. The DTensor-keyed state stays in
-    ``optimizer.state`` during the step, next to the local-keyed views the optimizer updates; on
-    exit only what the step added or replaced is wrapped back. Optimizers update their state in
-    place, so after the first step a parameter costs a few dict operations, no DTensor construction.
+    ``optimizer.state`` during the step, next to the local-keyed dicts the optimizer updates; on
+    exit only what the step added or replaced is wrapped back.
+
+    What does not change between steps is kept (see ``_Slot``): each group's list of local
+    parameters and each parameter's local state dict. A kept item is reused only after identity
+    checks against what the optimizer holds now (the params list, the parameter's local tensor, the
+    state dict and each of its values), so a re-packed parameter, ``load_state_dict`` or a state
+    value the user replaced between steps is picked up. Optimizers update their state in place, so
+    after the first step a parameter costs a few identity checks and dict operations.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.groups: list[list[Any]] = []  # each group's own params list, restored on exit
-        self.swapped: list[tuple[DTensor, torch.Tensor]] = []  # (DTensor param, its local tensor)
+        self.swapped: list[_Slot] = []  # the DTensor parameters of this step
+        self.plans: dict[int, _GroupPlan] = {}  # param_groups index -> what was built for it
+
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the copy rebuilds its plans
+        return {"optimizer": self.optimizer, "groups": [], "swapped": [], "plans": {}}
 
     def __enter__(self) -> None:
         opt = self.optimizer
@@ -164,53 +175,108 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
             raise
 
     def _swap_in(self, opt: torch.optim.Optimizer) -> None:
+        # The hot loop of every step: identity checks and dict writes per parameter.
         state = opt.state
-        swapped = self.swapped
-        for group in opt.param_groups:
+        swapped = self.swapped.append
+        for index, group in enumerate(opt.param_groups):
             params = group["params"]
             self.groups.append(params)
-            local_params = []
-            for param in params:
-                if not _is_dtensor(param):
-                    local_params.append(param)
-                    continue
-                local = local_of(param)
+            plan = self.plans.get(index)
+            if plan is None or plan.params is not params or len(plan.slots) != len(params):
+                plan = self.plans[index] = _GroupPlan(params)
+            for position, (param, slot) in enumerate(zip(params, plan.slots, strict=True)):
+                if slot is None:
+                    continue  # a plain tensor: the optimizer steps it as it is
+                local = slot.local
+                if slot.param is not param or local_of(param) is not local:  # re-packed, replaced
+                    slot = plan.slots[position] = _Slot(param)
+                    local = plan.locals[position] = slot.local
                 grad = param.grad
-                if grad is not None and _is_dtensor(grad):
+                if grad is not None and (type(grad) is DTensor or isinstance(grad, DTensor)):
                     grad_spec, param_spec = spec_of(grad), spec_of(param)
                     if grad_spec is not param_spec and grad_spec.placements != param_spec.placements:
-                        group["params"] = local_params + params[len(local_params) :]
                         raise _NotLocal  # e.g. a Partial (unreduced) gradient: its local is not the update
                     grad = local_of(grad)
                 local.grad = grad
-                swapped.append((param, local))
+                swapped(slot)
                 saved = state.get(param)
                 if saved:
-                    state[local] = {k: local_of(v) if _is_dtensor(v) else v for k, v in saved.items()}
-                local_params.append(local)
-            group["params"] = local_params
+                    values = slot.saved_values  # still mirrored: the same dict with the same values
+                    if not (
+                        len(saved) == len(values)
+                        and all(map(is_, saved.values(), values))
+                        and saved is slot.saved
+                    ):
+                        slot.mirror(saved)
+                    state[local] = slot.local_state
+            group["params"] = plan.locals
 
     def __exit__(self, *exc: object) -> None:
         opt = self.optimizer
         state = opt.state
-        for param, local in self.swapped:
+        pop = state.pop
+        for slot in self.swapped:
+            local = slot.local
             local.grad = None
-            updated = state.pop(local, None)
-            if updated:
-                _write_back(state[param], updated, param, local)
+            updated = pop(local, None)
+            if not updated:
+                continue
+            values = slot.local_values
+            if (
+                updated is slot.local_state
+                and slot.saved is not None
+                and len(updated) == len(values)
+                and all(map(is_, updated.values(), values))
+            ):
+                continue  # the usual step: state updated in place, nothing to wrap back
+            param = slot.param
+            kept = state[param]
+            for key, value in updated.items():
+                current = kept.get(key)
+                if current is value or (type(current) is DTensor and local_of(current) is value):
+                    continue  # updated in place: the DTensor already wraps it
+                kept[key] = _wrapped(value, param, local)
+            slot.saved = None  # the next step mirrors the folded-back state afresh
         for group, params in zip(opt.param_groups, self.groups, strict=True):
             group["params"] = params
 
 
-def _write_back(kept: dict[str, Any], updated: dict[str, Any], param: DTensor, local: torch.Tensor) -> None:
-    """Fold the step's local state into the DTensor-keyed state: only new or replaced entries."""
-    for key, value in updated.items():
-        current = kept.get(key)
-        if current is value or (type(current) is DTensor and local_of(current) is value):
-            continue  # updated in place: the DTensor already wraps it
-        kept[key] = (
-            wrap_local(value, _like(spec_of(param), value)) if _is_shard_state(value, local) else value
-        )
+class _GroupPlan:
+    """One param group's local parameters list, as handed to the optimizer during a step."""
+
+    __slots__ = ("locals", "params", "slots")
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params = params  # the user's list: the plan stands while it is this list
+        self.slots = [_Slot(p) if _is_dtensor(p) else None for p in params]
+        self.locals = [p if slot is None else slot.local for p, slot in zip(params, self.slots, strict=True)]
+
+
+class _Slot:
+    """One DTensor parameter: its local tensor and the local mirror of its optimizer state."""
+
+    __slots__ = ("local", "local_state", "local_values", "param", "saved", "saved_values")
+
+    def __init__(self, param: DTensor) -> None:
+        self.param = param
+        self.local = local_of(param)
+        self.saved: dict[str, Any] | None = None  # the DTensor-keyed state dict last mirrored
+        self.saved_values: tuple[Any, ...] = ()
+        self.local_state: dict[str, Any] = {}
+        self.local_values: tuple[Any, ...] = ()
+
+    def mirror(self, saved: dict[str, Any]) -> None:
+        self.saved = saved
+        self.saved_values = tuple(saved.values())
+        self.local_state = {k: local_of(v) if _is_dtensor(v) else v for k, v in saved.items()}
+        self.local_values = tuple(self.local_state.values())
+
+
+def _wrapped(value: Any, param: DTensor, local: torch.Tensor) -> Any:
+    """A state value the step added or replaced, as the DTensor-keyed state holds it."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape:
+        return wrap_local(value, _like(spec_of(param), value))  # shaped like the shard: exp_avg, ...
+    return value  # a scalar step count, a Python number
 
 
 class _NotLocal(Exception):  # noqa: N818 - control flow, never escapes this module
@@ -219,11 +285,6 @@ class _NotLocal(Exception):  # noqa: N818 - control flow, never escapes this mod
 
 def _is_dtensor(value: Any) -> bool:
     return type(value) is DTensor or isinstance(value, DTensor)  # the first test is the fast path
-
-
-def _is_shard_state(value: Any, local: torch.Tensor) -> bool:
-    """A state tensor shaped like the parameter's shard (exp_avg, momentum, ...), not a scalar step."""
-    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape
 
 
 def _like(spec: Any, value: torch.Tensor) -> Any:

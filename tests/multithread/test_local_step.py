@@ -125,6 +125,61 @@ def test_local_step_after_load_state_dict_between_steps() -> None:
     run_ranks(2, _reload_between_steps, base)
 
 
+def _edits_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
+    """What the user changes between steps reaches the next local step (nothing kept goes stale).
+
+    Each edit is applied to both optimizers: a state value replaced in place in its dict, a
+    parameter's state deleted, the learning rate changed, a new param group added, the parameters
+    re-packed (``model.to``) and the optimizer's params list swapped for an equal new list.
+    """
+    ours, theirs = _model(base), _model(base)
+    extra_ours = nn.Parameter(torch.ones(3))
+    extra_theirs = nn.Parameter(torch.ones(3))
+    opt = fsdp2.local_step(torch.optim.AdamW(ours.parameters(), lr=1e-2))
+    ref_opt = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2), enabled=False)
+    pairs = ((ours, opt, extra_ours), (theirs, ref_opt, extra_theirs))
+
+    def edit(step: int, model: nn.Module, optim: torch.optim.Optimizer, extra: nn.Parameter) -> None:
+        # Every other step, so each edit meets state and locals the previous step reused.
+        first = next(model.parameters())
+        if step == 2:
+            exp_avg = optim.state[first]["exp_avg"]
+            optim.state[first]["exp_avg"] = exp_avg * 0.5  # a new DTensor in the same dict
+        elif step == 4:
+            del optim.state[list(model.parameters())[-1]]
+        elif step == 6:
+            optim.param_groups[0]["lr"] = 3e-2
+            optim.add_param_group({"params": [extra], "lr": 1e-1})
+        elif step == 8:
+            model.double().float()  # re-packs the sharded parameters: new local tensors, same values
+        elif step == 10:
+            optim.param_groups[0]["params"] = list(optim.param_groups[0]["params"])
+
+    for step in range(12):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model, optim, extra in pairs:
+            edit(step, model, optim, extra)
+            (model(x).sum() + extra.sum()).backward()
+            optim.step()
+            optim.zero_grad()
+    for p, q in zip([*ours.parameters(), extra_ours], [*theirs.parameters(), extra_theirs], strict=True):
+        got = p.to_local() if isinstance(p, DTensor) else p
+        want = q.to_local() if isinstance(q, DTensor) else q
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for key, value in ref_opt.state[q].items():
+            mine = opt.state[p][key]
+            assert type(mine) is type(value), key
+            got = mine.to_local() if isinstance(mine, DTensor) else mine
+            want = value.to_local() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_local_step_sees_edits_between_steps() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _edits_between_steps, base)
+
+
 class _MyAdamW(torch.optim.AdamW):
     """A subclass may change the update: it keeps the DTensor path unless the user opts in."""
 
