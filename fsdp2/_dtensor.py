@@ -8,7 +8,8 @@ Invariants: the spec passed in describes the local tensor (global shape, stride,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -21,11 +22,13 @@ __all__ = [
     "DTensorSpec",
     "local_in_placements",
     "local_of",
+    "locals_of",
     "make_spec",
     "rebase_local",
     "set_local",
     "sole_reference",
     "spec_of",
+    "specs_of",
     "strided_shard",
     "wrap_local",
 ]
@@ -61,6 +64,20 @@ def local_of(tensor: DTensor) -> torch.Tensor:
     """The local tensor of a DTensor, without the autograd-tracked ``to_local`` call."""
     local: torch.Tensor = tensor._local_tensor  # noqa: SLF001 - this module owns DTensor internals
     return local
+
+
+_LOCAL_TENSOR = attrgetter("_local_tensor")
+_SPEC = attrgetter("_spec")
+
+
+def locals_of(tensors: Iterable[DTensor]) -> Iterator[torch.Tensor]:
+    """The local tensors of ``tensors``, lazily (a C-level loop: hot paths check whole lists)."""
+    return map(_LOCAL_TENSOR, tensors)
+
+
+def specs_of(tensors: Iterable[DTensor]) -> Iterator[DTensorSpec]:
+    """The specs of ``tensors``, lazily (see ``locals_of``)."""
+    return map(_SPEC, tensors)
 
 
 def set_local(tensor: DTensor, local: torch.Tensor) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from collections.abc import Callable
-from operator import is_
+from collections.abc import Callable, Iterable
+from itertools import chain, repeat
+from operator import attrgetter, eq, is_
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._autograd import eager
-from ._dtensor import local_of, make_spec, spec_of, wrap_local
+from ._dtensor import local_of, locals_of, make_spec, spec_of, specs_of, wrap_local
 from ._param import is_managed
 
+_GRAD = attrgetter("grad")
 _PATCHED = "_fsdp2_local_step"
 _UNPATCHED = "_fsdp2_step_before_local_step"
 
@@ -146,26 +148,30 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
     ``optimizer.state`` during the step, next to the local-keyed dicts the optimizer updates; on
     exit only what the step added or replaced is wrapped back.
 
-    What does not change between steps is kept (see ``_Slot``): each group's list of local
-    parameters and each parameter's local state dict. A kept item is reused only after identity
-    checks against what the optimizer holds now (the params list, the parameter's local tensor, the
-    state dict and each of its values), so a re-packed parameter, ``load_state_dict`` or a state
-    value the user replaced between steps is picked up. Optimizers update their state in place, so
-    after the first step a parameter costs a few identity checks and dict operations.
+    What does not change between steps is kept (see ``_GroupPlan`` and ``_Slot``): each group's list
+    of local parameters and each parameter's local state dict. A kept item is reused only after
+    identity checks against what the optimizer holds now (the params list, the parameter's local
+    tensor, the gradient's spec, the state dict and each of its values), so a re-packed parameter,
+    ``load_state_dict`` or a state value the user replaced between steps is picked up. Optimizers
+    update their state in place, so after the first steps a group passes these checks as whole
+    lists (``_GroupPlan.enter``, C-level loops) and only the gradients are handed over one by one;
+    anything else takes the per-parameter path, which brings the plan up to date again.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.groups: list[list[Any]] = []  # each group's own params list, restored on exit
-        self.swapped: list[_Slot] = []  # the DTensor parameters of this step
+        self.entered: list[_GroupPlan] = []  # groups entered as a whole (fast path)
+        self.swapped: list[_Slot] = []  # parameters entered one by one (slow path)
         self.plans: dict[int, _GroupPlan] = {}  # param_groups index -> what was built for it
 
     def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the copy rebuilds its plans
-        return {"optimizer": self.optimizer, "groups": [], "swapped": [], "plans": {}}
+        return {"optimizer": self.optimizer, "groups": [], "entered": [], "swapped": [], "plans": {}}
 
     def __enter__(self) -> None:
         opt = self.optimizer
         self.groups = []
+        self.entered = []
         self.swapped = []
         try:
             self._swap_in(opt)
@@ -175,81 +181,163 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
             raise
 
     def _swap_in(self, opt: torch.optim.Optimizer) -> None:
-        # The hot loop of every step: identity checks and dict writes per parameter.
         state = opt.state
-        swapped = self.swapped.append
         for index, group in enumerate(opt.param_groups):
             params = group["params"]
-            self.groups.append(params)
             plan = self.plans.get(index)
             if plan is None or plan.params is not params or len(plan.slots) != len(params):
                 plan = self.plans[index] = _GroupPlan(params)
-            for position, (param, slot) in enumerate(zip(params, plan.slots, strict=True)):
-                if slot is None:
-                    continue  # a plain tensor: the optimizer steps it as it is
-                local = slot.local
-                if slot.param is not param or local_of(param) is not local:  # re-packed, replaced
-                    slot = plan.slots[position] = _Slot(param)
-                    local = plan.locals[position] = slot.local
-                grad = param.grad
-                if grad is not None and (type(grad) is DTensor or isinstance(grad, DTensor)):
-                    grad_spec, param_spec = spec_of(grad), spec_of(param)
-                    if grad_spec is not param_spec and grad_spec.placements != param_spec.placements:
-                        raise _NotLocal  # e.g. a Partial (unreduced) gradient: its local is not the update
-                    grad = local_of(grad)
-                local.grad = grad
-                swapped(slot)
-                saved = state.get(param)
-                if saved:
-                    values = slot.saved_values  # still mirrored: the same dict with the same values
-                    if not (
-                        len(saved) == len(values)
-                        and all(map(is_, saved.values(), values))
-                        and saved is slot.saved
-                    ):
-                        slot.mirror(saved)
-                    state[local] = slot.local_state
+            self.groups.append(params)
+            if plan.enter(params, state):
+                self.entered.append(plan)
+            else:
+                self._swap_in_one_by_one(plan, params, state)
             group["params"] = plan.locals
+
+    def _swap_in_one_by_one(self, plan: _GroupPlan, params: list[Any], state: dict[Any, Any]) -> None:
+        swapped = self.swapped.append
+        for position, (param, slot) in enumerate(zip(params, plan.slots, strict=True)):
+            if slot is None:
+                continue  # a plain tensor: the optimizer steps it as it is
+            local = slot.local
+            if slot.param is not param or local_of(param) is not local:  # re-packed, replaced
+                slot = plan.slots[position] = _Slot(param)
+                local = plan.locals[position] = slot.local
+            grad = param.grad
+            if grad is not None and (type(grad) is DTensor or isinstance(grad, DTensor)):
+                grad_spec, param_spec = spec_of(grad), spec_of(param)
+                if grad_spec is not param_spec and grad_spec.placements != param_spec.placements:
+                    raise _NotLocal  # e.g. a Partial (unreduced) gradient: its local is not the update
+                grad = local_of(grad)
+            local.grad = grad
+            swapped(slot)
+            saved = state.get(param)
+            if saved:
+                values = slot.saved_values  # still mirrored: the same dict with the same values
+                same = len(saved) == len(values) and saved is slot.saved
+                if not (same and all(map(is_, saved.values(), values))):
+                    slot.mirror(saved)
+                state[local] = slot.local_state
+        plan.snapshot()
 
     def __exit__(self, *exc: object) -> None:
         opt = self.optimizer
         state = opt.state
-        pop = state.pop
-        for slot in self.swapped:
-            local = slot.local
-            local.grad = None
-            updated = pop(local, None)
-            if not updated:
-                continue
-            values = slot.local_values
-            if (
-                updated is slot.local_state
-                and slot.saved is not None
-                and len(updated) == len(values)
-                and all(map(is_, updated.values(), values))
-            ):
-                continue  # the usual step: state updated in place, nothing to wrap back
-            param = slot.param
-            kept = state[param]
-            for key, value in updated.items():
-                current = kept.get(key)
-                if current is value or (type(current) is DTensor and local_of(current) is value):
-                    continue  # updated in place: the DTensor already wraps it
-                kept[key] = _wrapped(value, param, local)
-            slot.saved = None  # the next step mirrors the folded-back state afresh
+        for plan in self.entered:
+            if not plan.exit(state):
+                _fold_back(plan.dslots, state)  # the step added or replaced state: wrap it back
+        _fold_back(self.swapped, state)
         for group, params in zip(opt.param_groups, self.groups, strict=True):
             group["params"] = params
 
 
-class _GroupPlan:
-    """One param group's local parameters list, as handed to the optimizer during a step."""
+def _fold_back(slots: Iterable[_Slot], state: dict[Any, Any]) -> None:
+    """Clear the local gradients and move the local-keyed state of ``slots`` back to their params."""
+    pop = state.pop
+    for slot in slots:
+        local = slot.local
+        local.grad = None
+        updated = pop(local, None)
+        if not updated:
+            continue
+        values = slot.local_values
+        if (
+            updated is slot.local_state
+            and slot.saved is not None
+            and len(updated) == len(values)
+            and all(map(is_, updated.values(), values))
+        ):
+            continue  # the usual step: state updated in place, nothing to wrap back
+        param = slot.param
+        kept = state[param]
+        for key, value in updated.items():
+            current = kept.get(key)
+            if current is value or (type(current) is DTensor and local_of(current) is value):
+                continue  # updated in place: the DTensor already wraps it
+            kept[key] = _wrapped(value, param, local)
+        slot.saved = None  # the next step mirrors the folded-back state afresh
 
-    __slots__ = ("locals", "params", "slots")
+
+class _GroupPlan:
+    """One param group: its local parameters list, as handed to the optimizer during a step.
+
+    After a per-parameter pass (``snapshot``) it also records, as flat tuples, everything the next
+    step checks by identity: the params, their local tensors and specs, and the DTensor-keyed and
+    local state dicts with their values. While all of these still hold, ``enter`` and ``exit`` swap
+    the whole group with C-level loops over the tuples.
+    """
+
+    __slots__ = (
+        "dlocals", "dparams", "dslots", "fast", "local_lens", "local_states", "local_values", "locals",
+        "params", "saved", "saved_lens", "saved_values", "slots", "specs", "taken",
+    )  # fmt: skip
 
     def __init__(self, params: list[Any]) -> None:
         self.params = params  # the user's list: the plan stands while it is this list
         self.slots = [_Slot(p) if _is_dtensor(p) else None for p in params]
         self.locals = [p if slot is None else slot.local for p, slot in zip(params, self.slots, strict=True)]
+        self.fast = False
+        self.taken: tuple[Any, ...] = ()
+
+    def snapshot(self) -> None:
+        """Record the group as the per-parameter pass left it: the fast path's reference."""
+        dslots = tuple(slot for slot in self.slots if slot is not None)
+        self.fast = all(slot.saved is not None for slot in dslots)
+        if not self.fast:
+            return  # a parameter without optimizer state (first step, no gradient): one by one
+        self.taken = tuple(self.params)
+        self.dslots = dslots
+        self.dparams = tuple(slot.param for slot in dslots)
+        self.dlocals = tuple(slot.local for slot in dslots)
+        self.specs = tuple(specs_of(self.dparams))
+        self.saved = tuple(slot.saved for slot in dslots)
+        self.saved_lens = tuple(len(slot.saved_values) for slot in dslots)
+        self.saved_values = tuple(chain.from_iterable(slot.saved_values for slot in dslots))
+        self.local_states = tuple(slot.local_state for slot in dslots)
+        self.local_lens = tuple(map(len, self.local_states))
+        self.local_values = tuple(chain.from_iterable(slot.local_values for slot in dslots))
+
+    def enter(self, params: list[Any], state: dict[Any, Any]) -> bool:
+        """Swap the whole group in if nothing changed since ``snapshot``; ``False``: nothing done."""
+        if not (self.fast and len(params) == len(self.taken) and all(map(is_, params, self.taken))):
+            return False
+        dparams, dlocals = self.dparams, self.dlocals
+        if not all(map(is_, locals_of(dparams), dlocals)):
+            return False  # re-packed or re-loaded shards
+        grads = list(map(_GRAD, dparams))
+        # Every gradient is a DTensor laid out like its parameter (fsdp2 builds it on the same spec).
+        if not all(map(is_, map(type, grads), repeat(DTensor))):
+            return False
+        if not all(map(is_, specs_of(grads), self.specs)):
+            return False
+        saved: tuple[Any, ...] = tuple(map(state.get, dparams))
+        if not (
+            all(map(is_, saved, self.saved))
+            and all(map(eq, map(len, saved), self.saved_lens))
+            and all(map(is_, chain.from_iterable(map(dict.values, saved)), self.saved_values))
+        ):
+            return False  # state loaded, replaced or edited between steps
+        for local, grad in zip(dlocals, locals_of(grads), strict=True):
+            local.grad = grad
+        state.update(zip(dlocals, self.local_states, strict=True))
+        return True
+
+    def exit(self, state: dict[Any, Any]) -> bool:
+        """Clear the local gradients and take the local state out; ``False``: it changed shape."""
+        dlocals = self.dlocals
+        for local in dlocals:
+            local.grad = None
+        pop = state.pop
+        updated: tuple[Any, ...] = tuple(pop(local, None) for local in dlocals)
+        if (
+            all(map(is_, updated, self.local_states))
+            and all(map(eq, map(len, updated), self.local_lens))
+            and all(map(is_, chain.from_iterable(map(dict.values, updated)), self.local_values))
+        ):
+            return True  # updated in place, as optimizers do: the DTensors already wrap it
+        state.update((key, value) for key, value in zip(dlocals, updated, strict=True) if value is not None)
+        self.fast = False  # _fold_back wraps the new values; the next step mirrors them afresh
+        return False
 
 
 class _Slot:

@@ -140,28 +140,34 @@ def _edits_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
     pairs = ((ours, opt, extra_ours), (theirs, ref_opt, extra_theirs))
 
     def edit(step: int, model: nn.Module, optim: torch.optim.Optimizer, extra: nn.Parameter) -> None:
-        # Every other step, so each edit meets state and locals the previous step reused.
+        # Every third step: the step before each edit swapped its groups in whole (checked below), so
+        # each edit meets the lists, state and locals that step reused.
         first = next(model.parameters())
-        if step == 2:
+        if step == 3:
             exp_avg = optim.state[first]["exp_avg"]
             optim.state[first]["exp_avg"] = exp_avg * 0.5  # a new DTensor in the same dict
-        elif step == 4:
-            del optim.state[list(model.parameters())[-1]]
         elif step == 6:
+            del optim.state[list(model.parameters())[-1]]
+        elif step == 9:
             optim.param_groups[0]["lr"] = 3e-2
             optim.add_param_group({"params": [extra], "lr": 1e-1})
-        elif step == 8:
+        elif step == 12:
             model.double().float()  # re-packs the sharded parameters: new local tensors, same values
-        elif step == 10:
+        elif step == 15:
             optim.param_groups[0]["params"] = list(optim.param_groups[0]["params"])
+        elif step == 18:
+            optim.state[first] = {k: v.clone() for k, v in optim.state[first].items()}  # a new dict
 
-    for step in range(12):
+    whole_groups = []
+    for step in range(21):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
         for model, optim, extra in pairs:
             edit(step, model, optim, extra)
             (model(x).sum() + extra.sum()).backward()
             optim.step()
             optim.zero_grad()
+        whole_groups.append(len(opt.step.swap.entered))  # type: ignore[attr-defined]
+    assert all(whole_groups[step - 1] > 0 for step in range(3, 21, 3)), whole_groups
     for p, q in zip([*ours.parameters(), extra_ours], [*theirs.parameters(), extra_theirs], strict=True):
         got = p.to_local() if isinstance(p, DTensor) else p
         want = q.to_local() if isinstance(q, DTensor) else q
