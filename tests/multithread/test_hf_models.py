@@ -1,0 +1,156 @@
+"""Hugging Face causal LMs, sharded as their users shard them, against torch's ``fully_shard``.
+
+Real client code: ``transformers``' Llama (grouped-query attention, RoPE, tied embeddings) and GPT-2
+(``Conv1D`` layers, tied embeddings), built from small configs (no download). Each decoder layer is
+its own group, then the root. The training loop is the user's, unchanged: ``model(input_ids=...,
+labels=...)``, ``torch.nn.utils.clip_grad_norm_``, AdamW, and HF's own
+activation checkpointing. fsdp2 and torch's ``fully_shard`` must give the same losses,
+parameters, greedy ``generate`` output and DCP full state dict, bit for bit.
+
+Loading pretrained weights the way large-model scripts do it (build on the meta device, shard, then
+DCP's ``set_model_state_dict`` with a full state dict) must give the logits of
+the unsharded model with those weights, with the tied embedding still tied.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from tests._harness import run_threaded
+from tests._impls import get_impl
+from tests._training import EXACT
+
+transformers = pytest.importorskip("transformers")
+
+WORLD_SIZE = 2
+VOCAB = 96
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # thread ranks share one RNG
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    base = model.base_model  # LlamaModel or GPT2Model
+    layers: nn.ModuleList = base.layers if hasattr(base, "layers") else base.h
+    return layers
+
+
+def _shard(impl_name: str, model: nn.Module) -> None:
+    impl = get_impl(impl_name)
+    for layer in _layers(model):
+        impl.fully_shard(layer)
+    impl.fully_shard(model)
+
+
+def _tokens(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _train(base: nn.Module, impl_name: str, checkpointing: bool) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    model = copy.deepcopy(base)
+    if checkpointing:  # HF's own activation checkpointing (renamed in transformers 5)
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
+        enable()
+    _shard(impl_name, model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        ids = _tokens(rank, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():
+        generated = model.generate(_tokens(rank, 9)[:, :4], max_new_tokens=6, do_sample=False)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"losses": torch.stack(losses), "generated": generated, "state": full}
+
+
+def _side_by_side(base: nn.Module, checkpointing: bool) -> None:
+    ours = _train(base, "fsdp2", checkpointing)
+    theirs = _train(base, "torch", checkpointing)
+    torch.testing.assert_close(ours["losses"], theirs["losses"], **EXACT)
+    assert torch.equal(ours["generated"], theirs["generated"])
+    assert ours["state"].keys() == theirs["state"].keys()
+    for key, value in theirs["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, **EXACT, msg=key)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf-checkpointing"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_causal_lm_trains_like_torch(name: str, checkpointing: bool) -> None:
+    torch.manual_seed(0)
+    base = MODELS[name]()  # built once, outside the rank threads (they share one global RNG)
+    run_threaded(WORLD_SIZE, _side_by_side, base, checkpointing)
+
+
+def _load_pretrained(
+    name: str, pretrained: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    with torch.device("meta"):
+        model = MODELS[name]()
+    _shard("fsdp2", model)
+    model.to_empty(device="cpu")
+    for key, value in buffers.items():  # non-persistent buffers (RoPE's inv_freq) are not in the dict
+        model.get_buffer(key).copy_(value)
+    # Every rank passes a full dict of its own (DCP writes into the dict it is given; thread ranks
+    # must not share one), where processes would load it or take rank 0's by broadcast_from_rank0
+    # (that needs real gloo: tests/multiprocess).
+    full = {key: value.clone() for key, value in pretrained.items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head is embed  # still tied after meta init, sharding and loading
+    model.eval()
+    with torch.no_grad():
+        logits: torch.Tensor = model(input_ids=_tokens(0, 7)).logits
+    return logits
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_meta_init_then_load_pretrained_weights(name: str) -> None:
+    torch.manual_seed(1)
+    reference = MODELS[name]().eval()
+    with torch.no_grad():
+        want = reference(input_ids=_tokens(0, 7)).logits
+    pretrained = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    buffers = {k: v.clone() for k, v in reference.named_buffers()}
+    for got in run_threaded(WORLD_SIZE, _load_pretrained, name, pretrained, buffers):
+        torch.testing.assert_close(got, want, **EXACT)
