@@ -224,7 +224,7 @@ def _reduce_bucket(pending: list[PendingReduceScatter], comm_ctx: CommContext | 
     if stream is None or comm_ctx is None:
         _reduce_and_assign_bucket(buffer, pending, widths)
         return
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         _reduce_and_assign_bucket(buffer, pending, widths)
         event = stream.record_event()

@@ -43,6 +43,11 @@ class AllGatherResult:
     # A bucketed all-gather (several groups, one collective): ``(start, width)``, the columns of the
     # ``(W, row)`` output that hold this group's inputs. ``None``: the whole row is this group's.
     columns: tuple[int, int] | None = None
+    # The collective's input on the side streams (a view of ``output``, or a tensor of its own such as
+    # the host-to-device copy of packed shards under CPU offload): released with the output, once
+    # the all-gather streams wait on copy-out, so the caching allocator cannot hand its memory to
+    # the copy-in stream while the all-gather stream may still read it.
+    input: torch.Tensor | None = None
 
 
 def all_gather_copy_in(
@@ -121,7 +126,7 @@ def wait_all_gather(result: AllGatherResult) -> None:
     if result.work is not None:
         result.work.wait()
     if result.event is not None:
-        torch.cuda.current_stream().wait_event(result.event)
+        torch.cuda.current_stream(result.output.device).wait_event(result.event)
 
 
 def foreach_all_gather_copy_out(result: AllGatherResult, outputs: list[torch.Tensor]) -> None:

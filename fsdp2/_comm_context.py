@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+_Buffers = tuple[torch.Tensor, torch.Tensor | None]
+
 
 class CommContext:
     """Streams and in-flight buffers shared by all parameter groups of one root."""
@@ -36,8 +38,11 @@ class CommContext:
         self.all_gather_copy_in_stream: torch.cuda.Stream | None = None
         self.all_gather_stream: torch.cuda.Stream | None = None
         self.reduce_scatter_stream: torch.cuda.Stream | None = None
-        # (flat all-gather buffer, copy-out event) of the last forward unshard, released lazily
-        self.deferred_all_gather: tuple[torch.Tensor, torch.Event | None] | None = None
+        # ((flat all-gather output, its input), copy-out event) of the last unshard, released once the
+        # all-gather streams wait on copy-out (lazily in forward)
+        self.deferred_all_gather: (
+            tuple[tuple[torch.Tensor, torch.Tensor | None], torch.Event | None] | None
+        ) = None
         # (reduce-scatter input buffer, post-reduce event) still read by the reduce-scatter stream
         self.pending_reduce_scatters: list[tuple[torch.Tensor, torch.Event | None]] = []
 
@@ -60,7 +65,7 @@ class CommContext:
             copy_in_stream.wait_event(event)
             gather_stream.wait_event(event)
             return
-        current = torch.cuda.current_stream()
+        current = torch.cuda.current_stream(copy_in_stream.device)  # the compute stream of their device
         copy_in_stream.wait_stream(current)
         gather_stream.wait_stream(current)
 
@@ -88,6 +93,6 @@ class CommContext:
         """
         pending = self.pending_reduce_scatters
         while len(pending) > keep:
-            _, event = pending.pop(0)
+            buffer, event = pending.pop(0)
             if event is not None:
-                torch.cuda.current_stream().wait_event(event)
+                torch.cuda.current_stream(buffer.device).wait_event(event)

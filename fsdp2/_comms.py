@@ -179,7 +179,7 @@ class _SymmMemMixin:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer from the symmetric-memory pool of ``device``."""
         pool = _symmetric_memory().get_mem_pool(device)
-        with torch.cuda.use_mem_pool(pool):
+        with torch.cuda.use_mem_pool(pool, device=device):
             return _empty(size, dtype, device)
 
 

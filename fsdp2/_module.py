@@ -226,15 +226,22 @@ class FSDPModule(_ModuleBase):
         """Run ``hook(reduced_output)`` on each reduced gradient buffer of this module.
 
         The hook runs after the reduce-scatter (and the HSDP all-reduce), before the post-division
-        and the cast back to the parameter dtype. ``stream`` is accepted for API compatibility; the
-        hook runs on the reduce-scatter stream.
+        and the cast back to the parameter dtype. It runs on the reduce-scatter stream, or on
+        ``stream`` where given (CUDA): that stream first waits for the reduction, and the
+        post-division waits for the hook's work on it.
         """
         group = self._single_group("set_all_reduce_hook")
         if group is None:
             return
         if stream is not None and group.mesh_info.is_hsdp:
             raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP.")
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"set_all_reduce_hook: stream must be a torch.cuda.Stream, got {type(stream).__name__}; "
+                "leave it None to run the hook where the gradients are reduced."
+            )
         group.controls.all_reduce_hook = hook
+        group.controls.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""

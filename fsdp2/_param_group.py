@@ -306,6 +306,10 @@ class FSDPParamGroup:
             return
         if not self._lazy_initialized:
             self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
+            if self.comm_ctx is not None:
+                # Lazy init may have (re)packed the shards on the current stream: the copy-in and
+                # all-gather streams read them, so they wait for those writes.
+                self.comm_ctx.wait_for_current_stream()
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         bucketing = self.bucketing
@@ -549,7 +553,7 @@ class FSDPParamGroup:
         with torch.cuda.stream(gather_stream):
             issue_all_gather(output, local, info.shard_group, info.shard_size, False, comm)
             event = gather_stream.record_event()
-        return AllGatherResult(output, split_sizes, info.shard_size, event, None)
+        return AllGatherResult(output, split_sizes, info.shard_size, event, None, input=local)
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -586,9 +590,9 @@ class FSDPParamGroup:
         _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope)
         ctx = self.comm_ctx
         if ctx is not None and ctx.use_streams:
-            copy_out_event = torch.cuda.current_stream().record_event()
+            copy_out_event = torch.cuda.current_stream(self.device).record_event()
             ctx.release_deferred_all_gather()
-            ctx.deferred_all_gather = (result.output, copy_out_event)
+            ctx.deferred_all_gather = ((result.output, result.input), copy_out_event)
             if self.training_state is not _FORWARD:
                 ctx.release_deferred_all_gather()
 
@@ -611,7 +615,7 @@ class FSDPParamGroup:
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
                     ctx = self.comm_ctx
                     if ctx is not None and ctx.use_streams:
-                        self._post_forward_event = torch.cuda.current_stream().record_event()
+                        self._post_forward_event = torch.cuda.current_stream(self.device).record_event()
                     _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
@@ -801,7 +805,7 @@ class FSDPParamGroup:
         if result is not None:
             wait_all_gather(result)
             self._all_gather_result = None
-        self.reducer.finalize()
+        self.reducer.finalize(self.device)
 
     def unsharded_tensors(self) -> list[torch.Tensor]:
         """Tensors that hold this group's unsharded data (for memory tools; some may be size 0 now).
@@ -823,7 +827,7 @@ class FSDPParamGroup:
         self.finalize_backward()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
-        self.reducer.reset()
+        self.reducer.reset(self.device)
         self.set_state(_IDLE)
         self.reshard()
 

@@ -13,6 +13,7 @@ while ``all_reduce_grads`` is off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,7 +151,7 @@ class GradientReducer:
         if stream is None or comm_ctx is None:
             self._reduce_and_assign(buffer, params, controls, comms)
             return
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             self._reduce_and_assign(buffer, params, controls, comms)
             event = stream.record_event()
@@ -182,7 +183,7 @@ class GradientReducer:
             if info.replicate_size > 1:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
-            controls.all_reduce_hook(output)
+            _run_hook(controls.all_reduce_hook, output, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
     def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
@@ -204,18 +205,30 @@ class GradientReducer:
         if event is not None:
             self._post_reduce_event = event
 
-    def finalize(self) -> None:
-        """End of the last backward: make the current stream (and, for offload, the CPU) wait."""
+    def finalize(self, device: torch.device) -> None:
+        """End of the last backward: make ``device``'s current stream (and, for offload, the CPU) wait."""
         event = self._post_reduce_event
         if event is not None:
             if self._offload_copies_in_flight:
                 # Non-blocking copies of offloaded gradients: the CPU optimizer reads them next.
                 event.synchronize()
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(device).wait_event(event)
             self._post_reduce_event = None
         self._offload_copies_in_flight = False
 
-    def reset(self) -> None:
+    def reset(self, device: torch.device) -> None:
         """Forget the reductions of an aborted iteration, HSDP partial sums included."""
-        self.finalize()
+        self.finalize(device)
         self._partial_outputs.clear()
+
+
+def _run_hook(hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: Any) -> None:
+    """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows."""
+    if stream is None:
+        hook(output)
+        return
+    reducing = torch.cuda.current_stream(output.device)
+    stream.wait_stream(reducing)
+    with torch.cuda.stream(stream):
+        hook(output)
+    reducing.wait_stream(stream)

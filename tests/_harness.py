@@ -100,7 +100,8 @@ def assert_sharded_parity(ref: nn.Module, model: nn.Module, *, grads: bool = Fal
                 assert (ref_t is None) == (t is None), f"grad presence differs for {name}"
                 continue
             if isinstance(t, DTensor):
-                torch.testing.assert_close(t.full_tensor(), ref_t, msg=lambda m, n=name: f"{n}: {m}")
+                full = t.full_tensor().to(ref_t.device)  # CPU offload keeps the shards on the CPU
+                torch.testing.assert_close(full, ref_t, msg=lambda m, n=name: f"{n}: {m}")
             else:
                 torch.testing.assert_close(t, ref_t, msg=lambda m, n=name: f"{n}: {m}")
 

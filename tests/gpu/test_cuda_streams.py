@@ -2,7 +2,10 @@
 
 Skipped without CUDA. On a GPU these check that stream ordering gives the same numbers as the
 unsharded reference, with implicit and explicit prefetch, int reshard-after-forward, async unshard,
-mixed precision and CPU offload (pinned, non-blocking gradient copies).
+mixed precision, CPU offload (pinned, non-blocking gradient copies) and an all-reduce hook on a
+slow stream of its own. Thread ranks share one GPU, and the threaded backend moves data with
+copies on the issuing thread's stream, so NCCL's rules (kernels on the current stream, no tensor
+lifetime management) are not exercised here: that needs processes on several GPUs.
 """
 
 from __future__ import annotations
@@ -91,3 +94,38 @@ def _async_unshard() -> None:
 
 def test_cuda_async_unshard() -> None:
     run_threaded(2, _async_unshard)
+
+
+def _hook_on_a_side_stream() -> None:
+    """The hook's work on its own (slow) stream is ordered between the reduction and the gradients."""
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    args = ModelArgs(n_layers=2)
+    model = broadcast_module_(Transformer(args).cuda())
+    ref = copy.deepcopy(model)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    side = torch.cuda.Stream()
+    seen: list[torch.cuda.Stream] = []
+
+    def slow_double(output: torch.Tensor) -> None:
+        seen.append(torch.cuda.current_stream())
+        torch.cuda._sleep(50_000_000)  # tens of ms on the side stream: a missing wait would show
+        output.mul_(2)
+
+    for module in (model, *model.layers):
+        module.set_all_reduce_hook(slow_double, stream=side)
+    tokens = make_tokens(args, dist.get_rank()).cuda()
+    model(tokens).sum().backward()
+    ref(tokens).sum().backward()
+    for param in ref.parameters():
+        dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+        param.grad.mul_(2)
+    assert seen, "the hook never ran"
+    assert all(stream == side for stream in seen)
+    assert_sharded_parity(ref, model, grads=True)
+
+
+def test_cuda_all_reduce_hook_on_its_stream() -> None:
+    run_threaded(1, _hook_on_a_side_stream)

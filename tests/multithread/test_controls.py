@@ -196,6 +196,19 @@ def test_all_reduce_hook_sees_reduced_gradients(impl: Impl, hsdp: bool) -> None:
     assert results == [[4]] * 4  # two groups, two backwards
 
 
+def _all_reduce_hook_bad_stream() -> None:
+    model = seeded(lambda: MLP(DIM))
+    ref = copy.deepcopy(model)
+    _shard_mlp(get_impl("fsdp2"), model)
+    with pytest.raises(TypeError, match=r"stream must be a torch.cuda.Stream, got str"):
+        model.set_all_reduce_hook(lambda t: t.mul_(2), stream="side")  # type: ignore[arg-type]
+    _train(model, ref, lambda name: float(dist.get_world_size()), steps=1)  # refused: no hook runs
+
+
+def test_all_reduce_hook_stream_must_be_a_cuda_stream() -> None:
+    run_threaded(2, _all_reduce_hook_bad_stream)
+
+
 # ---------------------------------------------------------------------------------------------
 # register_fsdp_forward_method
 # ---------------------------------------------------------------------------------------------
