@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import statistics
@@ -140,6 +141,11 @@ def main() -> None:
             result = {"world_size": world, "config": config, "models": rows}
             Path(args.json).write_text(json.dumps(result, indent=2))
     dist.barrier()
+    # Free the models (they hold the process group) so destroying it joins gloo's threads now, not
+    # during interpreter shutdown (see scale.rank_main).
+    models.clear()
+    optims.clear()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ Writes benchmarks/results/scale.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -116,23 +117,33 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     )  # both FSDPs warn on 3-D Linear outputs
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(rank))
-        models = {kind: build(kind, args.blocks, args.dim) for kind in KINDS}
-        for model, optim in models.values():
-            train(model, optim, x, 2)  # warm-up: lazy init, allocator
-        rounds = [{kind: train(*models[kind], x, args.steps) for kind in KINDS} for _ in range(args.rounds)]
-        comm_bytes = {}
-        for kind in ("torch", "fsdp2"):
-            with _CollectiveBytes() as counter:
-                train(*models[kind], x, 1)
-            comm_bytes[kind] = counter.bytes
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rounds)
-        if rank == 0:
-            slowest = [{k: max(r[i][k] for r in gathered) for k in KINDS} for i in range(args.rounds)]
-            out.put({"rounds": slowest, "bytes": comm_bytes})
+        _measure(rank, world, args, out)
     finally:
+        # The models and their meshes hold the process group: free them (cycles included), so that
+        # destroying it joins gloo's worker threads now. Otherwise a worker may still be releasing
+        # the last collective's tensors during interpreter shutdown, which aborts the process
+        # ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, args: argparse.Namespace, out: Any) -> None:
+    """Every model's step times and one step's collective bytes; rank 0 puts them on ``out``."""
+    x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(rank))
+    models = {kind: build(kind, args.blocks, args.dim) for kind in KINDS}
+    for model, optim in models.values():
+        train(model, optim, x, 2)  # warm-up: lazy init, allocator
+    rounds = [{kind: train(*models[kind], x, args.steps) for kind in KINDS} for _ in range(args.rounds)]
+    comm_bytes = {}
+    for kind in ("torch", "fsdp2"):
+        with _CollectiveBytes() as counter:
+            train(*models[kind], x, 1)
+        comm_bytes[kind] = counter.bytes
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, rounds)
+    if rank == 0:
+        slowest = [{k: max(r[i][k] for r in gathered) for k in KINDS} for i in range(args.rounds)]
+        out.put({"rounds": slowest, "bytes": comm_bytes})
 
 
 def _free_port() -> int:
