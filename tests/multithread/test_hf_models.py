@@ -10,7 +10,8 @@ parameters, greedy ``generate`` output and DCP full state dict, bit for bit.
 
 Loading pretrained weights the way large-model scripts do it (build on the meta device, shard, then
 DCP's ``set_model_state_dict`` with a full state dict) must give the logits of
-the unsharded model with those weights, with the tied embedding still tied.
+the unsharded model with those weights, with the tied embedding still tied. Exporting does the
+reverse: the full state dict saved with HF's ``save_pretrained`` loads back with ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -160,3 +161,28 @@ def test_hf_meta_init_then_load_pretrained_weights(name: str) -> None:
     buffers = {k: v.clone() for k, v in reference.named_buffers()}
     for got in run_threaded(WORLD_SIZE, _load_pretrained, name, pretrained, buffers):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+def _export(base: nn.Module, out: str) -> None:
+    model = copy.deepcopy(base)
+    _shard("fsdp2", model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets the whole dict
+    full = get_model_state_dict(model, options=options)
+    if torch.distributed.get_rank() == 0:
+        model.save_pretrained(out, state_dict=full)
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_export_with_save_pretrained(name: str, tmp_path: Any) -> None:
+    """The full state dict of a sharded model saved with HF's own ``save_pretrained`` loads back
+    with ``from_pretrained`` (plain class name in config.json) and gives the same logits."""
+    torch.manual_seed(2)
+    base = MODELS[name]().eval()
+    run_threaded(WORLD_SIZE, _export, base, str(tmp_path))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(base)
+    with torch.no_grad():
+        want = base(input_ids=_tokens(0, 3)).logits
+        got = loaded(input_ids=_tokens(0, 3)).logits
+    torch.testing.assert_close(got, want, **EXACT)
