@@ -9,12 +9,15 @@ restores the same state; uneven shards (empty on some ranks) included.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 import fsdp2
 from fsdp2.testing import run_ranks
@@ -330,3 +333,110 @@ def test_compiled_optimizer_step() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     run_ranks(2, _compiled_optimizer_step, base, timeout=300)
+
+
+# ---- random edits between steps (Hypothesis) ----------------------------------------------------
+
+EDITS = (
+    "none",  # most steps: the whole-group path
+    "replace_value",  # a new DTensor for one state value, in the same dict
+    "replace_dict",  # a new state dict for one parameter
+    "delete_state",  # one parameter's state deleted: it starts afresh
+    "freeze",  # one parameter gets no gradient this step (the optimizer skips it)
+    "new_list",  # the group's params list replaced by an equal new list
+    "repack",  # model.double().float(): new local tensors, same values
+    "reload",  # optimizer.load_state_dict of its own state dict: new state tensors
+    "keep_grads",  # zero_grad(set_to_none=False): the gradient DTensors live on
+    "partial_grad",  # one gradient replaced by a Partial DTensor: that step takes the DTensor path
+)
+
+
+class _SometimesReplacing(torch.optim.Optimizer):
+    """Elementwise momentum that mostly updates its state in place, but every third step builds a
+    new tensor, and on its fifth step adds a state key: steps that began on the whole-group path
+    must hand such state back (``fsdp2.local_step`` opt-in: not one of torch's optimizers)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["n"] = torch.zeros(())
+                    state["avg"] = p.grad.clone()
+                else:
+                    state["n"].add_(1)
+                    n = int(state["n"])
+                    if n % 3 == 0:
+                        state["avg"] = state["avg"] * 0.9 + p.grad  # a new tensor
+                    else:
+                        state["avg"].mul_(0.9).add_(p.grad)
+                    if n == 4:
+                        state["extra"] = torch.zeros_like(state["avg"])
+                p.add_(state["avg"], alpha=-group["lr"])
+
+
+def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str], optimizer: str) -> None:
+    make = _SometimesReplacing if optimizer == "replacing" else OPTIMIZERS[optimizer]
+    ours, theirs = _model(base), _model(base)
+    opt = fsdp2.local_step(make(ours.parameters()))
+    ref_opt = fsdp2.local_step(make(theirs.parameters()), enabled=False)
+
+    def edit(name: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        params = list(model.parameters())
+        first, last = params[0], params[-1]
+        if name == "replace_value" and optim.state.get(first):
+            key = next(iter(optim.state[first]))
+            value = optim.state[first][key]
+            optim.state[first][key] = value * 0.5 if isinstance(value, DTensor) else value
+        elif name == "replace_dict" and optim.state.get(last):
+            optim.state[last] = {k: v.clone() for k, v in optim.state[last].items()}
+        elif name == "delete_state" and optim.state.get(last):
+            del optim.state[last]
+        elif name == "new_list":
+            optim.param_groups[0]["params"] = list(optim.param_groups[0]["params"])
+        elif name == "repack":
+            model.double().float()
+        elif name == "reload":
+            optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+
+    for step, name in enumerate(edits):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model, optim in ((ours, opt), (theirs, ref_opt)):
+            edit(name, model, optim)
+            frozen = next(model.parameters())
+            frozen.requires_grad_(name != "freeze")
+            model(x).sum().backward()
+            frozen.requires_grad_(True)
+            if name == "partial_grad":
+                last = list(model.parameters())[-1]
+                full = torch.full(last.shape, float(rank + 1))
+                last.grad = DTensor.from_local(full, last.device_mesh, [Partial()], run_check=False)
+            optim.step()
+            optim.zero_grad(set_to_none=name != "keep_grads")
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0, msg=f"step {step} {name}")
+            assert opt.state.get(p, {}).keys() == ref_opt.state.get(q, {}).keys(), (step, name)
+            for key, value in ref_opt.state.get(q, {}).items():
+                mine = opt.state[p][key]
+                assert type(mine) is type(value), (step, name, key)
+                got = mine.to_local() if isinstance(mine, DTensor) else mine
+                want = value.to_local() if isinstance(value, DTensor) else value
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    edits=st.lists(st.sampled_from(EDITS), min_size=3, max_size=12),
+    optimizer=st.sampled_from(["adamw", "sgd", "replacing"]),
+)
+def test_local_step_under_random_edits_equals_the_dtensor_path(edits: list[str], optimizer: str) -> None:
+    """Any sequence of edits between steps: exactly the DTensor path's parameters and state."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _random_edits, base, edits, optimizer)
