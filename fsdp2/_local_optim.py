@@ -354,10 +354,31 @@ class _Slot:
         self.local_values: tuple[Any, ...] = ()
 
     def mirror(self, saved: dict[str, Any]) -> None:
+        """Take ``saved`` (the DTensor-keyed state) as the state to mirror with local tensors.
+
+        Raises ``_NotLocal`` (nothing changed) for a state DTensor not laid out like the parameter,
+        e.g. a ``Partial`` buffer the DTensor path made from a ``Partial`` gradient: its local tensor
+        is not this shard's state.
+        """
+        param_spec = spec_of(self.param)
+        for value in saved.values():
+            if _is_dtensor(value):
+                spec = spec_of(value)
+                if spec is not param_spec and not _same_layout(spec, param_spec):
+                    raise _NotLocal
         self.saved = saved
         self.saved_values = tuple(saved.values())
         self.local_state = {k: local_of(v) if _is_dtensor(v) else v for k, v in saved.items()}
         self.local_values = tuple(self.local_state.values())
+
+
+def _same_layout(spec: Any, param_spec: Any) -> bool:
+    """Whether a state DTensor's local tensor is the parameter's shard (same mesh, placements, shape)."""
+    return bool(
+        spec.placements == param_spec.placements
+        and spec.tensor_meta.shape == param_spec.tensor_meta.shape
+        and spec.mesh == param_spec.mesh
+    )
 
 
 def _wrapped(value: Any, param: DTensor, local: torch.Tensor) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -435,8 +435,15 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
     edits=st.lists(st.sampled_from(EDITS), min_size=3, max_size=12),
     optimizer=st.sampled_from(["adamw", "sgd", "replacing"]),
 )
+# Found by this test: a Partial gradient gives SGD a Partial momentum buffer on the DTensor path;
+# the next steps must stay on that path (its local tensor is not this shard's buffer).
+@example(edits=["partial_grad", "none", "none"], optimizer="sgd")
+@example(edits=["none", "none", "none", "replace_value", "none", "none"], optimizer="replacing")
 def test_local_step_under_random_edits_equals_the_dtensor_path(edits: list[str], optimizer: str) -> None:
     """Any sequence of edits between steps: exactly the DTensor path's parameters and state."""
+    # DTensor itself cannot add a Partial buffer to a sharded gradient (no S(0) -> P redistribution),
+    # which the replacing optimizer would do after a Partial gradient: the reference path fails there.
+    assume(not (optimizer == "replacing" and "partial_grad" in edits))
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     run_ranks(2, _random_edits, base, edits, optimizer)
