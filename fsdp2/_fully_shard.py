@@ -31,6 +31,7 @@ from ._mesh import (
 )
 from ._module import FSDPModule, describe, fsdp_class
 from ._param_group import FSDPParamGroup
+from ._replaced import mark_replaced
 from ._state import FSDPState, get_state
 
 PlacementFn = Callable[[nn.Parameter], "Shard | None"]
@@ -141,6 +142,7 @@ def fully_shard(
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
     enable_automatic_local_steps()
+    mark_replaced([param for param, _ in params.values()])  # an optimizer built before would train nothing
     _move_to_device(managed, params, device)
     groups: list[FSDPParamGroup] = []
     owners = _owners(managed, params) if params else {}

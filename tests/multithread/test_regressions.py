@@ -235,3 +235,38 @@ def _forward_after_failed_backward() -> None:
 
 def test_forward_after_unfinished_backward_raises() -> None:
     run_threaded(2, _forward_after_failed_backward)
+
+
+# ---- an optimizer built before fully_shard ------------------------------------------------------
+
+
+def _optimizer_before_fully_shard(impl_name: str) -> bool:
+    """Returns whether a step changed any parameter; fsdp2 must raise before the step instead."""
+    impl = get_impl(impl_name)
+    model = seeded(lambda: MLP(8))
+    ref = copy.deepcopy(model)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the parameters fully_shard replaces
+    shard_blocks_then_root(impl, model, [model.in_proj])
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    model(make_input((3, 8), dist.get_rank())).sum().backward()
+    if impl_name == "fsdp2":
+        state_before = copy.deepcopy(early.state_dict())
+        with pytest.raises(
+            RuntimeError, match=r"SGD.step\(\): 4 of its parameters .* replaced by fully_shard"
+        ):
+            early.step()
+        assert early.state_dict() == state_before  # refused before any change
+        # Built afterwards, from model.parameters(), the optimizer trains like the reference.
+        model.zero_grad()
+        train_in_lockstep(
+            model, ref, lambda rank, step: make_input((3, 8), rank, seed=step), 2, assert_sharded_parity
+        )
+        return True
+    early.step()
+    return any(not torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_optimizer_built_before_fully_shard_raises_at_its_step() -> None:
+    assert run_threaded(2, _optimizer_before_fully_shard, "fsdp2") == [True, True]
+    # torch's fully_shard lets the step run: it trains nothing, silently.
+    assert run_threaded(2, _optimizer_before_fully_shard, "torch") == [False, False]
