@@ -11,6 +11,7 @@ and again only after another ``fully_shard`` call or a change in its number of p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
@@ -20,7 +21,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._autograd import eager
 
-_REPLACED = "_fsdp2_replaced"
+# id -> weak reference of each replaced parameter object. Not an attribute on the tensor: a deep
+# copy of a replaced parameter (a fresh tensor the user may train) must not count as replaced.
+_replaced: dict[int, weakref.ref[torch.Tensor]] = {}
 _calls = itertools.count(1)
 _generation = 0  # bumped by every fully_shard call that replaced parameters
 # optimizer -> (generation, number of param groups) when its parameters were last scanned
@@ -34,7 +37,7 @@ def mark_replaced(params: list[torch.Tensor]) -> None:
     if not params:
         return
     for param in params:
-        param.__dict__[_REPLACED] = True
+        _replaced[id(param)] = weakref.ref(param, functools.partial(_forget, id(param)))
     _generation = next(_calls)
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_refuse_replaced)
@@ -46,11 +49,8 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     seen = (_generation, len(groups))
     if _scanned.get(optimizer) == seen:
         return
-    stale = [
-        index
-        for index, param in enumerate(p for group in groups for p in group["params"])
-        if param.__dict__.get(_REPLACED, False)
-    ]
+    params = (p for group in groups for p in group["params"])
+    stale = [index for index, param in enumerate(params) if _is_replaced(param)]
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {len(stale)} of its parameters (positions {stale[:8]}"
@@ -59,3 +59,13 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "optimizer after fully_shard, from model.parameters() (the sharded DTensors)."
         )
     _scanned[optimizer] = seen
+
+
+def _is_replaced(param: torch.Tensor) -> bool:
+    ref = _replaced.get(id(param))
+    return ref is not None and ref() is param
+
+
+def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _replaced.get(key) is ref:  # not a newer object that reused the id
+        del _replaced[key]

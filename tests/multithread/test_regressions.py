@@ -256,6 +256,11 @@ def _optimizer_before_fully_shard(impl_name: str) -> bool:
         ):
             early.step()
         assert early.state_dict() == state_before  # refused before any change
+        # A deep copy of a replaced parameter is a tensor of its own: an optimizer may train it.
+        twin = copy.deepcopy(early.param_groups[0]["params"][0])
+        twin.grad = torch.ones_like(twin)
+        torch.optim.SGD([twin], lr=1.0).step()
+        torch.testing.assert_close(twin, early.param_groups[0]["params"][0].detach() - 1, **EXACT)
         # Built afterwards, from model.parameters(), the optimizer trains like the reference.
         model.zero_grad()
         train_in_lockstep(
