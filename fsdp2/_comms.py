@@ -198,7 +198,7 @@ class SymmMemAllGather(_SymmMemMixin, DefaultAllGather):
 
 
 class SymmMemReduceScatter(_SymmMemMixin, DefaultReduceScatter):
-    """Reduce-scatter from a symmetric-memory input."""
+    """Reduce-scatter between symmetric-memory buffers."""
 
     def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
         self._setup(group, backend)
@@ -206,8 +206,10 @@ class SymmMemReduceScatter(_SymmMemMixin, DefaultReduceScatter):
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Group, op: Any, async_op: bool = False
     ) -> Work | None:
-        """Register ``input_tensor`` with ``group``, then reduce-scatter."""
-        _symmetric_memory().rendezvous(input_tensor, group=group.group_name)
+        """Register both buffers (each from the pool, see ``allocate``) with ``group``, then reduce-scatter."""
+        symm_mem = _symmetric_memory()
+        symm_mem.rendezvous(input_tensor, group=group.group_name)
+        symm_mem.rendezvous(output_tensor, group=group.group_name)
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
