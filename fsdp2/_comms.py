@@ -206,7 +206,7 @@ class SymmMemReduceScatter(_SymmMemMixin, DefaultReduceScatter):
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Group, op: Any, async_op: bool = False
     ) -> Work | None:
-        """Register both buffers (each from the pool, see ``allocate``) with ``group``, then reduce-scatter."""
+        """Register both buffers (both come from the pool) with ``group``, then reduce-scatter."""
         symm_mem = _symmetric_memory()
         symm_mem.rendezvous(input_tensor, group=group.group_name)
         symm_mem.rendezvous(output_tensor, group=group.group_name)
