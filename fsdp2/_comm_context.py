@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-_Buffers = tuple[torch.Tensor, torch.Tensor | None]
+_Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input when not a view of it)
 
 
 class CommContext:
@@ -40,9 +40,7 @@ class CommContext:
         self.reduce_scatter_stream: torch.cuda.Stream | None = None
         # ((flat all-gather output, its input), copy-out event) of the last unshard, released once the
         # all-gather streams wait on copy-out (lazily in forward)
-        self.deferred_all_gather: (
-            tuple[tuple[torch.Tensor, torch.Tensor | None], torch.Event | None] | None
-        ) = None
+        self.deferred_all_gather: tuple[_Buffers, torch.Event | None] | None = None
         # (reduce-scatter input buffer, post-reduce event) still read by the reduce-scatter stream
         self.pending_reduce_scatters: list[tuple[torch.Tensor, torch.Event | None]] = []
 

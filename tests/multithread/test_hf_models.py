@@ -62,6 +62,7 @@ def _gpt2() -> nn.Module:
 
 
 MODELS = {"llama": _llama, "gpt2": _gpt2}
+SETTINGS = ("plain", "hf-checkpointing", "bf16")
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
@@ -85,15 +86,15 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 * rank + step))
 
 
-def _train(base: nn.Module, impl_name: str, checkpointing: bool) -> dict[str, Any]:
+def _train(base: nn.Module, impl_name: str, setting: str) -> dict[str, Any]:
+    assert setting in SETTINGS, setting
     rank = torch.distributed.get_rank()
     model = copy.deepcopy(base)
-    if checkpointing:  # HF's own activation checkpointing (renamed in transformers 5)
-        enable = (
-            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        )
-        enable()
-    _shard(impl_name, model)
+    if setting == "hf-checkpointing":
+        model.activation_checkpointing_enable()  # HF's own (gradient_checkpointing_enable before 5.x)
+    _shard(impl_name, model, bf16=setting == "bf16")
+    computed: list[torch.dtype] = []  # the dtype the first decoder layer computes in, each forward
+    _layers(model)[0].register_forward_hook(lambda m, args, out: computed.append(_first_tensor(out).dtype))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -108,7 +109,16 @@ def _train(base: nn.Module, impl_name: str, checkpointing: bool) -> dict[str, An
     with torch.no_grad():
         generated = model.generate(_tokens(rank, 9)[:, :4], max_new_tokens=6, do_sample=False)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert checkpointed == (setting == "hf-checkpointing"), setting
+    assert computed == [torch.bfloat16 if setting == "bf16" else torch.float32] * len(computed), computed
     return {"losses": torch.stack(losses), "generated": generated, "state": full}
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    while not isinstance(value, torch.Tensor):
+        value = value[0]  # HF layers return a tensor or a tuple starting with the hidden states
+    return value
 
 
 def _side_by_side(base: nn.Module, setting: str) -> None:
@@ -121,7 +131,7 @@ def _side_by_side(base: nn.Module, setting: str) -> None:
         torch.testing.assert_close(ours["state"][key], value, **EXACT, msg=key)
 
 
-@pytest.mark.parametrize("setting", ["plain", "hf-checkpointing", "bf16"])
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_causal_lm_trains_like_torch(name: str, setting: str) -> None:
     torch.manual_seed(0)
