@@ -142,7 +142,7 @@ def fully_shard(
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
     enable_automatic_local_steps()
-    mark_replaced([param for param, _ in params.values()])  # an optimizer built before would train nothing
+    mark_replaced([param for param, _ in params.values()])  # an optimizer built before would not train them
     _move_to_device(managed, params, device)
     groups: list[FSDPParamGroup] = []
     owners = _owners(managed, params) if params else {}

@@ -55,7 +55,7 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {len(stale)} of its parameters (positions {stale[:8]}"
             f"{', ...' if len(stale) > 8 else ''} in its param groups) were replaced by fully_shard, "
-            "so they are no longer in the model and this step would train nothing. Build the "
+            "so they are no longer in the model and this step would not train them. Build the "
             "optimizer after fully_shard, from model.parameters() (the sharded DTensors)."
         )
     _scanned[optimizer] = seen
