@@ -16,8 +16,8 @@ import functools
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from itertools import chain, repeat
-from operator import attrgetter, eq, is_
+from itertools import chain, compress, repeat
+from operator import attrgetter, eq, is_, is_not
 from typing import Any
 
 import torch
@@ -196,6 +196,8 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
 
     def _swap_in_one_by_one(self, plan: _GroupPlan, params: list[Any], state: dict[Any, Any]) -> None:
         swapped = self.swapped.append
+        found: list[Any] = []  # per DTensor parameter: its state dict as found (or None)
+        has_grad: list[bool] = []
         for position, (param, slot) in enumerate(zip(params, plan.slots, strict=True)):
             if slot is None:
                 continue  # a plain tensor: the optimizer steps it as it is
@@ -211,14 +213,16 @@ class _on_local_shards:  # noqa: N801 - used as a context manager
                 grad = local_of(grad)
             local.grad = grad
             swapped(slot)
+            has_grad.append(grad is not None)
             saved = state.get(param)
-            if saved:
+            found.append(saved)
+            if saved is not None:  # an empty dict too: what the step adds to it is seen on exit
                 values = slot.saved_values  # still mirrored: the same dict with the same values
                 same = len(saved) == len(values) and saved is slot.saved
                 if not (same and all(map(is_, saved.values(), values))):
                     slot.mirror(saved)
                 state[local] = slot.local_state
-        plan.snapshot()
+        plan.snapshot(found, has_grad)
 
     def __exit__(self, *exc: object) -> None:
         opt = self.optimizer
@@ -262,14 +266,16 @@ class _GroupPlan:
     """One param group: its local parameters list, as handed to the optimizer during a step.
 
     After a per-parameter pass (``snapshot``) it also records, as flat tuples, everything the next
-    step checks by identity: the params, their local tensors and specs, and the DTensor-keyed and
-    local state dicts with their values. While all of these still hold, ``enter`` and ``exit`` swap
-    the whole group with C-level loops over the tuples.
+    step checks by identity: the params, their local tensors and specs, which of them had a
+    gradient, and the DTensor-keyed and local state dicts with their values (``None`` where a
+    parameter has no state: SGD without momentum, a parameter not stepped yet). While all of these
+    still hold, ``enter`` and ``exit`` swap the whole group with C-level loops over the tuples.
     """
 
     __slots__ = (
-        "dlocals", "dparams", "dslots", "fast", "local_lens", "local_states", "local_values", "locals",
-        "params", "saved", "saved_lens", "saved_values", "slots", "specs", "taken",
+        "dlocals", "dparams", "dslots", "expected", "fast", "grad_mask", "local_lens", "local_states",
+        "local_values", "locals", "params", "saved", "saved_lens", "saved_values", "slots", "specs",
+        "state_mask", "taken",
     )  # fmt: skip
 
     def __init__(self, params: list[Any]) -> None:
@@ -279,23 +285,33 @@ class _GroupPlan:
         self.fast = False
         self.taken: tuple[Any, ...] = ()
 
-    def snapshot(self) -> None:
-        """Record the group as the per-parameter pass left it: the fast path's reference."""
+    def snapshot(self, found: list[Any], has_grad: list[bool]) -> None:
+        """Record the group as the per-parameter pass left it: the fast path's reference.
+
+        ``found``: each DTensor parameter's state dict as the pass found it (``None`` if absent);
+        ``has_grad``: whether it had a gradient.
+        """
         dslots = tuple(slot for slot in self.slots if slot is not None)
-        self.fast = all(slot.saved is not None for slot in dslots)
-        if not self.fast:
-            return  # a parameter without optimizer state (first step, no gradient): one by one
         self.taken = tuple(self.params)
         self.dslots = dslots
         self.dparams = tuple(slot.param for slot in dslots)
         self.dlocals = tuple(slot.local for slot in dslots)
         self.specs = tuple(specs_of(self.dparams))
-        self.saved = tuple(slot.saved for slot in dslots)
-        self.saved_lens = tuple(len(slot.saved_values) for slot in dslots)
-        self.saved_values = tuple(chain.from_iterable(slot.saved_values for slot in dslots))
-        self.local_states = tuple(slot.local_state for slot in dslots)
+        self.grad_mask = tuple(has_grad)
+        self.saved = tuple(found)  # compared by identity: None, an empty dict, a mirrored dict
+        self.state_mask = tuple(saved is not None for saved in found)  # mirrored into local state
+        with_state = tuple(compress(dslots, self.state_mask))
+        self.saved_lens = tuple(len(slot.saved_values) for slot in with_state)
+        self.saved_values = tuple(chain.from_iterable(slot.saved_values for slot in with_state))
+        self.local_states = tuple(slot.local_state for slot in with_state)
         self.local_lens = tuple(map(len, self.local_states))
-        self.local_values = tuple(chain.from_iterable(slot.local_values for slot in dslots))
+        self.local_values = tuple(chain.from_iterable(slot.local_values for slot in with_state))
+        # What exit expects to take out under each local key: the mirror, or nothing at all.
+        self.expected = tuple(
+            slot.local_state if mirrored else None
+            for slot, mirrored in zip(dslots, self.state_mask, strict=True)
+        )
+        self.fast = True
 
     def enter(self, params: list[Any], state: dict[Any, Any]) -> bool:
         """Swap the whole group in if nothing changed since ``snapshot``; ``False``: nothing done."""
@@ -304,22 +320,28 @@ class _GroupPlan:
         dparams, dlocals = self.dparams, self.dlocals
         if not all(map(is_, locals_of(dparams), dlocals)):
             return False  # re-packed or re-loaded shards
-        grads = list(map(_GRAD, dparams))
+        all_grads = tuple(map(_GRAD, dparams))
+        mask = self.grad_mask
+        if tuple(map(is_not, all_grads, repeat(None))) != mask:
+            return False  # a parameter gained or lost its gradient
+        grads = tuple(compress(all_grads, mask))
         # Every gradient is a DTensor laid out like its parameter (fsdp2 builds it on the same spec).
         if not all(map(is_, map(type, grads), repeat(DTensor))):
             return False
-        if not all(map(is_, specs_of(grads), self.specs)):
+        if not all(map(is_, specs_of(grads), compress(self.specs, mask))):
             return False
         saved: tuple[Any, ...] = tuple(map(state.get, dparams))
+        if not all(map(is_, saved, self.saved)):
+            return False  # state loaded, created, replaced or deleted between steps
+        with_state = tuple(compress(saved, self.state_mask))
         if not (
-            all(map(is_, saved, self.saved))
-            and all(map(eq, map(len, saved), self.saved_lens))
-            and all(map(is_, chain.from_iterable(map(dict.values, saved)), self.saved_values))
+            all(map(eq, map(len, with_state), self.saved_lens))
+            and all(map(is_, chain.from_iterable(map(dict.values, with_state)), self.saved_values))
         ):
-            return False  # state loaded, replaced or edited between steps
-        for local, grad in zip(dlocals, locals_of(grads), strict=True):
+            return False  # a state value replaced, added or removed between steps
+        for local, grad in zip(compress(dlocals, mask), locals_of(grads), strict=True):
             local.grad = grad
-        state.update(zip(dlocals, self.local_states, strict=True))
+        state.update(zip(compress(dlocals, self.state_mask), self.local_states, strict=True))
         return True
 
     def exit(self, state: dict[Any, Any]) -> bool:
@@ -329,12 +351,12 @@ class _GroupPlan:
             local.grad = None
         pop = state.pop
         updated: tuple[Any, ...] = tuple(pop(local, None) for local in dlocals)
-        if (
-            all(map(is_, updated, self.local_states))
-            and all(map(eq, map(len, updated), self.local_lens))
-            and all(map(is_, chain.from_iterable(map(dict.values, updated)), self.local_values))
-        ):
-            return True  # updated in place, as optimizers do: the DTensors already wrap it
+        if all(map(is_, updated, self.expected)):  # no state created for a parameter without one
+            with_state = tuple(compress(updated, self.state_mask))
+            if all(map(eq, map(len, with_state), self.local_lens)) and all(
+                map(is_, chain.from_iterable(map(dict.values, with_state)), self.local_values)
+            ):
+                return True  # updated in place, as optimizers do: the DTensors already wrap it
         state.update((key, value) for key, value in zip(dlocals, updated, strict=True) if value is not None)
         self.fast = False  # _fold_back wraps the new values; the next step mirrors them afresh
         return False

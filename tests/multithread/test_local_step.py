@@ -35,6 +35,7 @@ def _model(base: nn.Module) -> nn.Module:
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "sgd-plain": lambda params: torch.optim.SGD(params, lr=1e-2),  # no state at all
     "adam-foreach-off": lambda params: torch.optim.Adam(params, lr=1e-2, foreach=False),
 }
 
@@ -343,6 +344,7 @@ EDITS = (
     "replace_dict",  # a new state dict for one parameter
     "delete_state",  # one parameter's state deleted: it starts afresh
     "freeze",  # one parameter gets no gradient this step (the optimizer skips it)
+    "toggle_frozen",  # another parameter stops (or resumes) getting gradients, for the steps to come
     "new_list",  # the group's params list replaced by an equal new list
     "repack",  # model.double().float(): new local tensors, same values
     "reload",  # optimizer.load_state_dict of its own state dict: new state tensors
@@ -405,14 +407,18 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
         elif name == "reload":
             optim.load_state_dict(copy.deepcopy(optim.state_dict()))
 
+    held = False  # whether the "toggle_frozen" parameter is frozen now
     for step, name in enumerate(edits):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        held ^= name == "toggle_frozen"
         for model, optim in ((ours, opt), (theirs, ref_opt)):
             edit(name, model, optim)
-            frozen = next(model.parameters())
+            frozen, toggled = list(model.parameters())[:2]
             frozen.requires_grad_(name != "freeze")
+            toggled.requires_grad_(not held)
             model(x).sum().backward()
             frozen.requires_grad_(True)
+            toggled.requires_grad_(True)
             if name == "partial_grad":
                 last = list(model.parameters())[-1]
                 full = torch.full(last.shape, float(rank + 1))
@@ -433,7 +439,7 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     edits=st.lists(st.sampled_from(EDITS), min_size=3, max_size=12),
-    optimizer=st.sampled_from(["adamw", "sgd", "replacing"]),
+    optimizer=st.sampled_from(["adamw", "sgd", "sgd-plain", "replacing"]),
 )
 # Found by this test: a Partial gradient gives SGD a Partial momentum buffer on the DTensor path;
 # the next steps must stay on that path (its local tensor is not this shard's buffer).
@@ -447,3 +453,30 @@ def test_local_step_under_random_edits_equals_the_dtensor_path(edits: list[str],
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     run_ranks(2, _random_edits, base, edits, optimizer)
+
+
+def _stateless_and_frozen(rank: int, world_size: int, base: nn.Module) -> None:
+    """SGD without momentum (no state) and a parameter frozen for good stay on the whole-group path."""
+    ours, theirs = _model(base), _model(base)
+    for model in (ours, theirs):
+        next(model.parameters()).requires_grad_(False)  # in the optimizer, never a gradient
+    opt = fsdp2.local_step(OPTIMIZERS["sgd-plain"](ours.parameters()))
+    ref_opt = fsdp2.local_step(OPTIMIZERS["sgd-plain"](theirs.parameters()), enabled=False)
+    whole = []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model, optim in ((ours, opt), (theirs, ref_opt)):
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        whole.append(len(opt.step.swap.entered))  # type: ignore[attr-defined]
+    assert whole[1:] == [1, 1, 1], whole  # the first step takes the per-parameter pass
+    assert not opt.state
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+
+
+def test_stateless_optimizer_and_frozen_parameter_take_the_whole_group_path() -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    run_ranks(2, _stateless_and_frozen, base)
