@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-_Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input when not a view of it)
+_Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input: often a view of it)
 
 
 class CommContext:

@@ -273,9 +273,8 @@ class _GroupPlan:
     """
 
     __slots__ = (
-        "dlocals", "dparams", "dslots", "expected", "fast", "grad_mask", "local_lens", "local_states",
-        "local_values", "locals", "params", "saved", "saved_lens", "saved_values", "slots", "specs",
-        "state_mask", "taken",
+        "dlocals", "dparams", "dslots", "expected", "fast", "grad_mask", "local_states", "local_values",
+        "locals", "params", "saved", "saved_values", "slots", "specs", "state_lens", "state_mask", "taken",
     )  # fmt: skip
 
     def __init__(self, params: list[Any]) -> None:
@@ -301,10 +300,10 @@ class _GroupPlan:
         self.saved = tuple(found)  # compared by identity: None, an empty dict, a mirrored dict
         self.state_mask = tuple(saved is not None for saved in found)  # mirrored into local state
         with_state = tuple(compress(dslots, self.state_mask))
-        self.saved_lens = tuple(len(slot.saved_values) for slot in with_state)
+        # Entries per mirrored state dict: the DTensor-keyed dict and its local mirror have the same keys.
+        self.state_lens = tuple(len(slot.saved_values) for slot in with_state)
         self.saved_values = tuple(chain.from_iterable(slot.saved_values for slot in with_state))
         self.local_states = tuple(slot.local_state for slot in with_state)
-        self.local_lens = tuple(map(len, self.local_states))
         self.local_values = tuple(chain.from_iterable(slot.local_values for slot in with_state))
         # What exit expects to take out under each local key: the mirror, or nothing at all.
         self.expected = tuple(
@@ -335,7 +334,7 @@ class _GroupPlan:
             return False  # state loaded, created, replaced or deleted between steps
         with_state = tuple(compress(saved, self.state_mask))
         if not (
-            all(map(eq, map(len, with_state), self.saved_lens))
+            all(map(eq, map(len, with_state), self.state_lens))
             and all(map(is_, chain.from_iterable(map(dict.values, with_state)), self.saved_values))
         ):
             return False  # a state value replaced, added or removed between steps
@@ -353,7 +352,7 @@ class _GroupPlan:
         updated: tuple[Any, ...] = tuple(pop(local, None) for local in dlocals)
         if all(map(is_, updated, self.expected)):  # no state created for a parameter without one
             with_state = tuple(compress(updated, self.state_mask))
-            if all(map(eq, map(len, with_state), self.local_lens)) and all(
+            if all(map(eq, map(len, with_state), self.state_lens)) and all(
                 map(is_, chain.from_iterable(map(dict.values, with_state)), self.local_values)
             ):
                 return True  # updated in place, as optimizers do: the DTensors already wrap it

@@ -222,7 +222,9 @@ class GradientReducer:
         self._partial_outputs.clear()
 
 
-def _run_hook(hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: Any) -> None:
+def _run_hook(
+    hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: torch.cuda.Stream | None
+) -> None:
     """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows."""
     if stream is None:
         hook(output)

@@ -40,17 +40,43 @@ OPTIMIZERS = {
 }
 
 
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _assert_same_params_and_state(
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    params: list[Any],
+    ref_params: list[Any],
+    msg: str | None = None,
+) -> None:
+    """Each parameter and its optimizer state (keys, value types, values) equal the reference's exactly."""
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(_local(p), _local(q), rtol=0, atol=0, msg=msg)
+        mine, want = opt.state.get(p, {}), ref_opt.state.get(q, {})
+        assert mine.keys() == want.keys(), msg
+        for key, value in want.items():
+            assert type(mine[key]) is type(value), (msg, key)
+            torch.testing.assert_close(_local(mine[key]), _local(value), rtol=0, atol=0, msg=msg)
+
+
+def _step_all(rank: int, step: int, pairs: Any) -> None:
+    """One training step of each ``(model, optimizer)`` pair on this rank's input for ``step``."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+    for model, optim in pairs:
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
 def _compare(rank: int, world_size: int, base: nn.Module, name: str) -> None:
     make = OPTIMIZERS[name]
     ours, theirs = _model(base), _model(base)
     opt = fsdp2.local_step(make(ours.parameters()))
     ref_opt = fsdp2.local_step(make(theirs.parameters()), enabled=False)  # the DTensor path
     for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
-        for model, optim in ((ours, opt), (theirs, ref_opt)):
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _step_all(rank, step, ((ours, opt), (theirs, ref_opt)))
     for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         assert isinstance(p, DTensor), n
         torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0, msg=n)
@@ -101,11 +127,7 @@ def _reload_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
     opt = fsdp2.local_step(torch.optim.AdamW(ours.parameters(), lr=1e-2))
     ref_opt = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2), enabled=False)
     for step in range(5):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
-        for model, optim in ((ours, opt), (theirs, ref_opt)):
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _step_all(rank, step, ((ours, opt), (theirs, ref_opt)))
         if step == 2:  # both reload a copy of the reference's state: new state tensors
             saved = copy.deepcopy(ref_opt.state_dict())
             opt.load_state_dict(copy.deepcopy(saved))
@@ -113,14 +135,7 @@ def _reload_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
         for param in ours.parameters():
             for value in opt.state[param].values():
                 assert value.dim() == 0 or isinstance(value, DTensor)
-    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
-    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-        for key, value in ref_opt.state[q].items():
-            mine = opt.state[p][key]
-            got = mine.to_local() if isinstance(mine, DTensor) else mine
-            want = value.to_local() if isinstance(value, DTensor) else value
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_same_params_and_state(opt, ref_opt, list(ours.parameters()), list(theirs.parameters()))
 
 
 def test_local_step_after_load_state_dict_between_steps() -> None:
@@ -172,16 +187,9 @@ def _edits_between_steps(rank: int, world_size: int, base: nn.Module) -> None:
             optim.zero_grad()
         whole_groups.append(len(opt.step.swap.entered))  # type: ignore[attr-defined]
     assert all(whole_groups[step - 1] > 0 for step in range(3, 21, 3)), whole_groups
-    for p, q in zip([*ours.parameters(), extra_ours], [*theirs.parameters(), extra_theirs], strict=True):
-        got = p.to_local() if isinstance(p, DTensor) else p
-        want = q.to_local() if isinstance(q, DTensor) else q
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        for key, value in ref_opt.state[q].items():
-            mine = opt.state[p][key]
-            assert type(mine) is type(value), key
-            got = mine.to_local() if isinstance(mine, DTensor) else mine
-            want = value.to_local() if isinstance(value, DTensor) else value
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_same_params_and_state(
+        opt, ref_opt, [*ours.parameters(), extra_ours], [*theirs.parameters(), extra_theirs]
+    )
 
 
 def test_local_step_sees_edits_between_steps() -> None:
@@ -200,11 +208,7 @@ def _automatic(rank: int, world_size: int, base: nn.Module) -> None:
     ref = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1), enabled=False)
     subclassed = _MyAdamW(sub.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
-        for model, optim in ((ours, auto), (theirs, ref), (sub, subclassed)):
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _step_all(rank, step, ((ours, auto), (theirs, ref), (sub, subclassed)))
         # the first step runs on DTensors and switches the plain AdamW over for the next ones
         assert getattr(auto, "_fsdp2_local_step", False)
         assert not getattr(ref, "_fsdp2_local_step", False)
@@ -425,15 +429,8 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
                 last.grad = DTensor.from_local(full, last.device_mesh, [Partial()], run_check=False)
             optim.step()
             optim.zero_grad(set_to_none=name != "keep_grads")
-        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-            torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0, msg=f"step {step} {name}")
-            assert opt.state.get(p, {}).keys() == ref_opt.state.get(q, {}).keys(), (step, name)
-            for key, value in ref_opt.state.get(q, {}).items():
-                mine = opt.state[p][key]
-                assert type(mine) is type(value), (step, name, key)
-                got = mine.to_local() if isinstance(mine, DTensor) else mine
-                want = value.to_local() if isinstance(value, DTensor) else value
-                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        params, ref_params = list(ours.parameters()), list(theirs.parameters())
+        _assert_same_params_and_state(opt, ref_opt, params, ref_params, msg=f"step {step} {name}")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -464,16 +461,11 @@ def _stateless_and_frozen(rank: int, world_size: int, base: nn.Module) -> None:
     ref_opt = fsdp2.local_step(OPTIMIZERS["sgd-plain"](theirs.parameters()), enabled=False)
     whole = []
     for step in range(4):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
-        for model, optim in ((ours, opt), (theirs, ref_opt)):
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _step_all(rank, step, ((ours, opt), (theirs, ref_opt)))
         whole.append(len(opt.step.swap.entered))  # type: ignore[attr-defined]
     assert whole[1:] == [1, 1, 1], whole  # the first step takes the per-parameter pass
     assert not opt.state
-    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+    _assert_same_params_and_state(opt, ref_opt, list(ours.parameters()), list(theirs.parameters()))
 
 
 def test_stateless_optimizer_and_frozen_parameter_take_the_whole_group_path() -> None:
