@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.4f} (unsharded reference {ref_loss.item():.4f})")
     for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(param.full_tensor(), ref_param)
+        # Tensor parallelism splits each matmul's sum, so the last bits differ from the unsharded run;
+        # AdamW's normalisation can lift those to ~1e-5 in a weight after a few steps.
+        torch.testing.assert_close(param.full_tensor(), ref_param, atol=1e-4, rtol=1e-4)
     if dist.get_rank() == 0:
         weight = model.blocks[0].up.weight
         print(f"blocks.0.up.weight: {weight.placements} on mesh {tuple(weight.device_mesh.shape)}")

@@ -16,6 +16,7 @@ from ._local_optim import local_step
 from ._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._patch import TorchPatch, patch_torch_fsdp
 from ._plan import Plan, PlanError, plan
 from ._timeline import merge_timelines, save_timeline
 from ._wrap import apply_fully_shard
@@ -41,6 +42,7 @@ __all__ = [
     "ShardPlacementResult",
     "SimulatedValueError",
     "Span",
+    "TorchPatch",
     "TrainingState",
     "UnshardHandle",
     "__version__",
@@ -52,6 +54,7 @@ __all__ = [
     "load_full_state_dict",
     "local_step",
     "merge_timelines",
+    "patch_torch_fsdp",
     "plan",
     "record_events",
     "register_fsdp_forward_method",

@@ -69,6 +69,8 @@ class GroupControls:
         reduce_scatter_unused_params: reduce zero gradients for parameters that got none in this
             backward, so ranks whose control flow skipped a parameter still issue the same collective.
         reduce_scatter_max_input_buffers: reduce-scatter input buffers kept in flight (CUDA; >= 1).
+        unshard_async_op: the pre-forward and pre-backward all-gathers run as async ops on the current
+            stream instead of the all-gather streams (``_set_unshard_async_op``).
     """
 
     reduce_grads: bool = True
@@ -82,3 +84,4 @@ class GroupControls:
     all_reduce_hook_stream: torch.cuda.Stream | None = None
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
+    unshard_async_op: bool = False

@@ -20,9 +20,10 @@ from typing import Any
 
 from torch import nn
 
+from ._composable import pop_torch_state, restore_torch_state
 from ._fully_shard import fully_shard
 from ._lifecycle import TrainingState
-from ._module import set_deepcopy_impl
+from ._module import original_class, set_deepcopy_impl
 from ._state import FSDPState, get_state
 
 
@@ -107,8 +108,9 @@ def _as_plain_modules(states: list[FSDPState]) -> Iterator[None]:
                         del hooks[handle.id]
             for module in state.modules:
                 saved.append((module, "__class__", module.__class__))
-                module.__class__ = module.__class__.__mro__[2]  # FSDP<Name> -> <Name>
+                module.__class__ = original_class(module.__class__)  # FSDP<Name> -> <Name>
                 saved.append((module, "state", module.__dict__.pop("_fsdp2_state")))
+                saved.append((module, "torch_state", pop_torch_state(module)))
             for group in state.groups:
                 for fsdp_param in group.fsdp_params:
                     placeholder = fsdp_param.placeholder()
@@ -122,6 +124,8 @@ def _as_plain_modules(states: list[FSDPState]) -> Iterator[None]:
                 module.__class__ = value
             elif what == "state":
                 module.__dict__["_fsdp2_state"] = value
+            elif what == "torch_state":
+                restore_torch_state(module, value)
             else:
                 module._parameters[what[len("param:") :]] = value  # noqa: SLF001 - restoring
         for hooks, items in hook_dicts.values():

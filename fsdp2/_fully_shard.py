@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
-from ._composable import register_fully_shard, registered_apis
+from ._composable import is_torch_fully_shard_module, register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
 from ._local_optim import enable_automatic_local_steps
 from ._mesh import (
@@ -180,9 +180,21 @@ def fully_shard(
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True
     for root in modules:
-        register_fully_shard(root)
+        register_fully_shard(root, state)
         root.__class__ = fsdp_class(type(root))
     return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state of a module sharded by fsdp2 (``None`` otherwise).
+
+    Torch's ``fully_shard`` has this attribute too (``torch.distributed.pipelining`` reads it), so it
+    works the same after :func:`fsdp2.patch_torch_fsdp`.
+    """
+    return get_state(module)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]  # reason: torch's fully_shard has .state
 
 
 # ---- validation (no side effects) ---------------------------------------------------------------
@@ -214,7 +226,21 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
                 f"This {type(m).__name__} is already managed by replicate(); a module is either "
                 "replicated or sharded. Apply fully_shard to its children before replicate(), or drop one."
             )
+        _refuse_torch_fully_shard(m)
     return modules
+
+
+def _refuse_torch_fully_shard(module: nn.Module) -> None:
+    """Refuse a tree in which torch's own ``fully_shard`` manages a module: two engines cannot mix."""
+    for name, sub in module.named_modules():
+        if is_torch_fully_shard_module(sub):
+            where = f"its submodule {name!r} ({type(sub).__name__})" if name else f"this {type(sub).__name__}"
+            raise ValueError(
+                f"fsdp2.fully_shard was given a {type(module).__name__} of which {where} was sharded by "
+                "torch.distributed.fsdp.fully_shard. One model cannot mix the two implementations (each "
+                "schedules its own all-gathers and reductions). Shard every module with fsdp2.fully_shard, "
+                "or call fsdp2.patch_torch_fsdp() before the code that imports torch's fully_shard."
+            )
 
 
 def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:

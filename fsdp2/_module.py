@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ._autograd import eager
 from ._bucket import cap_bytes
@@ -101,17 +102,31 @@ class _GroupUnshardHandle(UnshardHandle):
 if TYPE_CHECKING:
     _ModuleBase = nn.Module
 else:
-    _ModuleBase = object
+    # torch's class is a base so that code testing isinstance(m, torch.distributed.fsdp.FSDPModule)
+    # (pipelining, torchtitan, accelerate, transformers) sees fsdp2 modules as FSDP modules. Every
+    # method of torch's class is overridden below: none of torch's engine runs.
+    _ModuleBase = TorchFSDPModule
+
+
+def original_class(cls: type) -> type:
+    """The user's class under ``FSDP<Name>``: the first base that is not an FSDP mixin."""
+    return next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
 
 
 class FSDPModule(_ModuleBase):
-    """Mixin added to every module passed to ``fully_shard`` (as ``FSDP<Name>``)."""
+    """Mixin added to every module passed to ``fully_shard`` (as ``FSDP<Name>``).
+
+    A subclass of ``torch.distributed.fsdp.FSDPModule``, so libraries that recognise FSDP modules by
+    torch's class treat fsdp2 modules as such; every public method is fsdp2's own.
+    """
+
+    # Where torch's code looks for the original class in the MRO: FSDP<Name>, this, torch's, <Name>.
+    _orig_cls_mro_index = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Constructing FSDP<Name> (e.g. Sequential slicing calls type(self)(...)) builds the original
         # class: the new module has not been through fully_shard.
-        orig_cls = cls.__mro__[2]
-        instance: Any = object.__new__(orig_cls)
+        instance: Any = object.__new__(original_class(cls))
         instance.__init__(*args, **kwargs)
         return instance
 
@@ -398,6 +413,18 @@ class FSDPModule(_ModuleBase):
         """Skip this module's all-gather in backward when its parameters are not needed there."""
         for group in self._get_fsdp_state().groups:
             group.controls.unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Issue the pre-forward / pre-backward all-gathers as async ops on the current stream.
+
+        Recursive. Allocations then stay on the compute stream; overlap needs explicit prefetching
+        (:meth:`unshard`). No effect without side streams (CPU).
+        """
+        if not isinstance(async_op, bool):
+            raise TypeError(f"_set_unshard_async_op expects a bool, got {describe(async_op)}.")
+        for module in self._fsdp_modules(True):
+            for group in _require_state(module).groups:
+                group.controls.unshard_async_op = async_op
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Unshard ``modules`` right after this module's own unshard in forward (replaces the list)."""

@@ -717,7 +717,7 @@ class FSDPParamGroup:
             # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
             # since a restore such as torch.func.functional_call's may have put the sharded ones back.
             self._register_unsharded()
-        self.unshard()
+        self.unshard(self.controls.unshard_async_op)
         self.wait_for_unshard()
 
     def post_forward(self) -> bool:
@@ -745,7 +745,7 @@ class FSDPParamGroup:
             return False
         self.set_state(_PRE_BACKWARD)
         if self.controls.unshard_in_backward:
-            self.unshard()
+            self.unshard(self.controls.unshard_async_op)
         self.wait_for_unshard()
         return True
 

@@ -57,6 +57,7 @@ from ._events import EventScope
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
 from ._state_dict import register_state_dict_hooks
+from ._torch_protocol import TorchStateNames
 
 _STATE_ATTR = "_fsdp2_state"
 _FORWARD = TrainingState.FORWARD
@@ -91,8 +92,8 @@ class SharedContext:
         self.iteration_order_start = 0
 
 
-class FSDPState:
-    """Hooks and lifecycle of one ``fully_shard`` call."""
+class FSDPState(TorchStateNames):
+    """Hooks and lifecycle of one ``fully_shard`` call (also answers torch's private state names)."""
 
     def __init__(
         self,

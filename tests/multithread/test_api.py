@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests._harness import assert_sharded_parity, broadcast_module_, count_collectives, run_threaded
@@ -55,7 +56,10 @@ def _return_value_and_class(impl: Impl) -> None:
     for module, orig_cls in [(first, nn.Linear), (model, nn.Sequential), (model[2].in_proj, nn.Linear)]:
         cls = type(module)
         assert cls.__name__ == f"FSDP{orig_cls.__name__}"
-        assert cls.__mro__[:3] == (cls, impl.FSDPModule, orig_cls)
+        # fsdp2's mixin has torch's FSDPModule as its base (torch's code recognises fsdp2 modules).
+        mixins = (impl.FSDPModule,) if impl.name == "torch" else (impl.FSDPModule, TorchFSDPModule)
+        assert cls.__mro__[: len(mixins) + 2] == (cls, *mixins, orig_cls)
+        assert isinstance(module, TorchFSDPModule)
         assert isinstance(module, impl.FSDPModule)
         assert isinstance(module, orig_cls)
     # One dynamic class per original class, shared by every wrapped instance of it.
