@@ -56,11 +56,3 @@ def restore_torch_state(module: nn.Module, state: Any) -> None:
     """Put back what ``pop_torch_state`` removed."""
     if state is not None:
         module.__dict__.setdefault(STATE_KEY, OrderedDict())[_TORCH_STATE_KEY] = state
-
-
-def is_torch_fully_shard_module(module: nn.Module) -> bool:
-    """Whether torch's own ``fully_shard`` manages ``module`` (its class is FSDPModule, not fsdp2's)."""
-    if REGISTRY_KEY is None:
-        return False
-    state = module.__dict__.get(STATE_KEY, {}).get(_TORCH_STATE_KEY)
-    return state is not None and type(state).__module__.startswith("torch.")

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
-from ._composable import is_torch_fully_shard_module, register_fully_shard, registered_apis
+from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
 from ._local_optim import enable_automatic_local_steps
 from ._mesh import (
@@ -29,7 +29,7 @@ from ._mesh import (
     mesh_device,
     post_forward_mesh_info,
 )
-from ._module import FSDPModule, describe, fsdp_class
+from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
 from ._param_group import FSDPParamGroup
 from ._replaced import mark_replaced
 from ._state import FSDPState, get_state
@@ -233,7 +233,8 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
 def _refuse_torch_fully_shard(module: nn.Module) -> None:
     """Refuse a tree in which torch's own ``fully_shard`` manages a module: two engines cannot mix."""
     for name, sub in module.named_modules():
-        if is_torch_fully_shard_module(sub):
+        # torch's class without fsdp2's state (torch's replicate() modules are checked separately)
+        if is_torch_fsdp_module(sub) and get_state(sub) is None and not _is_replicated(sub):
             where = f"its submodule {name!r} ({type(sub).__name__})" if name else f"this {type(sub).__name__}"
             raise ValueError(
                 f"fsdp2.fully_shard was given a {type(module).__name__} of which {where} was sharded by "

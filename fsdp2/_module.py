@@ -108,6 +108,11 @@ else:
     _ModuleBase = TorchFSDPModule
 
 
+def is_torch_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an instance of torch's ``FSDPModule`` (fsdp2's modules are too)."""
+    return isinstance(module, TorchFSDPModule)
+
+
 def original_class(cls: type) -> type:
     """The user's class under ``FSDP<Name>``: the first base that is not an FSDP mixin."""
     return next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))

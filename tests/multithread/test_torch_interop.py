@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from tests._harness import run_threaded
-from tests._impls import Impl
+from tests._impls import Impl, get_impl
 
 DIM = 6
 
@@ -73,25 +73,19 @@ def _divide_factor_loop(impl: Impl) -> None:
 def test_library_isinstance_loop_reaches_fsdp2_modules() -> None:
     # torch's own fully_shard needs PREMUL_SUM for a divide factor, which the threaded backend lacks;
     # the reference is the unsharded model's summed gradients.
-    run_threaded(2, _divide_factor_loop, _impl("fsdp2"))
-
-
-def _impl(name: str) -> Impl:
-    from tests._impls import get_impl
-
-    return get_impl(name)
+    run_threaded(2, _divide_factor_loop, get_impl("fsdp2"))
 
 
 def _torch_helpers_on_fsdp2() -> None:
     model, ref = _model(), _model()
-    _shard(_impl("fsdp2"), model)
+    _shard(get_impl("fsdp2"), model)
     model.forward_twice = lambda x: model[2](model[0](x)) * 2  # type: ignore[attr-defined]
     ref_out = ref[2](ref[0](_input())) * 2
     torch_fsdp.register_fsdp_forward_method(model, "forward_twice")
     out = model.forward_twice(_input())  # type: ignore[attr-defined]
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     # torch's share_comm_ctx reads and writes the state's _comm_ctx and each group's comm_ctx.
-    a, b = _shard(_impl("fsdp2"), _model()), _shard(_impl("fsdp2"), _model())
+    a, b = _shard(get_impl("fsdp2"), _model()), _shard(get_impl("fsdp2"), _model())
     torch_fsdp.share_comm_ctx([a, b])
     assert a._get_fsdp_state().comm_ctx is b._get_fsdp_state().comm_ctx
     assert all(g.comm_ctx is a._get_fsdp_state().comm_ctx for g in b._get_fsdp_state().groups)
@@ -124,8 +118,8 @@ def _pipelining_protocol(impl: Impl, microbatches: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_pipelining_manual_reduce_matches_torch(microbatches: int) -> None:
-    theirs = run_threaded(2, _pipelining_protocol, _impl("torch"), microbatches)
-    ours = run_threaded(2, _pipelining_protocol, _impl("fsdp2"), microbatches)
+    theirs = run_threaded(2, _pipelining_protocol, get_impl("torch"), microbatches)
+    ours = run_threaded(2, _pipelining_protocol, get_impl("fsdp2"), microbatches)
     for rank in range(2):
         for mine, reference in zip(ours[rank], theirs[rank], strict=True):
             torch.testing.assert_close(mine, reference, rtol=0, atol=0)
@@ -167,7 +161,7 @@ def test_patch_torch_fsdp_swaps_and_restores() -> None:
 
 
 def _async_unshard() -> None:
-    model, ref = _shard(_impl("fsdp2"), _model()), _model()
+    model, ref = _shard(get_impl("fsdp2"), _model()), _model()
     with pytest.raises(TypeError, match="expects a bool"):
         model._set_unshard_async_op(1)  # type: ignore[arg-type]
     model._set_unshard_async_op(True)
