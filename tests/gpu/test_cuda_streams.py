@@ -65,7 +65,7 @@ def _train(options: dict[str, Any]) -> None:
         for param in ref.parameters():
             dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
         tol = {"rtol": 2e-2, "atol": 2e-2} if low_precision else {}
-        torch.testing.assert_close(loss, ref_loss, **tol)
+        torch.testing.assert_close(loss.float(), ref_loss, **tol)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
