@@ -28,6 +28,16 @@ serves that iteration's backward and the next forward, so the first forward runs
 forward without gradients replans forward only). A state that ran more than once in a forward stands
 alone. Reduce-scatters need no plan: the root's queue takes post-backwards as they come and is
 flushed by the end-of-backward callback.
+
+[Note: Partial grouped pass]
+A state over several modules (``fully_shard([norm, head])``) opens a pass at the first member's
+pre-forward and closes it (reshard, pre-backward hooks on the output) when every member has run.
+Some passes never close: a chunked loss runs ``norm`` inside the model's forward (that pass is closed
+by the iteration root's post-forward) and then calls ``head`` alone once per chunk. The first such
+call opens a pass and becomes the iteration root; the later calls find the group still unsharded and
+gather nothing. The pass ends in backward: its post-backward node (on the first call's input) moves
+the state through ``PRE_BACKWARD`` without prefetching, then reduces the gradients of all the chunks
+at once. The end-of-backward callback clears the unfinished member set and the iteration root.
 """
 
 from __future__ import annotations
@@ -367,10 +377,14 @@ class FSDPState(TorchStateNames):
 
     def _run_group_post_backward(self) -> None:
         # Called by the post-backward autograd node; dispatches through the group instances.
+        if self.modules_to_run and self.training_state is _FORWARD:
+            # A grouped pass some members never ran (see [Note: Partial grouped pass]): it ends here.
+            self.modules_to_run.clear()
+            self.pre_backward(prefetch=False)
         for group in self.groups:
             group.post_backward()
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, prefetch: bool = True) -> None:
         self.set_state(_PRE_BACKWARD)
         ctx = self.shared_context()
         if not ctx.callback_queued:
@@ -378,6 +392,8 @@ class FSDPState(TorchStateNames):
             root = ctx.all_states[0] if ctx.all_states else self
             queue_end_of_backward_callback(root.eager_finish_backward)
         entered = [group.pre_backward() for group in self.groups]
+        if not prefetch:
+            return
         if any(entered) and not self.backward_prefetch:
             self._default_backward_prefetch(ctx)
         for target in self.backward_prefetch:
