@@ -1,4 +1,5 @@
-"""Smoke tests of examples/train.py, the README's main job, in two real gloo processes.
+"""Smoke tests of examples/train.py, the README's main job, in two real gloo processes, and of the
+tensor- and pipeline-parallel examples in four.
 
 One test imports the example and calls its ``main()`` inside ranks spawned by the harness; the
 other runs the exact ``torchrun`` command line a user types. Both use a model small enough to take
@@ -126,6 +127,38 @@ def test_tensor_parallel_example_command_line() -> None:
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
     assert "parameters equal the unsharded reference" in result.stdout, output[-4000:]
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (2, 2)" in result.stdout, output[-4000:]
+
+
+def test_pipeline_parallel_example_command_line() -> None:
+    """docs/parallelism.md's command: 4 gloo processes, (pp=2, dp=2), zero-bubble; it checks itself."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    example = REPO_ROOT / "examples" / "pp_fsdp.py"
+    command = [
+        *launcher,
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(example),
+        "--schedule",
+        "ZBVZeroBubble",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [*command, "--steps", "2"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
+    assert "every stage's parameters equal the unsharded reference" in result.stdout, output[-4000:]
 
 
 def _resume_and_check(ckpt_dir: str, export: str) -> None:
