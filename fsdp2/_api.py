@@ -89,8 +89,11 @@ class DataParallelMeshDims:
     when parameters are DTensors on the whole mesh with ``Replicate()`` on the data-parallel dims.
 
     Args:
-        shard: the dim name FSDP shards parameters over.
-        replicate: the dim name replicas live on (HSDP), or ``None``.
+        shard: the dim name FSDP shards parameters over, or several adjacent ones in mesh order (e.g.
+            ``("dp_shard", "cp")``), flattened into one shard dim as torch does; ``None``: no
+            sharding (with ``replicate``: data parallel like DDP, gradients all-reduced).
+        replicate: the dim name replicas live on (HSDP, or DDP without ``shard``), several (flattened
+            into one), or ``None``.
     """
 
     shard: str | tuple[str, ...] | None = None

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, SpmdDims
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,15 @@ class ParamSpec:
         shard_dim: the dim to shard on (``shard_placement_fn``); 0 by default.
         spmd_mesh: for a tensor-parallel (DTensor) parameter, the data-parallel mesh dims followed by
             its TP mesh dims, one mesh (the sharded parameter's DTensor mesh); ``None`` otherwise.
-        dp_dims: with ``DataParallelMeshDims``, the indices of the shard dim and of the replicate dim
-            (or ``None``) in the parameter's own (full SPMD) mesh; ``None`` otherwise.
+        dp_dims: with ``DataParallelMeshDims``, its dims resolved against the parameter's own (full SPMD)
+            mesh; ``None`` otherwise.
     """
 
     param: nn.Parameter
     owners: tuple[tuple[nn.Module, str], ...]
     shard_dim: int = 0
     spmd_mesh: DeviceMesh | None = None
-    dp_dims: tuple[int, int | None] | None = None
+    dp_dims: SpmdDims | None = None
 
 
 @dataclass(frozen=True)

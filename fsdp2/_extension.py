@@ -1,9 +1,10 @@
 """The tensor-subclass all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``).
 
-Owns: detecting the two hooks on a sharded parameter's local tensor, calling them with fsdp2's
-arguments (both signatures of the pre hook), checking what the pre hook returns, and the per-parameter
-record of one all-gather (input sizes, metadata, inner tensors to free). Does not own: issuing the
-all-gather (``FSDPParamGroup``) or the unsharded parameter's storage (``FSDPParam``).
+Owns: detecting the two hooks on a sharded parameter's local tensor (and refusing a change of them
+after the first forward), calling them with fsdp2's arguments (both signatures of the pre hook),
+checking what the pre hook returns, and the per-parameter record of one all-gather (input sizes,
+metadata, inner tensors to free). Does not own: issuing the all-gather (``FSDPParamGroup``) or the
+unsharded parameter's storage (``FSDPParam``).
 
 [Note: All-gather extension]
 A parameter whose local tensor (e.g. a float8 or int8 weight subclass) defines both hooks is gathered
@@ -17,6 +18,14 @@ out=None)`` receives the gathered tensors (``(-1, *input_size[1:])``); the first
 ``(unsharded, inner_tensors)`` and fsdp2 keeps an original-size view of ``unsharded`` as the unsharded
 parameter; later calls pass ``out=`` that parameter, after re-allocating the inner tensors, and the
 hook fills it in place. Resharding frees the gathered outputs and the inner tensors.
+
+The hooks are looked up on the local tensor, so a weight class may gain them after ``fully_shard``:
+as in torch, each group looks again at its first forward (lazy init, also after a conversion or
+``load_state_dict(assign=True)``). A local tensor of a tensor subclass therefore keeps a tensor of its
+own (of its class) even without hooks, never a slot of the group's packed buffer. Hooks that appear
+or disappear after that are refused at the next all-gather, before anything is gathered (torch 2.13
+fails there too: ``AttributeError`` for hooks that appeared, a failed or stale gather for hooks that
+went away).
 """
 
 from __future__ import annotations
@@ -31,9 +40,36 @@ from torch import nn
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"
+_TORCH_SUBCLASSES = "torch._subclasses"  # fake and functional tensors (tracing, memory estimates)
 
 
 def has_extension(local: torch.Tensor, param_name: str) -> bool:
+    """Whether ``local`` is, or may become by the first forward, an all-gather extension tensor.
+
+    It defines both hooks, or it is a tensor subclass whose class may still gain them; either way its
+    shard keeps a tensor of its own (the group does not pack it). :func:`defines_hooks` tells which.
+
+    Raises:
+        ValueError: only one of the two hooks is defined.
+    """
+    return defines_hooks(local, param_name) or may_gain_hooks(local)
+
+
+def may_gain_hooks(local: torch.Tensor) -> bool:
+    """Whether ``local`` is of a tensor subclass (a weight type).
+
+    Not a plain tensor or parameter (of any ``nn.Parameter`` class: its data is plain), nor one of
+    torch's tracing tensors (fake or functional).
+    """
+    cls = type(local)
+    return (
+        cls is not torch.Tensor
+        and not issubclass(cls, nn.Parameter)
+        and not cls.__module__.startswith(_TORCH_SUBCLASSES)
+    )
+
+
+def defines_hooks(local: torch.Tensor, param_name: str) -> bool:
     """Whether ``local`` defines the all-gather hooks; both or neither.
 
     Raises:
@@ -47,6 +83,33 @@ def has_extension(local: torch.Tensor, param_name: str) -> bool:
             f"{_PRE if pre else _POST} but not {missing}; the all-gather extension needs both."
         )
     return pre
+
+
+def check_hooks_unchanged(local: torch.Tensor, param_name: str, had_hooks: bool) -> None:
+    """Refuse hooks that appeared on (or went from) ``local``'s class since the first forward decided.
+
+    Raises:
+        AttributeError: the hooks appeared (torch 2.13 raises ``AttributeError`` there too).
+        RuntimeError: the hooks went away.
+    """
+    has_hooks = defines_hooks(local, param_name)
+    if has_hooks == had_hooks:
+        return
+    cls = type(local).__name__
+    when = (
+        "FSDP decides at the first forward (lazy init) whether a parameter all-gathers through them; "
+        "nothing was gathered"
+    )
+    if has_hooks:
+        raise AttributeError(
+            f"Parameter {param_name}: its local tensor's class {cls} gained {_PRE} and {_POST} after the "
+            f"first forward. {when}. Define the hooks on the class before the first forward (before or "
+            "after fully_shard)."
+        )
+    raise RuntimeError(
+        f"Parameter {param_name}: its local tensor ({cls}) no longer defines {_PRE} and {_POST}, which it "
+        f"had at the first forward. {when}. Keep the hooks for the life of the model."
+    )
 
 
 @dataclass

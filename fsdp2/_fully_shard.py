@@ -24,6 +24,7 @@ from ._config import GroupConfig, ParamSpec
 from ._local_optim import enable_automatic_local_steps
 from ._mesh import (
     MeshInfo,
+    SpmdDims,
     data_and_tensor_parallel_mesh,
     default_mesh,
     mesh_device,
@@ -88,7 +89,8 @@ def fully_shard(
         offload_policy: where sharded parameters live.
         ignored_params: parameters left unsharded and unreduced.
         dp_mesh_dims: with a full SPMD ``mesh`` whose parameters are already DTensors on it, which named
-            dims are data parallel (see :class:`DataParallelMeshDims`).
+            dims are data parallel (see :class:`DataParallelMeshDims`): shard dims (several are
+            flattened into one), replicate dims, or both.
 
     Returns:
         ``module`` itself (the same list for a list).
@@ -110,8 +112,10 @@ def fully_shard(
     if dp_mesh_dims is None:
         mesh_info = _validate_mesh(mesh)
     else:
-        mesh_info, dp_dims = _validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
-    _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+        dp_dims = _validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+        mesh_info = dp_dims.mesh_info
+    # Replicas only: nothing is sharded, so an int has no sharding to divide (torch ignores it too).
+    _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size, mesh_info.replicate_only)
     mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
     _validate_policies(mp_policy, offload_policy)
     ignored = _validate_ignored(ignored_params)
@@ -153,8 +157,12 @@ def fully_shard(
             )
             for key in keys
         ]
-        post_info = post_forward_mesh_info(
-            True if reshard_after_forward is None else reshard_after_forward, info
+        post_info = (
+            None  # replicas only: the parameters are never sharded, so nothing is resharded after forward
+            if info.replicate_only
+            else post_forward_mesh_info(
+                True if reshard_after_forward is None else reshard_after_forward, info
+            )
         )
         group = FSDPParamGroup(
             specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info
@@ -256,8 +264,14 @@ def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
     return tuple(roots)
 
 
-def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> tuple[MeshInfo, tuple[int, int | None]]:
-    """``DataParallelMeshDims``: the mesh info of its shard (and replicate) dim of the full mesh."""
+def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> SpmdDims:
+    """``DataParallelMeshDims``: check its names against ``mesh``, then resolve them (see ``SpmdDims``).
+
+    Refuses what torch 2.13 refuses, with the same exception types: names not in mesh order
+    (``KeyError``), a name given twice or as both shard and replicate, several shard dims that are not
+    adjacent, or no dim at all (``RuntimeError``); an int ``reshard_after_forward`` with a shard dim
+    (``NotImplementedError``).
+    """
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {describe(dims)}.")
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
@@ -266,26 +280,45 @@ def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> tuple[MeshInfo, t
             "names, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), passed as mesh=."
         )
     names = mesh.mesh_dim_names
-    for name in (*dims.shard_names, *dims.replicate_names):
+    shard_names, replicate_names = dims.shard_names, dims.replicate_names
+    for name in (*shard_names, *replicate_names):
         if name not in names:
             raise ValueError(f"dp_mesh_dims names {name!r}, which is not a dim of the mesh {names}.")
-    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dims}: fsdp2 supports exactly one shard dim and at most one replicate dim "
-            "(flatten several into one named dim of the mesh first)."
+    if not shard_names and not replicate_names:
+        raise RuntimeError(
+            f"{dims} names no mesh dim (empty tuples); name the data-parallel dims of the mesh {names}, "
+            "e.g. DataParallelMeshDims(shard='dp')."
         )
-    if not (reshard is None or isinstance(reshard, bool)):
+    for kind, group in (("shard", shard_names), ("replicate", replicate_names)):
+        if len(set(group)) != len(group):
+            raise RuntimeError(f"dp_mesh_dims {kind}={group} names a dim twice; name each dim once.")
+        indices = [names.index(name) for name in group]
+        if indices != sorted(indices):
+            raise KeyError(
+                f"dp_mesh_dims {kind}={group} does not follow the order of the mesh dims {names}; list "
+                f"them in mesh order, {tuple(names[i] for i in sorted(indices))}."
+            )
+    both = set(shard_names) & set(replicate_names)
+    if both:
+        raise RuntimeError(
+            f"dp_mesh_dims names {sorted(both)} as both shard and replicate dims; a dim is one or the other."
+        )
+    shard = [names.index(name) for name in shard_names]
+    if shard and shard != list(range(shard[0], shard[0] + len(shard))):
+        raise RuntimeError(
+            f"dp_mesh_dims shard={shard_names}: several shard dims are flattened into one, so they must be "
+            f"adjacent in the mesh {names}; reorder the mesh dims or flatten them into one named dim first."
+        )
+    if shard_names and not (reshard is None or isinstance(reshard, bool)):
         raise NotImplementedError(
             f"reshard_after_forward={reshard} (an int) is not supported with dp_mesh_dims; use True or False."
         )
-    shard = names.index(dims.shard_names[0])
-    replicate = names.index(dims.replicate_names[0]) if dims.replicate_names else None
     _validate_mesh_device(mesh)
-    return MeshInfo.build(mesh, shard, replicate), (shard, replicate)
+    return SpmdDims.build(mesh, shard_names, replicate_names)
 
 
 def _validate_spmd_param(
-    param: nn.Parameter, name: str, mesh: DeviceMesh, dp_dims: tuple[int, int | None], dim: int, default: bool
+    param: nn.Parameter, name: str, mesh: DeviceMesh, dp_dims: SpmdDims, dim: int, default: bool
 ) -> None:
     """With ``dp_mesh_dims`` every parameter is a DTensor on exactly ``mesh``, replicated on its DP dims."""
     if not isinstance(param, DTensor) or param.device_mesh != mesh:
@@ -294,7 +327,7 @@ def _validate_spmd_param(
             f"With dp_mesh_dims every parameter must be a DTensor on fully_shard's mesh {mesh}; {name} is "
             f"{where}. Distribute it on the full mesh (Replicate() on the data-parallel dims) first."
         )
-    for index in (i for i in dp_dims if i is not None):
+    for index in sorted(dp_dims.dp_indices):
         if not param.placements[index].is_replicate():
             raise ValueError(
                 f"With dp_mesh_dims, {name} must be Replicate() on the data-parallel dim "
@@ -333,11 +366,14 @@ def _validate_mesh_device(mesh: DeviceMesh) -> None:
         )
 
 
-def _validate_reshard_after_forward(value: Any, shard_size: int) -> None:
+def _validate_reshard_after_forward(value: Any, shard_size: int, any_int: bool = False) -> None:
+    """``any_int``: nothing is sharded (replicas only), so an int is accepted and has no effect."""
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {describe(value)}.")
+    if any_int:
+        return
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard world size {shard_size} (1 <= k <= "

@@ -1,10 +1,12 @@
 """Device mesh facts resolved once per ``fully_shard`` call.
 
 Owns: ``MeshInfo`` (the shard and replicate process groups, sizes and ranks), the default mesh, the
-device a mesh communicates on, and the smaller mesh used after forward for an int
-``reshard_after_forward``. Does not own: any collective call.
+device a mesh communicates on, the smaller mesh used after forward for an int
+``reshard_after_forward``, and ``SpmdDims`` (``DataParallelMeshDims`` resolved against a full SPMD
+mesh: its data-parallel process groups and the layout of the sharded parameters). Does not own: any
+collective call.
 Invariants: a ``MeshInfo`` never changes after construction; ``shard_size * replicate_size`` equals the
-mesh size.
+number of data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -16,20 +18,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The data-parallel layout of one mesh: dim 1 (or the only dim) shards, dim 0 replicates (HSDP)."""
+    """The data-parallel layout of one mesh: dim 1 (or the only dim) shards, dim 0 replicates (HSDP).
+
+    ``replicate_only``: no shard dim at all (``DataParallelMeshDims(replicate=...)``, data parallel like
+    DDP): ``shard_mesh_dim`` is ``None``, ``shard_size`` 1, and ``shard_group`` is the replicate group,
+    over which nothing is ever gathered or scattered (a single shard rank needs no collective).
+    """
 
     mesh: DeviceMesh
-    shard_mesh_dim: int
+    shard_mesh_dim: int | None
     replicate_mesh_dim: int | None
     shard_group: dist.ProcessGroup
     shard_size: int
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    replicate_only: bool = False
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -62,9 +72,16 @@ class MeshInfo:
             1 if replicate_mesh_dim is None else mesh.size(replicate_mesh_dim),
         )
 
+    @classmethod
+    def replicated(cls, mesh: DeviceMesh) -> MeshInfo:
+        """The info for replicas only, over 1-D ``mesh``: no sharding, gradients all-reduced over it."""
+        group = mesh.get_group(0)
+        return cls(mesh, None, 0, group, 1, 0, group, mesh.size(0), replicate_only=True)
+
     @property
     def is_hsdp(self) -> bool:
-        return self.replicate_mesh_dim is not None
+        """Sharded and replicated (torch's ``HSDPMeshInfo``); not for replicas only."""
+        return self.replicate_mesh_dim is not None and not self.replicate_only
 
 
 def FSDPMeshInfo(mesh: DeviceMesh, shard_mesh_dim: int = 0) -> MeshInfo:  # noqa: N802 - torch's name
@@ -182,3 +199,82 @@ def data_and_tensor_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, para
         )
     spmd: DeviceMesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])  # noqa: SLF001 - no public API
     return spmd
+
+
+@dataclass(frozen=True)
+class SpmdDims:
+    """``DataParallelMeshDims`` resolved against the full SPMD mesh the parameters are DTensors on.
+
+    Attributes:
+        mesh: the full SPMD mesh (``fully_shard``'s ``mesh``, the parameters' DTensor mesh).
+        shard: indices of the shard dims in ``mesh`` (ascending and adjacent); may be empty.
+        replicate: indices of the replicate dims in ``mesh`` (ascending); may be empty.
+        mesh_info: the data-parallel process groups: several shard dims are flattened into one, and so
+            are several replicate dims, as torch does.
+        sharded_mesh: the mesh of the sharded parameters: ``mesh`` itself with at most one shard dim;
+            with several, ``mesh`` whose shard dims are replaced by the flattened one (preceded, with
+            replicate dims too, by the flattened replicate dim, whose own dims are dropped).
+    """
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]
+    replicate: tuple[int, ...]
+    mesh_info: MeshInfo
+    sharded_mesh: DeviceMesh
+
+    @property
+    def dp_indices(self) -> frozenset[int]:
+        """The data-parallel dims of ``mesh`` (shard and replicate)."""
+        return frozenset(self.shard + self.replicate)
+
+    def sharded_placements(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """``placements`` on ``mesh`` (FSDP's on the first shard dim) mapped onto ``sharded_mesh``."""
+        if len(self.shard) <= 1:
+            return placements
+        out: list[Placement] = []
+        for index, placement in enumerate(placements):
+            if index == self.shard[0]:
+                if self.replicate:
+                    out.append(Replicate())
+                out.append(placement)
+            elif index not in self.shard and index not in self.replicate:
+                out.append(placement)
+        return tuple(out)
+
+    @classmethod
+    def build(
+        cls, mesh: DeviceMesh, shard_names: tuple[str, ...], replicate_names: tuple[str, ...]
+    ) -> SpmdDims:
+        """Resolve validated dim names of ``mesh`` (flattening several into one is a collective call)."""
+        names = mesh.mesh_dim_names
+        assert names is not None, "an SPMD mesh without dim names"
+        shard = tuple(names.index(name) for name in shard_names)
+        replicate = tuple(names.index(name) for name in replicate_names)
+        shard_mesh = _dims_mesh(mesh, shard_names)
+        replicate_mesh = _dims_mesh(mesh, replicate_names)
+        if shard_mesh is None:
+            assert replicate_mesh is not None, "DataParallelMeshDims without dims"
+            info = MeshInfo.replicated(replicate_mesh)
+        elif replicate_mesh is None:
+            info = MeshInfo.from_mesh(shard_mesh)
+        else:
+            both: DeviceMesh = DeviceMesh._concatenate([replicate_mesh, shard_mesh])  # noqa: SLF001 - no public API
+            info = MeshInfo.from_mesh(both)
+        sharded_mesh = mesh
+        if len(shard) > 1:
+            parts = [
+                info.mesh if index == shard[0] else mesh[name]
+                for index, name in enumerate(names)
+                if index == shard[0] or (index not in shard and index not in replicate)
+            ]
+            sharded_mesh = DeviceMesh._concatenate(parts)  # noqa: SLF001 - no public API
+        return cls(mesh, shard, replicate, info, sharded_mesh)
+
+
+def _dims_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
+    """The 1-D mesh over ``names`` of ``mesh``: a slice for one name, several flattened into one."""
+    if not names:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))  # noqa: SLF001 - torch's own way to flatten dims

@@ -2,13 +2,15 @@
 
 Owns: the dynamic ``FSDP<Name>`` classes (cached per original class), the ``FSDPModule`` methods
 (unshard/reshard and every setter), ``UnshardHandle``, ``register_fsdp_forward_method`` and
-``share_comm_ctx``. Each method only translates the call into ``FSDPState``/``FSDPParamGroup`` fields
+``share_comm_ctx``, and the errors the setters raise for bad arguments (before any change, with torch's
+exception types). Each method only translates the call into ``FSDPState``/``FSDPParamGroup`` fields
 or calls. Does not own: hooks or communication.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -46,6 +48,32 @@ def describe(value: Any) -> str:
     return (
         f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
     )
+
+
+# ---- setter argument errors ---------------------------------------------------------------------
+# A setter refuses a bad argument when it is called, before any change, with the exception type torch
+# 2.13 raises for it (often only at the next forward or backward). Where fsdp2 raised another type
+# before, the error derives from both, so code catching either keeps working.
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A setter argument of the wrong type (torch: ``TypeError``; fsdp2 raised ``ValueError`` before)."""
+
+
+class CommTypeError(TypeError, AttributeError):
+    """Not a collective object (torch: ``AttributeError`` at the first collective; fsdp2: ``TypeError``)."""
+
+
+class ZeroDivideFactorError(ValueError, ZeroDivisionError):
+    """``set_gradient_divide_factor(0)`` (torch: ``ZeroDivisionError`` in backward)."""
+
+
+class UnknownBackendError(ValueError, RuntimeError):
+    """A symmetric-memory backend other than NCCL (torch: ``RuntimeError``)."""
+
+
+class NotShardedError(ValueError, AssertionError):
+    """A sharding setter on a module whose parameters are replicated only (torch: ``AssertionError``)."""
 
 
 # ---- the dynamic class --------------------------------------------------------------------------
@@ -196,7 +224,15 @@ class FSDPModule(_ModuleBase):
             raise ValueError(
                 f"reshard_after_forward should be a bool, got {describe(reshard_after_forward)}."
             )
-        for module in self._fsdp_modules(recurse):
+        modules = self._fsdp_modules(recurse)
+        for module in modules:
+            if any(group.mesh_info.replicate_only for group in _require_state(module).groups):
+                raise NotShardedError(
+                    f"set_reshard_after_forward: {type(module).__name__} replicates its parameters without "
+                    "sharding them (DataParallelMeshDims(replicate=...) only), so there is nothing to "
+                    "reshard after forward. Call it with recurse=False on the sharded modules instead."
+                )
+        for module in modules:
             state = _require_state(module)
             state.auto_reshard = False
             for group in state.groups:
@@ -221,8 +257,16 @@ class FSDPModule(_ModuleBase):
         Not recursive. Works on every backend: gradients are pre-scaled by ``1/factor`` and summed.
         """
         value: object = factor
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"gradient divide factor must be a positive number, got {describe(factor)}.")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ArgumentTypeError(
+                f"gradient divide factor must be a positive number (int or float), got {describe(factor)}."
+            )
+        if value == 0:
+            raise ZeroDivideFactorError("gradient divide factor must be a positive number, got 0.")
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(
+                f"gradient divide factor must be a positive, finite number, got {describe(factor)}."
+            )
         for group in self._get_fsdp_state().groups:
             group.controls.gradient_divide_factor = float(factor)
 
@@ -250,6 +294,12 @@ class FSDPModule(_ModuleBase):
         ``stream`` where given (CUDA): that stream first waits for the reduction, and the
         post-division waits for the hook's work on it.
         """
+        value: object = hook
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"set_all_reduce_hook expects a callable hook(reduced_output) (or None for no hook), got "
+                f"{describe(hook)}."
+            )
         group = self._single_group("set_all_reduce_hook")
         if group is None:
             return
@@ -264,7 +314,16 @@ class FSDPModule(_ModuleBase):
         group.controls.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream."""
+        """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream.
+
+        ``None`` goes back to waiting on the stream.
+        """
+        value: object = event
+        if value is not None and not isinstance(value, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                "set_post_optim_event expects a torch.Event recorded after the optimizer step (or None), "
+                f"got {describe(event)}."
+            )
         self._get_fsdp_state().shared_context().post_optim_event = event
 
     # ---- collectives -----------------------------------------------------------------------------
@@ -275,7 +334,7 @@ class FSDPModule(_ModuleBase):
         ``comm.allocate`` provides the output buffer and ``comm(output, input, group, async_op)`` runs the
         collective; see :class:`AllGather`. Not used when the shard group has a single rank.
         """
-        check_comm(comm, "all_gather")
+        _check_comm(comm, "all_gather")
         group = self._single_group("set_custom_all_gather")
         if group is not None:
             group.comms.all_gather = comm
@@ -287,7 +346,7 @@ class FSDPModule(_ModuleBase):
         ``comm.allocate`` provides the input and output buffers and ``comm(output, input, group, op)``
         runs the collective; see :class:`ReduceScatter`. Not used when the shard group has one rank.
         """
-        check_comm(comm, "reduce_scatter")
+        _check_comm(comm, "reduce_scatter")
         group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
             group.comms.reduce_scatter = comm
@@ -318,6 +377,13 @@ class FSDPModule(_ModuleBase):
         Needs CUDA and NCCL (a ``RuntimeError`` elsewhere); cannot be combined with custom collectives.
         Not recursive.
         """
+        value: object = backend
+        if not isinstance(value, str):
+            raise ArgumentTypeError(
+                f"set_symm_mem_for_comm: backend must be the str 'NCCL', got {describe(value)}."
+            )
+        if value != "NCCL":
+            raise UnknownBackendError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {value!r}.")
         groups = self._get_fsdp_state().groups
         for group in groups:
             _refuse_custom(group, "set_symm_mem_for_comm")
@@ -346,7 +412,11 @@ class FSDPModule(_ModuleBase):
         the cost of the retained buffers' memory. No effect without side streams (CPU).
         """
         value: object = max_input_buffers
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(
+                f"max_input_buffers must be a positive int (a bool is not one), got {describe(value)}."
+            )
+        if value < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {describe(max_input_buffers)}.")
         for module in self._fsdp_modules(recurse):
             for group in _require_state(module).groups:
@@ -478,9 +548,19 @@ def _refuse_custom(group: FSDPParamGroup, method: str) -> None:
         )
 
 
+def _check_comm(comm: object, kind: str) -> None:
+    try:
+        check_comm(comm, kind)
+    except TypeError as error:
+        raise CommTypeError(str(error)) from None
+
+
 def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
     if not isinstance(modules, (list, tuple)):
-        raise ValueError(f"{method} expects a list of FSDPModule, got {describe(modules)}.")
+        # torch iterates what it is given: not iterable is a TypeError there, an iterable of other
+        # things (a str) a ValueError.
+        error = ValueError if hasattr(modules, "__iter__") else ArgumentTypeError
+        raise error(f"{method} expects a list of FSDPModule, got {describe(modules)}.")
     states = []
     for module in modules:
         if not isinstance(module, FSDPModule):

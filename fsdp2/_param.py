@@ -62,7 +62,9 @@ from ._extension import (
     ExtensionRecord,
     call_post_all_gather,
     call_pre_all_gather,
-    has_extension,
+    check_hooks_unchanged,
+    defines_hooks,
+    may_gain_hooks,
     padded_rule_holds,
 )
 from ._mesh import MeshInfo
@@ -160,9 +162,13 @@ class FSDPParam:
         if self._tp_spec is None:
             self._spec = make_spec(mesh_info.mesh, dp_placements, global_size, global_stride, param.dtype)
         elif spec.dp_dims is not None:  # a DTensor on the full SPMD mesh (DataParallelMeshDims)
+            dims = spec.dp_dims
+            placements = tuple(self._tp_spec.placements)
+            if dims.shard:
+                placements = _spmd_sharded_placements(self._tp_spec, dims.shard[0])
             self._spec = make_spec(
-                self._tp_spec.mesh,
-                _spmd_sharded_placements(self._tp_spec, spec.dp_dims[0]),
+                dims.sharded_mesh,
+                dims.sharded_placements(placements),
                 global_size,
                 global_stride,
                 param.dtype,
@@ -181,7 +187,8 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
         mark_managed(self.sharded_param)
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
-        self._extension = ExtensionRecord() if has_extension(local, self.fqn) else None
+        self._extension = ExtensionRecord() if defines_hooks(local, self.fqn) else None
+        self._may_gain_hooks = may_gain_hooks(local)  # a weight subclass: checked at every all-gather
         self._mp_policy: Any = None
         self._extension_outputs: list[torch.Tensor] = []  # 1D, one per all-gather input
         self._extension_nbytes: list[int] = []  # storage sizes of those outputs, then of inner tensors
@@ -218,7 +225,8 @@ class FSDPParam:
     def init_extension(self, mp_policy: Any) -> None:
         """Re-detect the all-gather extension on the local tensor (lazy init); keep the policy for it."""
         local = self._sharded_local()
-        found = has_extension(local, self.fqn)
+        found = defines_hooks(local, self.fqn)
+        self._may_gain_hooks = may_gain_hooks(local)
         if found and self._extension is None:
             self._extension = ExtensionRecord()
         elif not found:
@@ -303,8 +311,12 @@ class FSDPParam:
             return self._local_shard.detach().clone()
 
     def can_move_shard(self) -> bool:
-        """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``rebase_local``)."""
-        return sole_reference(self.sharded_param)
+        """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``rebase_local``).
+
+        Never for a shard of a tensor subclass: a packed slot would lose its class (and the all-gather
+        hooks it may define by the first forward).
+        """
+        return not may_gain_hooks(self._sharded_local()) and sole_reference(self.sharded_param)
 
     def move_shard_into(self, view: torch.Tensor) -> None:
         """Move the padded local shard into ``view`` (part of a group's packed buffer); same parameter.
@@ -394,6 +406,7 @@ class FSDPParam:
         if record is None:
             return [self.all_gather_input(post_forward)]
         local = self._sharded_local()
+        check_hooks_unchanged(local, self.fqn, had_hooks=True)
         if self.offload_to_cpu and self.device.type != "cpu":
             local = local.to(self.device, non_blocking=self._pin_memory)
         info = self.mesh_info
@@ -432,6 +445,8 @@ class FSDPParam:
 
     def all_gather_input(self, post_forward: bool) -> torch.Tensor:
         """The 1-D tensor this rank contributes (cast to the unsharded dtype by the copy-in)."""
+        if self._may_gain_hooks:
+            check_hooks_unchanged(self._sharded_local(), self.fqn, had_hooks=False)
         if post_forward:
             assert self._post_forward_slice is not None, f"{self.fqn}: no post-forward slice to gather"
             return self._post_forward_slice
@@ -553,7 +568,7 @@ class FSDPParam:
         if self._dp_dims is not None:
             # Keep the data-parallel dims as autograd left them (Partial or Replicate): the reduce-scatter
             # of the local tensor averages over them; only the other dims follow the parameter.
-            dp = {i for i in self._dp_dims if i is not None}
+            dp = self._dp_dims.dp_indices
             target = tuple(grad.placements[i] if i in dp else p for i, p in enumerate(tp.placements))
             # A gradient that autograd already summed over a data-parallel dim (Replicate there) would
             # be averaged as one rank's contribution: scale it to one, so every parameter gets the same
