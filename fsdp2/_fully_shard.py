@@ -438,11 +438,6 @@ def _validate_tp_param(
             f"Parameter {name}: data-parallel plus tensor-parallel mesh of {spmd_mesh.ndim} dims; fsdp2 "
             "supports 2 to 4 (FSDP or HSDP, times 1-D or 2-D TP/EP)."
         )
-    if shard_dim != 0:
-        raise NotImplementedError(
-            f"shard_placement_fn asked for Shard({shard_dim}) on the tensor-parallel parameter {name}; "
-            "fsdp2 shards TP parameters on dim 0 only. Return Shard(0) or None for it."
-        )
     if not (reshard is None or isinstance(reshard, bool) or reshard == mesh_info.shard_size):
         raise NotImplementedError(
             f"reshard_after_forward={reshard} (an int) is not supported with the tensor-parallel parameter "
@@ -480,10 +475,16 @@ def _placement(
         )
     if dim == 0:
         return 0, info
-    if param.size(dim) % info.shard_size:
+    # FSDP shards what this rank holds: a tensor-parallel parameter's local tensor.
+    size, what = (
+        (param.to_local().size(dim), "local size")
+        if isinstance(param, DTensor)
+        else (param.size(dim), "size")
+    )
+    if size % info.shard_size:
         raise NotImplementedError(
-            f"Shard({dim}) for {name} needs its size on dim {dim} ({param.size(dim)}) to be divisible by "
-            f"the shard world size {info.shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
+            f"Shard({dim}) for {name} needs its {what} on dim {dim} ({size}) to be divisible by the shard "
+            f"world size {info.shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
         )
     if not isinstance(reshard, bool) and reshard is not None and reshard != info.shard_size:
         raise NotImplementedError(

@@ -177,7 +177,11 @@ class FSDPParam:
             assert spec.spmd_mesh is not None, f"{self.fqn}: a DTensor parameter without its (dp, tp) mesh"
             self._spec = make_spec(
                 spec.spmd_mesh,
-                (*dp_placements[:-1], _dp_shard_placement(self._tp_spec), *self._tp_spec.placements),
+                (
+                    *dp_placements[:-1],
+                    _dp_shard_placement(self._tp_spec, shard_dim),
+                    *self._tp_spec.placements,
+                ),
                 global_size,
                 global_stride,
                 param.dtype,
@@ -711,17 +715,17 @@ class FSDPParam:
         return in_flight
 
 
-def _dp_shard_placement(tp_spec: DTensorSpec) -> Placement:
-    """FSDP's placement on its shard mesh dim for a TP parameter: a strided shard when TP splits dim 0.
+def _dp_shard_placement(tp_spec: DTensorSpec, shard_dim: int) -> Placement:
+    """FSDP's placement on its shard mesh dim for a TP parameter: a strided shard when TP splits that dim.
 
-    TP's shards of dim 0 come first (outer), FSDP's chunks of each TP-local tensor inside them, so
-    FSDP's rows are interleaved ``split_factor`` ways across the global dim 0.
+    TP's shards of ``shard_dim`` come first (outer), FSDP's chunks of each TP-local tensor inside them,
+    so FSDP's slices are interleaved ``split_factor`` ways across the global dim.
     """
     split_factor = 1
     for size, placement in zip(tp_spec.mesh.shape, tp_spec.placements, strict=True):
-        if isinstance(placement, Shard) and placement.dim == 0:
+        if isinstance(placement, Shard) and placement.dim == shard_dim:
             split_factor *= size
-    return strided_shard(0, split_factor) if split_factor > 1 else Shard(0)
+    return strided_shard(shard_dim, split_factor) if split_factor > 1 else Shard(shard_dim)
 
 
 def _spmd_sharded_placements(spec: DTensorSpec, shard_index: int) -> tuple[Placement, ...]:

@@ -6,7 +6,8 @@ The reference is the plain unsharded model on each data-parallel rank's input, g
 over all ranks (TP ranks of one data-parallel rank see the same input). Checked: losses every step,
 gradients after the first backward and parameters at the end (``full_tensor()``), the sharded
 parameters' placements against torch's ``fully_shard`` given the same model, state dicts (plain and
-full via DCP helpers), ``clip_grad_norm_`` and the errors of spec §15.3.
+full via DCP helpers), ``clip_grad_norm_``, FSDP on dim 1 of the TP matrices (``shard_placement_fn``) and
+the errors.
 """
 
 from __future__ import annotations
@@ -125,12 +126,22 @@ def _assert_full_equal(ref: nn.Module, model: nn.Module, *, grads: bool, tol: di
             torch.testing.assert_close(t.full_tensor(), ref_t, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _shard_matrices_on_dim1(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
 def _train(
-    impl_name: str, shape: str, attention: bool, bf16: bool, accumulate: bool = False, base: Any = None
+    impl_name: str,
+    shape: str,
+    attention: bool,
+    bf16: bool,
+    accumulate: bool = False,
+    base: Any = None,
+    dim1: bool = False,
 ) -> list[float]:
     ref = copy.deepcopy(base) if base is not None else seeded(lambda: Model(attention))
     model = copy.deepcopy(ref)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"shard_placement_fn": _shard_matrices_on_dim1} if dim1 else {}
     if bf16:
         kwargs["mp_policy"] = mp_policy(get_impl(impl_name), param_dtype=torch.bfloat16)
         ref_compute = copy.deepcopy(ref).to(torch.bfloat16)
@@ -193,9 +204,18 @@ def test_tensor_parallel_gradient_accumulation(impl_name: str) -> None:
     run_threaded(4, _train, impl_name, "2d", True, False, True)
 
 
-def _placements(impl_name: str, shape: str) -> dict[str, Any]:
+def test_tensor_parallel_with_fsdp_on_dim1_trains_like_the_reference_and_torch() -> None:
+    """``shard_placement_fn`` -> ``Shard(1)`` for the TP matrices: FSDP splits their TP-local columns."""
+    torch.manual_seed(0)
+    base = Model(True)
+    ours = run_threaded(4, _train, "fsdp2", "2d", True, False, False, base, True)
+    theirs = run_threaded(4, _train, "torch", "2d", True, False, False, base, True)
+    assert ours == theirs  # losses, bit for bit
+
+
+def _placements(impl_name: str, shape: str, dim1: bool = False) -> dict[str, Any]:
     model = seeded(lambda: Model(True))
-    _parallelize(impl_name, model, shape)
+    _parallelize(impl_name, model, shape, **({"shard_placement_fn": _shard_matrices_on_dim1} if dim1 else {}))
     out = {}
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor)
@@ -208,17 +228,28 @@ def test_placements_match_torch(shape: str, world_size: int) -> None:
     ours = run_threaded(world_size, _placements, "fsdp2", shape)
     theirs = run_threaded(world_size, _placements, "torch", shape)
     assert ours == theirs
-    if shape == "2d":  # spec §15.3: column-wise weights strided, row-wise weights plain Shard(0)
+    if shape == "2d":  # column-wise weights strided, row-wise weights plain Shard(0)
         assert ours[0]["layers.0.wq.weight"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
         assert ours[0]["layers.0.wo.weight"][0] == "(Shard(dim=0), Shard(dim=1))"
 
 
-def _state_dicts_and_clipping() -> None:
+def test_placements_with_fsdp_on_dim1_match_torch() -> None:
+    ours = run_threaded(4, _placements, "fsdp2", "2d", True)
+    theirs = run_threaded(4, _placements, "torch", "2d", True)
+    assert ours == theirs
+    # FSDP on dim 1: plain on a column-wise weight, strided where TP splits dim 1 too (row-wise)
+    assert ours[0]["layers.0.wq.weight"][0] == "(Shard(dim=1), Shard(dim=0))"
+    assert ours[0]["layers.0.wo.weight"][0] == "(_StridedShard(dim=1, sf=2), Shard(dim=1))"
+
+
+def _state_dicts_and_clipping(dim1: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     ref = seeded(lambda: Model(True))
     model = copy.deepcopy(ref)
-    dp_index = _parallelize("fsdp2", model, "2d")
+    dp_index = _parallelize(
+        "fsdp2", model, "2d", **({"shard_placement_fn": _shard_matrices_on_dim1} if dim1 else {})
+    )
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert full.keys() == ref.state_dict().keys()
     for name, value in ref.state_dict().items():
@@ -249,8 +280,9 @@ def _state_dicts_and_clipping() -> None:
     _assert_full_equal(ref, model, grads=True, tol=TIGHT)
 
 
-def test_state_dicts_and_clip_grad_norm_over_2d_parameters() -> None:
-    run_threaded(4, _state_dicts_and_clipping)
+@pytest.mark.parametrize("dim1", [False, True], ids=["fsdp-dim0", "fsdp-dim1"])
+def test_state_dicts_and_clip_grad_norm_over_2d_parameters(dim1: bool) -> None:
+    run_threaded(4, _state_dicts_and_clipping, dim1)
 
 
 def _errors() -> None:
@@ -269,10 +301,11 @@ def _errors() -> None:
         fsdp2.fully_shard(layer, mesh=other)
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\)"):
         fsdp2.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=2)
-    with pytest.raises(NotImplementedError, match=r"shards TP parameters on dim 0 only"):
-        fsdp2.fully_shard(
-            layer, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None
-        )
+    odd = nn.Sequential(nn.Linear(6, 8))  # column-wise: a TP-local weight of (4, 6), 6 columns over 4 ranks
+    parallelize_module(odd, mesh["tp"], {"0": ColwiseParallel()})
+    with pytest.raises(NotImplementedError, match=r"local size on dim 1 \(6\) to be divisible by .* 4"):
+        fsdp2.fully_shard(odd, mesh=mesh["dp"], shard_placement_fn=_shard_matrices_on_dim1)
+    assert not isinstance(odd, fsdp2.FSDPModule)
     assert not isinstance(layer, fsdp2.FSDPModule)
     assert layer.up.weight is weight
     fsdp2.fully_shard(layer, mesh=mesh["dp"])  # the failed calls can be retried with good arguments
