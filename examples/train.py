@@ -305,10 +305,11 @@ def main(argv: list[str] | None = None) -> list[float]:
             dist.destroy_process_group()
 
 
-def train(args: argparse.Namespace, device: torch.device) -> list[float]:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size,))
-
+def build(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[CharData, GPTConfig, GPT, torch.optim.Optimizer, Any]:
+    """The data, the sharded and initialised model, its optimizer and learning-rate schedule."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     data = CharData(DATA_DIR)
     cfg = GPTConfig(data.vocab_size, args.seq_len, args.dim, args.layers, args.heads)
     with torch.device("meta"):
@@ -316,21 +317,25 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
     shard_model(model, mesh, args.prefetch_depth if args.explicit_prefetching else 0)
     model.to_empty(device=device)  # allocates only this rank's shards
     init_weights(model, args.seed)
-    if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"{n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, {world_size} rank(s), {device}")
-
     # AdamW sees the sharded parameters: its state is sharded too.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
     )
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # different batches on every rank
+    return data, cfg, model, optimizer, schedule
+
+
+def train(args: argparse.Namespace, device: torch.device) -> list[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    data, cfg, model, optimizer, schedule = build(args, device)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, {world_size} rank(s), {device}")
 
     first_step = 0
     if args.resume:
-        first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule, gen)
+        first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule)
     losses: list[float] = []
     progress = Progress(args.steps, enabled=rank == 0)
     model.train()
@@ -341,6 +346,7 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         if args.trace and step == trace_steps[0]:
             recording = fsdp2.record_events()
             events = recording.__enter__()
+        gen = batch_generator(args.seed, step, rank)  # a function of (step, rank): resumable anywhere
         x, y = (t.to(device) for t in data.batch(args.batch_size, args.seq_len, gen))  # (B, T) each
         logits = model(x)  # (B, T, vocab); all-gathers each block's parameters just in time
         loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
@@ -353,7 +359,7 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         losses.append(mean_loss.item() / world_size)
         progress.update(step, losses[-1])
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
-            save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule, gen)
+            save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule)
         if recording is not None and step == trace_steps[1]:
             recording.__exit__(None, None, None)
             recording = None
@@ -373,36 +379,79 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: DCP for the sharded model and optimizer, a small file per rank for the rest
+# checkpoints: DCP for the sharded model and optimizer, one small file for the rest
+#
+# A checkpoint is complete or invisible. Every rank writes into DIR/step_<n>.partial; once all have
+# finished (a barrier), rank 0 writes COMPLETE and renames the folder to DIR/step_<n> in one atomic
+# step. A kill at any point leaves either a .partial folder, which --resume ignores (and the next save
+# of that step clears), or a complete step_<n>. Nothing in a checkpoint depends on the world size:
+# DCP reshards the model and optimizer onto any number of ranks, the schedule is the same on every
+# rank, and each batch is drawn from a generator seeded by (seed, step, rank), so a run resumed on
+# another number of ranks continues deterministically.
+
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_stage(stage: str) -> None:
+    """Called at each point of a save: dcp_written, state_written, marked, renamed (tests kill there)."""
+
+
+def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The generator of one rank's batch at one step (ranks draw different batches)."""
+    return torch.Generator().manual_seed((seed + 1) * 1_000_003 + step * 1_009 + rank)
 
 
 def save_checkpoint(
-    root: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    schedule: Any,
-    gen: torch.Generator,
+    root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any
 ) -> None:
-    """DIR/step_<n>: model and optimizer with DCP (each rank writes its shards), plus per-rank state."""
+    """DIR/step_<n>: model and optimizer with DCP (each rank writes its shards), the schedule, COMPLETE."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    path = root / f"step_{step}"
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(path))
     rank = dist.get_rank()
-    # The data position and the schedule are per rank: the batch generator's state, the step.
-    torch.save(
-        {"step": step, "schedule": schedule.state_dict(), "gen": gen.get_state()}, path / f"rank{rank}.pt"
-    )
+    final, partial = root / f"step_{step}", root / f"step_{step}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(partial))
+    checkpoint_stage("dcp_written")
+    if rank == 0:
+        torch.save(
+            {"step": step, "schedule": schedule.state_dict(), "world_size": dist.get_world_size()},
+            partial / "train_state.pt",
+        )
+    checkpoint_stage("state_written")
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        (partial / COMPLETE).write_text(f"step {step}\n")
+        checkpoint_stage("marked")
+        replaced = root / f"step_{step}.replaced"
+        if final.exists():  # an earlier run's step n: set aside, dropped once the new one is in place
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+        partial.rename(final)  # atomic: the checkpoint appears complete or not at all
+        shutil.rmtree(replaced, ignore_errors=True)
+    checkpoint_stage("renamed")
     dist.barrier()
 
 
-def load_checkpoint(
-    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, gen: torch.Generator
-) -> int:
-    """Restore the latest DIR/step_<n>; returns n, the next step to run (0 when there is none)."""
+def complete_checkpoints(root: Path) -> tuple[list[int], list[str]]:
+    """Steps of the complete checkpoints under root, and the names of the folders skipped."""
+    steps, skipped = [], []
+    for path in sorted(root.glob("step_*")):
+        suffix = path.name[len("step_") :]
+        if suffix.isdigit() and (path / COMPLETE).exists():
+            steps.append(int(suffix))
+        else:
+            skipped.append(path.name)
+    return sorted(steps), skipped
+
+
+def load_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any) -> int:
+    """Restore the latest complete DIR/step_<n>; returns n, the next step to run (0 when there is none)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -411,21 +460,25 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
-    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / ".metadata").exists())
+    rank = dist.get_rank()
+    steps, skipped = complete_checkpoints(root)
+    if rank == 0 and skipped:
+        print(f"skipped incomplete checkpoint(s) in {root}: {', '.join(skipped)} (a save was interrupted)")
     if not steps:
-        if dist.get_rank() == 0:
-            print(f"no checkpoint in {root}: starting from step 0", flush=True)
+        if rank == 0:
+            print(f"no complete checkpoint in {root}: starting from step 0", flush=True)
         return 0
     path = root / f"step_{steps[-1]}"
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))  # reshards onto this run's ranks
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
-    extra = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+    extra = torch.load(path / "train_state.pt", weights_only=False)
     schedule.load_state_dict(extra["schedule"])
-    gen.set_state(extra["gen"])
-    if dist.get_rank() == 0:
-        print(f"resumed from {path} (step {extra['step']})", flush=True)
+    if rank == 0:
+        saved_world = extra["world_size"]
+        moved = "" if saved_world == dist.get_world_size() else f", saved on {saved_world} rank(s)"
+        print(f"resumed from {path} (step {extra['step']}{moved})", flush=True)
     return int(extra["step"])
 
 
