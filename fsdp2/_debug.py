@@ -15,9 +15,11 @@ import contextlib
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 
+import torch
 import torch.distributed as dist
 
 ParamFingerprint = tuple[str, tuple[int, ...], str, str]  # (name, shape, dtype, group)
@@ -120,10 +122,41 @@ def watch_collective(kind: str, group_name: str, state: Enum) -> contextlib.Abst
     return _watch(f"the {kind} of module group {group_name or '<root>'} (training state {state.name})")
 
 
+_checked_deadlines: set[float] = set()
+
+
+def _check_deadline(deadline: float) -> None:
+    """Warn once per deadline if the default group's timeout would end a stuck collective first."""
+    if deadline in _checked_deadlines or not dist.is_initialized():
+        return
+    _checked_deadlines.add(deadline)
+    timeout = _default_group_timeout()
+    if timeout is not None and deadline >= timeout:
+        warnings.warn(
+            f"fsdp2 debug: the collective watchdog reports after {deadline:g} s, but the process group "
+            f"times out after {timeout:g} s, so a stuck collective fails before any report. Set "
+            "FSDP2_DEBUG_DEADLINE (or set_debug(True, deadline=...)) below the process group's timeout.",
+            stacklevel=3,
+        )
+
+
+def _default_group_timeout() -> float | None:
+    """Seconds before a collective of the default group times out (``None`` if it cannot be read)."""
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        backend = group._get_backend(device)  # noqa: SLF001 - no public accessor
+        return float(backend.options._timeout.total_seconds())  # noqa: SLF001 - no public accessor
+    except Exception:  # a backend without options (threaded, fake): nothing to compare
+        return None
+
+
 @contextlib.contextmanager
 def _watch(what: str) -> Iterator[None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     deadline = _Settings.deadline_s
+    _check_deadline(deadline)
 
     def report() -> None:
         message = (

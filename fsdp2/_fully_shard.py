@@ -21,6 +21,7 @@ from typing_extensions import TypedDict, Unpack
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
 from ._composable import register_fully_shard, registered_apis
 from ._config import GroupConfig, ParamSpec
+from ._late_params import watch_registrations
 from ._local_optim import enable_automatic_local_steps
 from ._mesh import (
     MeshInfo,
@@ -34,6 +35,7 @@ from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
 from ._param_group import FSDPParamGroup
 from ._replaced import mark_replaced
 from ._state import FSDPState, get_state
+from ._step_guard import watch_optimizer_steps
 
 PlacementFn = Callable[[nn.Parameter], "Shard | None"]
 
@@ -122,6 +124,7 @@ def fully_shard(
     device = mesh_device(mesh)
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
+    _refuse_aliased(params)
     shard_dims: dict[int, int] = {}
     spmd_meshes: dict[int, DeviceMesh] = {}
     infos: dict[int, MeshInfo] = {}  # parameter -> the mesh info of its group
@@ -171,6 +174,8 @@ def fully_shard(
         group.controls.reshard_after_no_grad_forward = reshard_after_forward is not False
         groups.append(group)
     state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+    watch_optimizer_steps(groups)
+    watch_registrations()
     # The same set is often passed to every call; ones in none of these modules are checked against
     # the whole tree at the root's first forward.
     present = {id(p) for m in modules for p in m.parameters()}
@@ -572,6 +577,33 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[int]) -> dict[int
             if id(param) not in ignored and id(param) not in found:
                 found[id(param)] = (param, f"{type(module).__name__}.{name}")
     return found
+
+
+def _refuse_aliased(params: dict[int, tuple[nn.Parameter, str]]) -> None:
+    """Two parameters whose elements overlap in memory: sharding would give each its own copy."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for param, name in params.values():
+        if isinstance(param, DTensor) or param.device.type == "meta" or param.numel() == 0:
+            continue
+        try:
+            key = param.untyped_storage().data_ptr()
+        except RuntimeError:  # a tensor subclass: no memory of its own to share
+            continue
+        if key == 0:  # fake tensors (memory estimates) have no memory either
+            continue
+        size = param.element_size()
+        start = int(param.storage_offset()) * size
+        last = sum((int(n) - 1) * int(st) for n, st in zip(param.shape, param.stride(), strict=True))
+        end = start + (last + 1) * size
+        for other_start, other_end, other in spans.setdefault(key, []):
+            if start < other_end and other_start < end:
+                raise ValueError(
+                    f"Parameters {other} and {name} are views of the same memory (aliases): fully_shard "
+                    "would shard each into its own storage and silently break the link between them. "
+                    "Register one nn.Parameter under both names to tie them (module.b = module.a), or give "
+                    "each its own memory (nn.Parameter(t.clone()))."
+                )
+        spans[key].append((start, end, name))
 
 
 def _owners(

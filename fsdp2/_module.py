@@ -163,6 +163,16 @@ class FSDPModule(_ModuleBase):
         instance.__init__(*args, **kwargs)
         return instance
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle / torch.save(model) / copy.copy: a sharded module holds shards bound to process groups.
+        raise TypeError(
+            f"A fully_shard module ({type(self).__name__}) cannot be pickled (torch.save(model), pickle, "
+            "copy.copy): its parameters are shards bound to this job's process groups. Save its "
+            "state_dict() (or use torch.distributed.checkpoint, or fsdp2.save_full_state_dict for one "
+            "file of full weights) and rebuild, fully_shard and load it; copy.deepcopy(model) makes a "
+            "sharded copy in this job."
+        )
+
     def _get_fsdp_state(self) -> FSDPState:
         return _require_state(self)
 

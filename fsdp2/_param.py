@@ -67,6 +67,7 @@ from ._extension import (
     may_gain_hooks,
     padded_rule_holds,
 )
+from ._late_params import quiet_registrations
 from ._mesh import MeshInfo
 
 
@@ -649,8 +650,9 @@ class FSDPParam:
             for module, name in self.owners:
                 module._parameters[name] = tensor  # type: ignore[assignment]  # noqa: SLF001 - Parameter or DTensor
         else:
-            for module, name in self.owners:
-                setattr(module, name, tensor)
+            with quiet_registrations():
+                for module, name in self.owners:
+                    setattr(module, name, tensor)
 
     # ---- gradients ---------------------------------------------------------------------------------
 
@@ -671,6 +673,11 @@ class FSDPParam:
         if grad is not None:
             accumulated.add_(grad)
         return accumulated
+
+    def holds_unsharded_grad(self) -> bool:
+        """Whether a gradient waits here for a reduction (no-sync accumulation)."""
+        param = self.unsharded_param
+        return self._accumulated_grad is not None or (param is not None and param.grad is not None)
 
     def stash_unsharded_grad(self) -> None:
         """No-sync step: move the gradient into a ``reduce_dtype`` accumulator when one is set."""

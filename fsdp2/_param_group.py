@@ -144,6 +144,10 @@ class FSDPParamGroup:
         self.bucketing: Bucketing | None = None
         self.forward_bucket: list[FSDPParamGroup] | None = None
         self.backward_bucket: list[FSDPParamGroup] | None = None
+        # Read (and the last one set) by the optimizer-step guard, see ``_step_guard``:
+        self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
+        self.awaiting_backward = False  # a forward with gradients ran, its backward has not
+        self.stepped_after_forward = False  # an optimizer stepped these parameters in between
 
     def __str__(self) -> str:
         return f"group {self.module_fqn or '<root>'}"
@@ -713,6 +717,7 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         """Enter ``FORWARD`` and make the unsharded parameters available."""
         self.set_state(_FORWARD)
+        self.stepped_after_forward = False
         if self.sharded_state is _UNSHARDED:
             # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
             # since a restore such as torch.func.functional_call's may have put the sharded ones back.
@@ -728,6 +733,7 @@ class FSDPParamGroup:
         if torch.is_grad_enabled():
             self.reshard()  # in FORWARD: follows reshard_after_forward
             self.set_state(_IDLE)
+            self.awaiting_backward = True
             return True
         self.set_state(_IDLE)
         if self.controls.reshard_after_no_grad_forward:
@@ -743,6 +749,15 @@ class FSDPParamGroup:
         """Enter ``PRE_BACKWARD`` and unshard for backward; ``False`` if already in it (nothing done)."""
         if self.training_state is _PRE_BACKWARD:
             return False
+        if self.stepped_after_forward:
+            self.stepped_after_forward = False
+            raise RuntimeError(
+                f"fsdp2: {self.module_fqn or 'the root'}'s parameters were updated by optimizer.step() "
+                "after the forward this backward differentiates and before the backward, so its "
+                "gradients would be computed with the new parameters (the unsharded model fails here "
+                "too, with autograd's in-place error). Call optimizer.step() after loss.backward(). "
+                "This iteration is unfinished: call reset_iter_state() on the root module first."
+            )
         self.set_state(_PRE_BACKWARD)
         if self.controls.unshard_in_backward:
             self.unshard(self.controls.unshard_async_op)
@@ -752,16 +767,19 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
         self.set_state(_POST_BACKWARD)
+        self.awaiting_backward = False
         controls = self.controls
         if not controls.reduce_grads:
             # No-sync step: gradients stay unsharded (in reduce_dtype where one is set) and keep
             # accumulating until a step with gradient sync reduces their sum.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.stash_unsharded_grad()
+            self.unreduced_grads = any(p.holds_unsharded_grad() for p in self.fsdp_params)
             if controls.reshard_after_backward:
                 self.reshard()
             _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
             return
+        self.unreduced_grads = False
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
         unused_too = controls.reduce_scatter_unused_params
@@ -827,6 +845,7 @@ class FSDPParamGroup:
         self.finalize_backward()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
+        self.unreduced_grads = self.awaiting_backward = self.stepped_after_forward = False
         self.reducer.reset(self.device)
         self.set_state(_IDLE)
         self.reshard()

@@ -64,6 +64,7 @@ from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
 from ._debug import check_same_model, debug_enabled
 from ._events import EventScope
+from ._late_params import check_late_parameters
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
 from ._state_dict import register_state_dict_hooks
@@ -191,10 +192,19 @@ class FSDPState(TorchStateNames):
             state = get_state(module)
             if state is None or state in states:
                 continue
-            if state is not self and state.is_root is not None:
+            if state is not self and state.is_root:
                 raise RuntimeError(
                     f"The fully_shard module {name!r} already ran forward on its own before its root "
                     f"{type(root_module).__name__}. Run forward through the root module first."
+                )
+            if state is not self and state.is_root is False:
+                owner = state.ctx.all_states[0].modules[0] if state.ctx and state.ctx.all_states else None
+                raise RuntimeError(
+                    f"The fully_shard module {name!r} of {type(root_module).__name__} already belongs to "
+                    f"another root ({type(owner).__name__ if owner is not None else 'another model'}), "
+                    "which ran forward first: a sharded module has one root, whose iteration drives its "
+                    "gathers and reductions. Do not share a sharded module between two models; give each "
+                    "its own copy (copy.deepcopy), or make one root that holds both."
                 )
             states.append(state)
         _check_prefetch_targets(states, module_names)
@@ -280,6 +290,7 @@ class FSDPState(TorchStateNames):
                 "module (e.g. in the except block that caught the error) before the next forward."
             )
         if ctx.iteration_root is None:
+            check_late_parameters()  # before any state changes
             ctx.iteration_root = self
             ctx.event_scope.capture()
             ctx.pre_forward_order.clear()

@@ -108,6 +108,7 @@ def _run(
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+        finished = [rank for rank in range(world_size) if done[rank]]  # before waking the hung ones
         if hung and not errors:
             # Wake the ranks blocked in collectives so they end instead of lingering (their wake-up
             # errors are not the cause: the timeout is reported).
@@ -124,10 +125,9 @@ def _run(
         rank, exc, tb = errors[0]
         raise RankError(f"rank {rank} of {world_size} failed:\n{tb}", rank) from exc
     if hung:
-        finished = [rank for rank in range(world_size) if done[rank]]
         raise RanksTimeoutError(
-            f"ranks {hung} of {world_size} did not finish within {timeout:g} s (finished: {finished}); "
-            "they are probably waiting in a collective that the other ranks never issued.",
+            f"ranks {hung} of {world_size} did not finish within {timeout:g} s (ranks {finished} had "
+            "returned); the ones left are probably waiting in a collective that the others never issued.",
             hung,
         )
     return results

@@ -38,3 +38,27 @@ def _mismatched_models() -> None:
 
 def test_ranks_with_different_models_both_raise() -> None:
     run_multiprocess(2, _mismatched_models)
+
+
+def _deadline_past_the_timeout() -> None:
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fsdp2.fully_shard(model)
+    fsdp2.set_debug(True, deadline=500.0)  # the harness's process group times out after 120 s
+    try:
+        with pytest.warns(
+            UserWarning, match=r"reports after 500 s, but the process group times out after 120 s"
+        ):
+            model(torch.ones(3, 4)).sum().backward()
+        fsdp2.set_debug(True, deadline=30.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # below the timeout: nothing to say
+            model(torch.ones(3, 4)).sum().backward()
+    finally:
+        fsdp2.set_debug(False)
+
+
+def test_a_watchdog_deadline_past_the_group_timeout_warns() -> None:
+    # Before: the watchdog printed nothing, the process group's timeout ended the job first.
+    run_multiprocess(2, _deadline_past_the_timeout)

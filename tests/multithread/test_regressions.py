@@ -7,7 +7,13 @@
 - a forward after a backward that raised, without ``reset_iter_state()``, raises a clear error instead
   of training on with parameters the optimizer no longer updates;
 - a chunked loss over ``fully_shard([norm, head])``, ``head`` called alone per chunk, trains like
-  torch's ``fully_shard`` instead of failing at the first backward.
+  torch's ``fully_shard`` instead of failing at the first backward;
+- parameters whose memory overlaps (views of one tensor) are refused at ``fully_shard`` instead of
+  being silently split into independent copies;
+- a sharded module shared by two roots is reported as such (it was said to have run on its own);
+- pickling a sharded model (``torch.save(model)``) says what to save instead;
+- a trainable submodule added after ``fully_shard`` raises at the next forward instead of training
+  rank by rank with no gradient averaging.
 """
 
 from __future__ import annotations
@@ -369,3 +375,118 @@ def test_chunked_loss_with_grouped_norm_and_head_matches_torch(per_chunk: bool) 
     # docs/differences.md), the same reduce-scatters.
     assert our_counts["reduce_scatter"] == their_counts["reduce_scatter"]
     assert our_counts["all_gather"] == their_counts["all_gather"] + 2
+
+
+# ---- parameters that alias one another ------------------------------------------------------------
+
+
+def _aliased_parameters() -> None:
+    fsdp2 = get_impl("fsdp2")
+    base = torch.arange(16.0).view(4, 4)
+    module = nn.Module()
+    module.a = nn.Parameter(base)
+    module.b = nn.Parameter(base[1:3])  # rows 1-2 of a: the same elements
+    with pytest.raises(ValueError, match=r"Module.a and Module.b are views of the same memory"):
+        fsdp2.fully_shard(module)
+    assert type(module.a) is nn.Parameter  # refused before any change
+    # Disjoint views of one buffer alias nothing: allowed, each gets its own shard.
+    flat = torch.arange(8.0)
+    disjoint = nn.Module()
+    disjoint.a, disjoint.b = nn.Parameter(flat[:4]), nn.Parameter(flat[4:])
+    fsdp2.fully_shard(disjoint)
+    torch.testing.assert_close(disjoint.b.full_tensor(), torch.arange(4.0, 8.0), **EXACT)
+
+
+def test_aliased_parameters_are_refused() -> None:
+    # torch's fully_shard accepts them and silently gives each its own copy.
+    run_threaded(2, _aliased_parameters)
+
+
+# ---- a sharded module under two roots ---------------------------------------------------------------
+
+
+def _module_under_two_roots() -> None:
+    fsdp2 = get_impl("fsdp2")
+    shared = MLP(8)
+    fsdp2.fully_shard(shared)
+    first, second = nn.Sequential(shared, MLP(8)), nn.Sequential(shared, MLP(8))
+    fsdp2.fully_shard(first)
+    fsdp2.fully_shard(second)
+    first(make_input((2, 8), dist.get_rank())).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'0' of FSDPSequential already belongs to another root"):
+        second(make_input((2, 8), dist.get_rank()))
+
+
+def test_a_module_under_two_roots_is_named_as_such() -> None:
+    # Before: "already ran forward on its own before its root", which it had not.
+    run_threaded(2, _module_under_two_roots)
+
+
+# ---- pickling a sharded model ---------------------------------------------------------------------
+
+
+def _pickle_sharded() -> None:
+    import io
+    import pickle
+
+    model = nn.Sequential(MLP(8), MLP(8))
+    shard_blocks_then_root(get_impl("fsdp2"), model, list(model))
+    for save in (lambda: pickle.dumps(model), lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cannot be pickled .* Save its state_dict\(\)"):
+            save()
+    copy.deepcopy(model)  # the supported copy still works
+
+
+def test_pickling_a_sharded_model_says_what_to_save_instead() -> None:
+    # torch's fully_shard: PicklingError "attribute lookup FSDPSequential ... failed".
+    run_threaded(2, _pickle_sharded)
+
+
+# ---- a submodule added after fully_shard ----------------------------------------------------------
+
+
+class _Growing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLP(8) for _ in range(2))
+        self.extra: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.extra(x) if self.extra is not None else x
+
+
+def _added_after_sharding(impl_name: str) -> float:
+    rank = dist.get_rank()
+    model = _Growing()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    shard_blocks_then_root(get_impl(impl_name), model, list(model.layers))
+    model(make_input((2, 8), rank)).sum().backward()
+    model.extra = nn.Linear(8, 8)
+    with torch.no_grad():  # the same new weights on every rank
+        model.extra.weight.copy_(torch.eye(8))
+        model.extra.bias.zero_()
+    if impl_name == "fsdp2":
+        with pytest.raises(
+            RuntimeError, match=r"The submodule FSDP_Growing.extra was added after fully_shard"
+        ):
+            model(make_input((2, 8), rank))
+        model.extra.requires_grad_(False)  # not trained: nothing to average, so it may stay
+        model(make_input((2, 8), rank)).sum().backward()
+        return 0.0
+    optim = torch.optim.SGD(model.extra.parameters(), lr=0.1)
+    model(make_input((2, 8), rank)).sum().backward()
+    optim.step()
+    spread = model.extra.weight.detach().clone()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return (spread - model.extra.weight).abs().max().item()  # ranks' copies differ
+
+
+def test_a_trainable_submodule_added_after_fully_shard_raises() -> None:
+    # torch's fully_shard trains it rank by rank: the copies drift apart silently.
+    assert run_threaded(2, _added_after_sharding, "torch")[0] > 0
+    run_threaded(2, _added_after_sharding, "fsdp2")

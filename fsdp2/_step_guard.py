@@ -1,0 +1,99 @@
+"""What an optimizer step means for the groups that own its parameters.
+
+Owns: the list of every live ``FSDPParamGroup`` (``fully_shard`` hands each new one over), the map
+from an optimizer to the groups whose sharded parameters it steps (rebuilt only when groups or the
+optimizer's parameter lists change), and one global optimizer step pre-hook and post-hook that turn
+three silent mistakes into an error or the intended result:
+
+- a step while a group still holds gradients that were never reduced (a backward with
+  ``set_requires_gradient_sync(False)`` and no synced backward after it): ``RuntimeError`` before the
+  step changes anything; the sharded gradients do not contain them, so the step would ignore them;
+- a step between a forward and the backward of that forward: the group remembers it, and that
+  backward raises (it would differentiate with the stepped parameters);
+- a step after a backward that kept the parameters unsharded (``set_reshard_after_backward(False)``):
+  the group reshards after the step, so the next forward gathers the updated parameters instead of
+  reusing the stale unsharded ones.
+
+Does not own: the flags it reads (``FSDPParamGroup`` sets them) or the optimizer.
+Cost: two hook calls per step and one attribute check per group of the stepped parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ._autograd import eager
+from ._lifecycle import ShardedState, TrainingState
+from ._param_group import FSDPParamGroup
+
+_groups: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+_calls = itertools.count(1)
+_generation = 0  # bumped whenever groups are added
+# optimizer -> ((generation, parameter count), the groups it steps)
+_by_optimizer: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_hooks: list[Any] = []
+
+
+def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
+    """Watch optimizer steps over ``groups``' parameters (called by ``fully_shard``)."""
+    global _generation
+    if not groups:
+        return
+    _groups.update(groups)
+    _generation = next(_calls)
+    if not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_before_step))
+        _hooks.append(register_optimizer_step_post_hook(_after_step))
+
+
+def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
+    key = (_generation, sum(len(group["params"]) for group in optimizer.param_groups))
+    cached = _by_optimizer.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return list(filter(None, (ref() for ref in cached[1])))
+    owner = {id(p.sharded_param): g for g in list(_groups) for p in g.fsdp_params}
+    found: dict[int, FSDPParamGroup] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            group = owner.get(id(param))
+            if group is not None:
+                found[id(group)] = group
+    groups = list(found.values())
+    _by_optimizer[optimizer] = (key, [weakref.ref(g) for g in groups])
+    return groups
+
+
+@eager  # reads the optimizer's lists and fsdp2's flags: never traced
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    groups = _stepped_groups(optimizer)
+    held = [g for g in groups if g.unreduced_grads]
+    if held:
+        names = ", ".join(g.module_fqn or "the root" for g in held[:4]) + (", ..." if len(held) > 4 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(held)} fully_shard group(s) ({names}) still hold "
+            "gradients from a backward with set_requires_gradient_sync(False) that no synced backward "
+            "has reduced, so this step would ignore them. Call set_requires_gradient_sync(True) before "
+            "the last micro-batch's backward (the reduction of that backward includes the held "
+            "gradients), then step."
+        )
+    for group in groups:
+        if group.awaiting_backward:
+            group.stepped_after_forward = True
+
+
+@eager
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in _stepped_groups(optimizer):
+        if (
+            group.sharded_state is ShardedState.UNSHARDED
+            and group.training_state is TrainingState.IDLE
+            and not group.awaiting_backward
+        ):
+            group.reshard()  # the unsharded parameters are stale: the next forward gathers the new ones
