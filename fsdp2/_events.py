@@ -40,13 +40,32 @@ class EventList(list["Event"]):
 
 
 class _Recorder:
-    """One open ``record_events()`` context: its list, and whether it still accepts events."""
+    """One open ``record_events()`` context: its list, and whether it still accepts events.
 
-    __slots__ = ("events", "open")
+    ``outer`` is the context it is nested in, which records the same events (an inner block does not
+    take them away from the outer one).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("events", "open", "outer")
+
+    def __init__(self, outer: _Recorder | None) -> None:
         self.events = EventList()
         self.open = True
+        self.outer = outer
+
+    def add_event(self, event: Event) -> None:
+        recorder: _Recorder | None = self
+        while recorder is not None:
+            if recorder.open:
+                recorder.events.append(event)
+            recorder = recorder.outer
+
+    def add_span(self, span: Span) -> None:
+        recorder: _Recorder | None = self
+        while recorder is not None:
+            if recorder.open:
+                recorder.events.spans.append(span)
+            recorder = recorder.outer
 
 
 def _thread_recorder() -> _Recorder | None:
@@ -145,7 +164,7 @@ def span_end(
         if recorder is None:
             return
     end = time.perf_counter() * 1e6
-    recorder.events.spans.append(Span(name, module_fqn, state, start, end, _memory_bytes()))
+    recorder.add_span(Span(name, module_fqn, state, start, end, _memory_bytes()))
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -165,7 +184,8 @@ def _memory_bytes() -> int | None:
 def record_events() -> Iterator[EventList]:
     """Record the FSDP events of the calling thread's steps while the context is open.
 
-    Events of other threads (other ranks, when ranks are threads of one process) never land here. A
+    Events of other threads (other ranks, when ranks are threads of one process) never land here; a
+    nested ``record_events()`` block records its events in the enclosing lists too. A
     backward that autograd runs on a worker thread (CUDA) reports to the recorder that was open when
     the root's forward started, so open the context around forward and backward together.
 
@@ -179,8 +199,8 @@ def record_events() -> Iterator[EventList]:
         ...     model(x).sum().backward()
         >>> [e.as_tuple() for e in events]  # doctest: +SKIP
     """
-    recorder = _Recorder()
     previous = _thread_recorder()
+    recorder = _Recorder(previous)
     _local.recorder = recorder
     try:
         yield recorder.events
@@ -200,7 +220,7 @@ def record(
         recorder = scope.backward_recorder()
         if recorder is None:
             return
-    recorder.events.append(Event(kind, module_fqn, training_state, time.perf_counter() * 1e6))
+    recorder.add_event(Event(kind, module_fqn, training_state, time.perf_counter() * 1e6))
 
 
 def save_chrome_trace(

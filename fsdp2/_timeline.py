@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,15 +37,22 @@ def save_timeline(events: Iterable[Event], path: str | os.PathLike[str], *, rank
     path = os.fspath(path)
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not path.endswith((".json", ".png")):
+        raise ValueError(f"save_timeline writes .png or .json files, got {path!r}.")
+    if not hasattr(events, "spans"):
+        warnings.warn(
+            "save_timeline: these events carry no spans, so the timeline shows no durations (only "
+            "markers). The spans ride on the list record_events() yielded; a filtered copy (a list "
+            "comprehension) drops them. Pass that list, or copy its .spans onto the filtered one.",
+            stacklevel=2,
+        )
     events = list(events) if not isinstance(events, list) else events
     spans: list[Span] = list(getattr(events, "spans", []))
     if path.endswith(".json"):
         with open(path, "w") as f:
             json.dump({"traceEvents": _trace_events(events, spans, rank), "displayTimeUnit": "ms"}, f)
-    elif path.endswith(".png"):
-        _save_png(events, spans, path, rank)
     else:
-        raise ValueError(f"save_timeline writes .png or .json files, got {path!r}.")
+        _save_png(events, spans, path, rank)
 
 
 def merge_timelines(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> None:

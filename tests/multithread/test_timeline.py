@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,3 +74,23 @@ def test_events_compare_like_plain_lists() -> None:
         return next(e.as_tuple() for e in events) == ("unshard", "", "FORWARD") and isinstance(events, list)
 
     assert run_ranks(2, body) == [True, True]
+
+
+def test_nested_recorders_and_filtered_lists(tmp_path: Path) -> None:
+    def body(rank: int, world_size: int) -> tuple[int, int, int, int]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fsdp2.fully_shard(model[0])
+        fsdp2.fully_shard(model)
+        with fsdp2.record_events() as outer:
+            model(torch.ones(1, 4)).sum().backward()
+            with fsdp2.record_events() as inner:  # before: the outer list missed these
+                model(torch.ones(1, 4)).sum().backward()
+        assert outer[len(outer) - len(inner) :] == inner
+        filtered = [e for e in outer if e.kind == "unshard"]
+        with pytest.warns(UserWarning, match=r"carry no spans, so the timeline shows no durations"):
+            fsdp2.save_timeline(filtered, tmp_path / f"filtered{rank}.json")
+        return len(outer), len(inner), len(outer.spans), len(inner.spans)
+
+    n_outer, n_inner, spans_outer, spans_inner = run_ranks(2, body)[0]
+    assert n_outer == 2 * n_inner > 0
+    assert spans_outer == 2 * spans_inner > 0
