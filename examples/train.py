@@ -294,10 +294,20 @@ def main(argv: list[str] | None = None) -> list[float]:
     """Trains and returns the per-step loss, averaged over ranks (so identical on every rank)."""
     args = parse_args(argv)
     device, created_group = setup_distributed(args.timeout)
+    interrupted = False
     try:
         return train(args, device)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank: one line each, no traceback; the checkpoints on disk are complete.
+        interrupted = True
+        hint = f"; continue with --ckpt-dir {args.ckpt_dir} --resume" if args.ckpt_dir else ""
+        print(f"rank {dist.get_rank()}: interrupted{hint}", file=sys.stderr, flush=True)
+        if not created_group:
+            raise  # called from the caller's own process group: let it decide
+        sys.stdout.flush()
+        os._exit(130)  # skip the teardown: gloo's threads would abort noisily with the peers gone
     finally:
-        if created_group:
+        if created_group and not interrupted:  # after Ctrl-C the peers may be gone: no collective teardown
             # The model, optimizer and mesh died with train()'s frame, but DTensor leaves reference
             # cycles that still hold the process groups. Collect them while the groups can be torn down
             # cleanly: with gloo, a group freed only at interpreter exit sometimes aborts the process.

@@ -161,6 +161,45 @@ def test_pipeline_parallel_example_command_line() -> None:
     assert "every stage's parameters equal the unsharded reference" in result.stdout, output[-4000:]
 
 
+def test_ctrl_c_ends_the_main_job_with_one_line_per_rank(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (SIGINT to the whole process group) mid-training: no worker traceback."""
+    import signal
+    import time
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    command = [*launcher, "--standalone", "--nproc-per-node", "2", str(TRAIN_PY), "--steps", "100000", *SMALL]
+    command += ["--ckpt-dir", str(tmp_path)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    job = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert job.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # wait until training runs
+        line = job.stdout.readline()
+        seen.append(line)
+        if line.startswith("step ") or not line:
+            break
+    os.killpg(job.pid, signal.SIGINT)
+    rest, _ = job.communicate(timeout=60)
+    output = "".join(seen) + rest
+    assert f"rank 0: interrupted; continue with --ckpt-dir {tmp_path} --resume" in output, output[-3000:]
+    assert "rank 1: interrupted" in output, output[-3000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: Traceback" not in output, output[-3000:]
+
+
 def _resume_and_check(ckpt_dir: str, export: str) -> None:
     train = _load_train()
     common = ["--steps", "6", *SMALL, "--ckpt-dir", ckpt_dir]
