@@ -367,7 +367,9 @@ class FSDPState(TorchStateNames):
         """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func)."""
         hook = self._pre_backward_hook
         for tensor in _tensors_requiring_grad(output):
-            if is_view(tensor):
+            # A full backward hook (register_full_backward_hook, ModTracker, CommDebugMode) returns views
+            # of the module's outputs: those views are the hook's doing, not the module's.
+            if is_view(tensor) and type(tensor.grad_fn).__name__ != "BackwardHookFunctionBackward":
                 warnings.warn(
                     "A forward output of an FSDP module is a view that requires grad; an in-place op on "
                     "it would drop FSDP's pre-backward hook. Return a non-view tensor (e.g. .clone()).",

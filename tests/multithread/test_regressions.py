@@ -13,7 +13,9 @@
 - a sharded module shared by two roots is reported as such (it was said to have run on its own);
 - pickling a sharded model (``torch.save(model)``) says what to save instead;
 - a trainable submodule added after ``fully_shard`` raises at the next forward instead of training
-  rank by rank with no gradient averaging.
+  rank by rank with no gradient averaging;
+- outputs wrapped by a full backward hook (CommDebugMode, ``count_collectives`` in processes) no longer
+  trigger the view-output warning, which still fires for a module that returns a view.
 """
 
 from __future__ import annotations
@@ -490,3 +492,38 @@ def test_a_trainable_submodule_added_after_fully_shard_raises() -> None:
     # torch's fully_shard trains it rank by rank: the copies drift apart silently.
     assert run_threaded(2, _added_after_sharding, "torch")[0] > 0
     run_threaded(2, _added_after_sharding, "fsdp2")
+
+
+# ---- the view-output warning and full backward hooks ----------------------------------------------
+
+
+class _ReturnsView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(-1)
+
+
+def _view_warnings() -> tuple[int, int]:
+    import warnings
+
+    fsdp2 = get_impl("fsdp2")
+    hooked, viewing = MLP(8), _ReturnsView()
+    hooked.register_full_backward_hook(lambda module, grad_in, grad_out: None)  # as CommDebugMode does
+    fsdp2.fully_shard(hooked)
+    fsdp2.fully_shard(viewing)
+    counts = []
+    for model in (hooked, viewing):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(make_input((2, 8), dist.get_rank())).sum().backward()
+        counts.append(sum("is a view that requires grad" in str(w.message) for w in caught))
+    return counts[0], counts[1]
+
+
+def test_full_backward_hooks_do_not_trigger_the_view_warning() -> None:
+    # Before: count_collectives() in gloo processes (CommDebugMode's hooks) made every output "a view".
+    # One rank: warnings.catch_warnings is process-wide, so threads would see each other's warnings.
+    assert run_threaded(1, _view_warnings)[0] == (0, 1)
