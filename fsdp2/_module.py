@@ -38,6 +38,7 @@ from ._comms import (
 from ._lifecycle import TrainingState
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
+from ._step_guard import drop_held_gradients
 
 
 def describe(value: Any) -> str:
@@ -175,6 +176,15 @@ class FSDPModule(_ModuleBase):
 
     def _get_fsdp_state(self) -> FSDPState:
         return _require_state(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and also drop gradients held by no-sync backwards (not yet reduced).
+
+        On the unsharded model they would be cleared too; otherwise the next synced backward would
+        still sum them in. ``optimizer.zero_grad()`` does the same for the groups of its parameters.
+        """
+        super().zero_grad(set_to_none)
+        drop_held_gradients([g for m in self._fsdp_modules(True) for g in _require_state(m).groups])
 
     def _single_group(self, method: str) -> FSDPParamGroup | None:
         """This module's only group (``None`` without parameters); ambiguous with per-parameter meshes."""

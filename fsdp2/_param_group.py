@@ -806,6 +806,12 @@ class FSDPParamGroup:
             _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, self.event_scope)
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
+    def drop_unreduced_grads(self) -> None:
+        """Discard the gradients a no-sync backward left for a later reduction (``zero_grad``)."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.take_unsharded_grad()
+        self.unreduced_grads = False
+
     def finish_backward(self, last: bool) -> None:
         """End-of-backward callback: post-backward if autograd never reached it, then ``IDLE``.
 

@@ -12,7 +12,10 @@ three silent mistakes into an error or the intended result:
   backward raises (it would differentiate with the stepped parameters);
 - a step after a backward that kept the parameters unsharded (``set_reshard_after_backward(False)``):
   the group reshards after the step, so the next forward gathers the updated parameters instead of
-  reusing the stale unsharded ones.
+  reusing the stale unsharded ones;
+- ``optimizer.zero_grad()`` after a no-sync backward: it also drops the gradients the groups hold for
+  a later synced backward, as it would clear them on the unsharded model (``torch.optim.Optimizer``'s
+  ``zero_grad`` is wrapped once, at the first ``fully_shard``; ``FSDPModule.zero_grad`` does the same).
 
 Does not own: the flags it reads (``FSDPParamGroup`` sets them) or the optimizer.
 Cost: two hook calls per step and one attribute check per group of the stepped parameters.
@@ -20,6 +23,7 @@ Cost: two hook calls per step and one attribute check per group of the stepped p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
@@ -51,6 +55,25 @@ def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
     if not _hooks:
         _hooks.append(register_optimizer_step_pre_hook(_before_step))
         _hooks.append(register_optimizer_step_post_hook(_after_step))
+        _wrap_zero_grad()
+
+
+def _wrap_zero_grad() -> None:
+    original = torch.optim.Optimizer.zero_grad
+
+    @functools.wraps(original)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        drop_held_gradients(_stepped_groups(self))
+
+    torch.optim.Optimizer.zero_grad = eager(zero_grad)  # type: ignore[method-assign]
+
+
+def drop_held_gradients(groups: list[FSDPParamGroup]) -> None:
+    """Forget the gradients no-sync backwards left for a later reduction (what zero_grad means)."""
+    for group in groups:
+        if group.unreduced_grads:
+            group.drop_unreduced_grads()
 
 
 def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:

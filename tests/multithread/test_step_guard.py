@@ -8,7 +8,9 @@ Side by side with torch's ``fully_shard`` and the unsharded reference, 2 thread 
   stale unsharded parameters; fsdp2 reshards after the step, so training matches the reference;
 - ``optimizer.step()`` between a forward and its backward: the unsharded model's backward fails
   (autograd's in-place check), torch's silently differentiates with the new parameters; fsdp2's
-  backward raises, and ``reset_iter_state()`` makes the next step clean.
+  backward raises, and ``reset_iter_state()`` makes the next step clean;
+- ``optimizer.zero_grad()`` / ``model.zero_grad()`` after a no-sync micro-batch: torch still sums that
+  micro-batch into the next synced reduction; fsdp2 drops it, as the unsharded model does.
 """
 
 from __future__ import annotations
@@ -150,3 +152,36 @@ def _step_inside_the_iteration() -> None:
 
 def test_step_between_forward_and_backward_raises_at_backward() -> None:
     run_threaded(2, _step_inside_the_iteration)
+
+
+# ---- zero_grad after a no-sync backward ---------------------------------------------------------
+
+
+def _zero_grad_between_micro_batches(impl_name: str, how: str) -> float:
+    import torch.distributed as dist
+
+    ref = _model()
+    model = _shard(impl_name, copy.deepcopy(ref))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    model.set_requires_gradient_sync(False)
+    model(make_input((2, DIM), rank, seed=0)).sum().backward()  # a micro-batch the user then discards
+    if how == "optimizer":
+        optim.zero_grad()
+    else:
+        model.zero_grad()
+    model.set_requires_gradient_sync(True)
+    x = make_input((2, DIM), rank, seed=1)
+    model(x).sum().backward()
+    ref(x).sum().backward()  # the unsharded model: zero_grad cleared the first micro-batch
+    average_grads(ref)
+    return max(
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("how", ["optimizer", "module"])
+def test_zero_grad_drops_gradients_held_by_a_no_sync_backward(how: str) -> None:
+    assert run_threaded(2, _zero_grad_between_micro_batches, "torch", how)[0] > 1e-3  # summed in anyway
+    assert run_threaded(2, _zero_grad_between_micro_batches, "fsdp2", how)[0] < 1e-6
