@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
@@ -583,13 +584,11 @@ def _refuse_aliased(params: dict[int, tuple[nn.Parameter, str]]) -> None:
     """Two parameters whose elements overlap in memory: sharding would give each its own copy."""
     spans: dict[int, list[tuple[int, int, str]]] = {}
     for param, name in params.values():
-        if isinstance(param, DTensor) or param.device.type == "meta" or param.numel() == 0:
-            continue
+        if isinstance(param, DTensor) or param.device.type == "meta" or param.numel() == 0 or is_fake(param):
+            continue  # fake tensors (memory estimates) have no memory
         try:
             key = param.untyped_storage().data_ptr()
         except RuntimeError:  # a tensor subclass: no memory of its own to share
-            continue
-        if key == 0:  # fake tensors (memory estimates) have no memory either
             continue
         size = param.element_size()
         start = int(param.storage_offset()) * size

@@ -89,6 +89,6 @@ def test_a_stuck_collective_is_reported_with_its_group_and_state(debug: list[str
     with pytest.raises(RanksTimeoutError, match=r"ranks \[0\]"):
         run_ranks(2, body, timeout=4.0)
     assert debug, "no report"
-    assert (
-        "rank 0 has waited 1 s in the all-gather of module group <root> (training state FORWARD)" in debug[0]
-    )
+    # On a loaded machine the first forward's model check may outlast 1 s too and be reported first.
+    expected = "rank 0 has waited 1 s in the all-gather of module group <root> (training state FORWARD)"
+    assert any(expected in report for report in debug), debug
