@@ -30,6 +30,19 @@ def seeded(build: Callable[[], nn.Module]) -> nn.Module:
     return broadcast_module_(build())
 
 
+def fill_deterministic_(module: nn.Module, scale: float = 1.0, seed: int = 0) -> nn.Module:
+    """Overwrite every parameter with normal values from a private generator; returns ``module``.
+
+    The same values on every call, thread and process (threads share torch's global RNG, so building
+    under ``torch.manual_seed`` in rank threads races).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    return module
+
+
 def mp_policy(impl: Impl, **kwargs: Any) -> Any:
     """The implementation's own ``MixedPrecisionPolicy`` built from ``kwargs``."""
     if impl.name == "fsdp2":

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tests._harness import run_multiprocess
+from tests._training import fill_deterministic_
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -55,10 +56,7 @@ class Block(nn.Module):
 
 def _full_model() -> nn.Sequential:
     model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    fill_deterministic_(model, scale=0.3)
     return model
 
 

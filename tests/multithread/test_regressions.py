@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from tests._harness import assert_sharded_parity, count_collectives, run_threaded
 from tests._impls import Impl, get_impl, shard_blocks_then_root
-from tests._training import EXACT, average_grads, seeded, train_in_lockstep
+from tests._training import EXACT, average_grads, fill_deterministic_, seeded, train_in_lockstep
 from tests.models import MLP, make_input
 from tests.multithread.test_grad_sync import BoomError, Stack
 
@@ -300,10 +300,7 @@ class _ChunkedLossModel(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-        gen = torch.Generator().manual_seed(0)  # the same values in every run (threads share torch's RNG)
-        with torch.no_grad():
-            for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        fill_deterministic_(self, scale=0.5)  # the same values in every run (threads share torch's RNG)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -461,11 +458,7 @@ class _Growing(nn.Module):
 
 def _added_after_sharding(impl_name: str) -> float:
     rank = dist.get_rank()
-    model = _Growing()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
+    model = fill_deterministic_(_Growing())
     shard_blocks_then_root(get_impl(impl_name), model, list(model.layers))
     model(make_input((2, 8), rank)).sum().backward()
     model.extra = nn.Linear(8, 8)

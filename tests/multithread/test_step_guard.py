@@ -23,20 +23,14 @@ from torch import nn
 
 from tests._harness import run_threaded
 from tests._impls import get_impl
-from tests._training import EXACT, average_grads
+from tests._training import EXACT, average_grads, fill_deterministic_
 from tests.models import MLP, make_input
 
 DIM = 8
 
 
 def _model() -> nn.Module:
-    """The same values on every call and thread (threads share torch's RNG)."""
-    model = nn.Sequential(MLP(DIM), MLP(DIM))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    return model
+    return fill_deterministic_(nn.Sequential(MLP(DIM), MLP(DIM)), scale=0.3)
 
 
 def _shard(impl_name: str, model: nn.Module) -> nn.Module:

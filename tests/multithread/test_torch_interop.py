@@ -22,18 +22,13 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from tests._harness import run_threaded
 from tests._impls import Impl, get_impl
+from tests._training import fill_deterministic_
 
 DIM = 6
 
 
 def _model() -> nn.Module:
-    """The same values on every call and thread (a private generator: threads share torch's RNG)."""
-    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    return model
+    return fill_deterministic_(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)), scale=0.3)
 
 
 def _shard(impl: Impl, model: nn.Module) -> nn.Module:
