@@ -25,9 +25,16 @@ Tensor = torch.Tensor
 Group = dist.ProcessGroup
 Work = dist.Work
 
-# torch >= 2.10 names the single-tensor collectives *_single; older releases only have *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.10 names the single-tensor collectives *_single; older releases only have *_tensor. Looked
+# up at each call, so a profiler's or a test's patch of torch.distributed's function sees fsdp2's calls.
+
+
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class Comm(ABC):

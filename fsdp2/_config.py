@@ -65,7 +65,8 @@ class GroupControls:
         gradient_divide_factor: divide summed gradients by this instead of the rank count.
         force_sum_reduction: SUM collectives only, dividing afterwards.
         all_reduce_hook: called on each reduced gradient buffer.
-        all_reduce_hook_stream: the CUDA stream the hook runs on (``None``: the reduce-scatter stream).
+        all_reduce_hook_stream: the stream the hook runs on on an accelerator (``None``: the reduce-scatter
+            stream; on the CPU the hook runs in place).
         reduce_scatter_unused_params: reduce zero gradients for parameters that got none in this
             backward, so ranks whose control flow skipped a parameter still issue the same collective.
         reduce_scatter_max_input_buffers: reduce-scatter input buffers kept in flight (CUDA; >= 1).
@@ -81,7 +82,7 @@ class GroupControls:
     gradient_divide_factor: float | None = None
     force_sum_reduction: bool = False
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    all_reduce_hook_stream: torch.cuda.Stream | None = None
+    all_reduce_hook_stream: torch.Stream | None = None
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
     unshard_async_op: bool = False

@@ -305,7 +305,7 @@ class FSDPModule(_ModuleBase):
             group.controls.force_sum_reduction = enable
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:
         """Run ``hook(reduced_output)`` on each reduced gradient buffer of this module.
 
@@ -325,10 +325,10 @@ class FSDPModule(_ModuleBase):
             return
         if stream is not None and group.mesh_info.is_hsdp:
             raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP.")
-        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        if stream is not None and not isinstance(stream, (torch.Stream, torch.cpu.Stream)):
             raise TypeError(
-                f"set_all_reduce_hook: stream must be a torch.cuda.Stream, got {type(stream).__name__}; "
-                "leave it None to run the hook where the gradients are reduced."
+                f"set_all_reduce_hook: stream must be a torch.Stream (e.g. a torch.cuda.Stream), got "
+                f"{type(stream).__name__}; leave it None to run the hook where the gradients are reduced."
             )
         group.controls.all_reduce_hook = hook
         group.controls.all_reduce_hook_stream = stream

@@ -223,14 +223,17 @@ class GradientReducer:
 
 
 def _run_hook(
-    hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: torch.cuda.Stream | None
+    hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: torch.Stream | None
 ) -> None:
-    """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows."""
-    if stream is None:
+    """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows.
+
+    On the CPU there is no stream to order: the hook runs in place, as torch runs it there.
+    """
+    if stream is None or output.device.type == "cpu":
         hook(output)
         return
-    reducing = torch.cuda.current_stream(output.device)
+    reducing = torch.accelerator.current_stream(output.device)
     stream.wait_stream(reducing)
-    with torch.cuda.stream(stream):
+    with stream:
         hook(output)
     reducing.wait_stream(stream)

@@ -200,12 +200,18 @@ def _all_reduce_hook_bad_stream() -> None:
     model = seeded(lambda: MLP(DIM))
     ref = copy.deepcopy(model)
     _shard_mlp(get_impl("fsdp2"), model)
-    with pytest.raises(TypeError, match=r"stream must be a torch.cuda.Stream, got str"):
+    with pytest.raises(
+        TypeError, match=r"stream must be a torch.Stream \(e.g. a torch.cuda.Stream\), got str"
+    ):
         model.set_all_reduce_hook(lambda t: t.mul_(2), stream="side")  # type: ignore[arg-type]
     _train(model, ref, lambda name: float(dist.get_world_size()), steps=1)  # refused: no hook runs
+    # Any torch.Stream is accepted, as in torch; on the CPU the hook runs in place.
+    for module in (model, model.in_proj):
+        module.set_all_reduce_hook(lambda t: t.mul_(2), stream=torch.cpu.Stream())
+    _train(model, ref, lambda name: float(dist.get_world_size()) / 2, steps=1)
 
 
-def test_all_reduce_hook_stream_must_be_a_cuda_stream() -> None:
+def test_all_reduce_hook_stream_must_be_a_stream() -> None:
     run_threaded(2, _all_reduce_hook_bad_stream)
 
 

@@ -15,7 +15,8 @@
 - a trainable submodule added after ``fully_shard`` raises at the next forward instead of training
   rank by rank with no gradient averaging;
 - outputs wrapped by a full backward hook (CommDebugMode, ``count_collectives`` in processes) no longer
-  trigger the view-output warning, which still fires for a module that returns a view.
+  trigger the view-output warning, which still fires for a module that returns a view;
+- a patch of ``torch.distributed``'s collective functions (profilers, torch's tests) sees fsdp2's calls.
 """
 
 from __future__ import annotations
@@ -520,3 +521,34 @@ def test_full_backward_hooks_do_not_trigger_the_view_warning() -> None:
     # Before: count_collectives() in gloo processes (CommDebugMode's hooks) made every output "a view".
     # One rank: warnings.catch_warnings is process-wide, so threads would see each other's warnings.
     assert run_threaded(1, _view_warnings)[0] == (0, 1)
+
+
+# ---- collectives looked up at call time -------------------------------------------------------------
+
+
+def _train_once() -> None:
+    model = nn.Sequential(MLP(8), MLP(8))
+    shard_blocks_then_root(get_impl("fsdp2"), model, list(model))
+    model(make_input((2, 8), dist.get_rank())).sum().backward()
+
+
+def test_patched_torch_collectives_see_fsdp2_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Profilers and torch's own FSDP tests patch torch.distributed's functions; fsdp2 bound them at
+    # import, so the patches never saw its collectives.
+    calls: list[str] = []
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        original = getattr(dist, name, None) or getattr(
+            dist, name.replace("_single", "_into_tensor" if "gather" in name else "_tensor")
+        )
+        target = name if hasattr(dist, name) else original.__name__
+
+        def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, target, counted)
+    run_threaded(2, _train_once)
+    # per rank: the two blocks gather in forward and again in backward, and reduce once (the root
+    # Sequential has no parameters of its own)
+    assert calls.count("all_gather_single") == 2 * 4
+    assert calls.count("reduce_scatter_single") == 2 * 2
