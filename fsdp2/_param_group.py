@@ -807,7 +807,7 @@ class FSDPParamGroup:
         _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
 
     def drop_unreduced_grads(self) -> None:
-        """Discard the gradients a no-sync backward left for a later reduction (``zero_grad``)."""
+        """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
         self.unreduced_grads = False
@@ -849,9 +849,8 @@ class FSDPParamGroup:
         ran, so they cannot leak into the next step's reduction.
         """
         self.finalize_backward()
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.take_unsharded_grad()
-        self.unreduced_grads = self.awaiting_backward = self.stepped_after_forward = False
+        self.drop_unreduced_grads()
+        self.awaiting_backward = self.stepped_after_forward = False
         self.reducer.reset(self.device)
         self.set_state(_IDLE)
         self.reshard()
