@@ -11,6 +11,7 @@ from ._comms import AllGather, Comm, ReduceScatter
 from ._debug import set_debug
 from ._events import Event, Span, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
+from ._init import init_like_unsharded
 from ._lifecycle import TrainingState
 from ._local_optim import local_step
 from ._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
@@ -50,6 +51,7 @@ __all__ = [
     "clip_grad_norm_",
     "estimate_memory",
     "fully_shard",
+    "init_like_unsharded",
     "is_simulated",
     "load_full_state_dict",
     "local_step",

@@ -433,7 +433,8 @@ def _check_materialized(modules: list[nn.Module], handles: list[Any]) -> None:
         raise ValueError(
             f"build_model returned a model with tensors on the meta device ({', '.join(meta[:3])}"
             f"{', ...' if len(meta) > 3 else ''}); materialize them as the job does, e.g. "
-            "model.to_empty(device='cpu') and reset_parameters(), inside build_model."
+            "model.to_empty(device='cpu') and reset_parameters() under fsdp2.init_like_unsharded(), "
+            "inside build_model."
         )
 
 

@@ -212,6 +212,8 @@ class FSDPParam:
         self._accumulated_grad: torch.Tensor | None = None  # ND, reduce_dtype, no-sync accumulation
         # 1D, (shard_size / k) * padded_shard_numel; only between forward and backward with an int k
         self._post_forward_slice: torch.Tensor | None = None
+        # Materialised from meta since the last first-unshard check (see _init.warn_if_repeated_shards).
+        self.from_meta = False
         self._register(self.sharded_param)
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -256,6 +258,14 @@ class FSDPParam:
         return self.shard_dim == 0 and rows % self.mesh_info.shard_size != 0
 
     @property
+    def smallest_shard_numel(self) -> int:
+        """The fewest real (unpadded) elements any rank's shard holds (the last rank's, on dim 0)."""
+        if self.shard_dim != 0:
+            return self.local_numel
+        world = self.mesh_info.shard_size
+        return chunk_rows(self.orig_size[0], world, world - 1)[2] * self.row_numel
+
+    @property
     def unsharded_dtype(self) -> torch.dtype:
         return self.param_dtype or self.orig_dtype
 
@@ -276,6 +286,7 @@ class FSDPParam:
         mark_managed(self.sharded_param)
         self._spec = spec_of(param)
         local = local_of(param)
+        self.from_meta = self.from_meta or (self._local_shard.is_meta and not local.is_meta)
         if local is self._local_view and not (self.offload_to_cpu and local.device.type != "cpu"):
             pass  # still the local tensor fsdp2 made (updated in place, e.g. by an optimizer)
         elif local.is_meta:

@@ -58,6 +58,7 @@ from ._debug import watch_collective
 from ._dtensor import local_of
 from ._events import EventScope
 from ._extension import has_extension, padded_rule_error
+from ._init import warn_if_repeated_shards
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._mesh import MeshInfo
 from ._param import FSDPParam, can_pin, padded_shard_numel
@@ -123,6 +124,7 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather_result: AllGatherResult | None = None
         self._lazy_initialized = False
+        self._watch_init = False  # see _check_materialized_init
         self._post_forward_event: torch.Event | None = None  # CUDA: post-forward slices written
         self._copy_out_targets: dict[int, list[torch.Tensor]] = {}  # world size -> (W, split) views
         # See [Note: One unsharded buffer per group]; resolved at lazy init.
@@ -183,7 +185,8 @@ class FSDPParamGroup:
         if meta:
             raise RuntimeError(
                 f"Parameters {meta} are still on the meta device. Materialize them before training, "
-                "e.g. module.to_empty(device=...) followed by reset_parameters()."
+                "e.g. module.to_empty(device=...), then reset_parameters() inside "
+                "`with fsdp2.init_like_unsharded():` (or load the weights)."
             )
         policy = self.config.mp_policy
         for fsdp_param in self.fsdp_params:
@@ -221,6 +224,8 @@ class FSDPParamGroup:
         self.reducer.resolve(self.fsdp_params)
         self._copy_out_targets.clear()
         self._forget_slots()
+        # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
+        self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
         self._lazy_initialized = True
 
     def _pack_shards(self) -> None:
@@ -585,6 +590,8 @@ class FSDPParamGroup:
             one_copy.copy_(result.output)  # one rank: no buckets, no post-forward mesh
         else:
             copy_out_2d(result, targets)
+        if self._watch_init:
+            self._check_materialized_init(result.world_size)
         for fsdp_param in self._staged_params:
             fsdp_param.finish_unshard()
         self._all_gather_result = None
@@ -599,6 +606,16 @@ class FSDPParamGroup:
             ctx.deferred_all_gather = ((result.output, result.input), copy_out_event)
             if self.training_state is not _FORWARD:
                 ctx.release_deferred_all_gather()
+
+    def _check_materialized_init(self, world: int) -> None:
+        """Once after materialising from meta: warn if a parameter's full value repeats per rank."""
+        self._watch_init = False
+        if world != self.mesh_info.shard_size:
+            return
+        params = [p for p in self.fsdp_params if p.from_meta and not p.has_extension]
+        for fsdp_param in params:
+            fsdp_param.from_meta = False
+        warn_if_repeated_shards(params, [p.all_gather_output() for p in params], world)
 
     @outside_functorch
     def reshard(self) -> None:
