@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import _events
-from ._collectives import AllGatherResult, all_gather_copy_in, issue_all_gather, reduce_scatter
+from ._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather, reduce_scatter
 from ._comm_context import CommContext
 from ._comms import GroupComms
 from ._config import GroupControls
@@ -103,26 +103,23 @@ def all_gather_bucket(
     ``make_inputs`` returns each group's 1-D inputs; it runs on the copy-in stream when there is one
     (host-to-device copies under CPU offload are made there, as for a single group).
     """
-    if comm_ctx is not None and comm_ctx.use_streams:
-        copy_in_stream, gather_stream = comm_ctx.all_gather_copy_in_stream, comm_ctx.all_gather_stream
-        assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
-        assert gather_stream is not None, "all-gather stream not initialized"
-        with torch.cuda.stream(copy_in_stream):
-            per_group = make_inputs()
-            output, local, splits = all_gather_copy_in(
-                [t for inputs in per_group for t in inputs], world_size, rank, dtype, comm
-            )
-        gather_stream.wait_stream(copy_in_stream)
-        with torch.cuda.stream(gather_stream):
-            issue_all_gather(output, local, group, world_size, False, comm)
-            event: torch.Event | None = gather_stream.record_event()
-    else:
+
+    def copy_in() -> tuple[list[list[torch.Tensor]], CopyIn]:
         per_group = make_inputs()
-        output, local, splits = all_gather_copy_in(
-            [t for inputs in per_group for t in inputs], world_size, rank, dtype, comm
-        )
+        flat = [t for inputs in per_group for t in inputs]
+        return per_group, all_gather_copy_in(flat, world_size, rank, dtype, comm)
+
+    def issue(staged: tuple[list[list[torch.Tensor]], CopyIn]) -> None:
+        output, local, _ = staged[1]
         issue_all_gather(output, local, group, world_size, False, comm)
-        event = None
+
+    event: torch.Event | None = None
+    if comm_ctx is not None and comm_ctx.use_streams:
+        staged, event = comm_ctx.all_gather_on_streams(copy_in, issue)
+    else:
+        staged = copy_in()
+        issue(staged)
+    per_group, (output, _, splits) = staged
     results = []
     index = column = 0
     for inputs in per_group:

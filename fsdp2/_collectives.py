@@ -50,9 +50,13 @@ class AllGatherResult:
     input: torch.Tensor | None = None
 
 
+# (flat output, this rank's input block (often a view of the output), per-parameter input numels)
+CopyIn = tuple[torch.Tensor, torch.Tensor, list[int]]
+
+
 def all_gather_copy_in(
     inputs: list[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, comm: Any = None
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+) -> CopyIn:
     """Allocate the flat output (``comm.allocate``) and copy (and cast) ``inputs`` into this rank's block.
 
     Returns ``(output, local_block, split_sizes)``; ``local_block`` views ``output``.

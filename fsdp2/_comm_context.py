@@ -25,7 +25,12 @@ On CPU none of this exists: every event slot is ``None`` and work runs in progra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+_Staged = TypeVar("_Staged")
 
 _Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input: often a view of it)
 
@@ -53,6 +58,31 @@ class CommContext:
         self.all_gather_copy_in_stream = torch.cuda.Stream(device, priority=high)
         self.all_gather_stream = torch.cuda.Stream(device, priority=high)
         self.reduce_scatter_stream = torch.cuda.Stream(device, priority=high)
+
+    def all_gather_on_streams(
+        self,
+        copy_in: Callable[[], _Staged],
+        issue: Callable[[_Staged], None],
+        after: torch.Event | None = None,
+    ) -> tuple[_Staged, torch.Event]:
+        """The all-gather protocol on the side streams, for single groups and buckets alike.
+
+        ``copy_in`` (which also makes the inputs: casts, host-to-device copies) runs on the copy-in
+        stream, after ``after`` where given; ``issue`` runs on the all-gather stream once the copy-in
+        is done. Returns what ``copy_in`` made and the event that marks the collective's end.
+        """
+        copy_in_stream, gather_stream = self.all_gather_copy_in_stream, self.all_gather_stream
+        assert copy_in_stream is not None, "all-gather copy-in stream not initialized"
+        assert gather_stream is not None, "all-gather stream not initialized"
+        if after is not None:
+            copy_in_stream.wait_event(after)
+        with torch.cuda.stream(copy_in_stream):
+            staged = copy_in()
+        gather_stream.wait_stream(copy_in_stream)
+        with torch.cuda.stream(gather_stream):
+            issue(staged)
+            event = gather_stream.record_event()
+        return staged, event
 
     def wait_for_current_stream(self, event: torch.Event | None = None) -> None:
         """All-gather streams wait for the optimizer: on ``event`` if given, else the current stream."""

@@ -49,7 +49,7 @@ def _groups(model: nn.Module) -> list[Any]:
 
 
 def _packed_everywhere(model: nn.Module) -> bool:
-    return all(group._packing_intact() for group in _groups(model))
+    return all(group.packed.intact(group.fsdp_params) for group in _groups(model))
 
 
 def _inputs(dtype: torch.dtype = torch.float32) -> Any:

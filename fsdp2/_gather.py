@@ -1,0 +1,169 @@
+"""A group's all-gather: its inputs, its one pending collective, and the wait.
+
+Owns: ``AllGatherer``: what this rank contributes (the packed shards, or each parameter's input,
+extension inputs, byte views for groups of several dtypes), issuing the collective on the side
+streams (``CommContext.all_gather_on_streams``, the protocol buckets use too) or in program order, and
+the one result a group may have pending (its own all-gather or its part of a bucket).
+Does not own: what the output becomes (``UnshardedBuffer``), whether to join a bucket (the group and
+the root's plan), events and watchdog labels (the group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._collectives import (
+    AllGatherResult,
+    CopyIn,
+    all_gather_copy_in,
+    all_ranks_true,
+    issue_all_gather,
+    packed_all_gather_copy_in,
+    wait_all_gather,
+)
+from ._extension import padded_rule_error
+from ._lifecycle import TrainingState
+
+if TYPE_CHECKING:
+    from ._comm_context import CommContext
+    from ._mesh import MeshInfo
+    from ._packed import PackedShards
+    from ._param import FSDPParam
+
+__all__ = ["AllGatherer"]
+
+
+class AllGatherer:
+    """The all-gather of one group.
+
+    Fields:
+    - ``result``: the pending all-gather (1-D output ``W * sum(splits)`` in ``dtype``, on the compute
+      device; CUDA: allocated on the copy-in stream) or ``None``; at most one per group.
+    - ``dtype``: the collective's dtype, the parameters' unsharded dtype, or ``uint8`` when
+      ``as_bytes`` (parameters of several unsharded dtypes gather their bytes). Resolved at lazy
+      init; for extensions, by what their pre-all-gather hooks return at each unshard.
+    - ``extension``: some parameter gathers through ``fsdp_pre_all_gather``.
+    - ``span``: (issue time, phase) of the pending all-gather, for the timeline.
+    - ``post_forward_event``: CUDA: recorded after the slices kept for an int
+      ``reshard_after_forward`` were written; the next copy-in waits on it.
+    """
+
+    def __init__(self, mesh_info: MeshInfo, device: torch.device, dtype: torch.dtype) -> None:
+        self.result: AllGatherResult | None = None
+        self.dtype = dtype
+        self.as_bytes = False
+        self.extension = False
+        self.span: tuple[float | None, TrainingState] = (None, TrainingState.IDLE)
+        self.post_forward_event: torch.Event | None = None
+        self._mesh_info = mesh_info
+        self._device = device
+        self._rule_agreed = False  # all ranks checked the extension's padded-size rule once
+
+    def resolve(self, params: Sequence[FSDPParam]) -> None:
+        """Lazy init: the gathered dtype, and whether any parameter uses an extension."""
+        dtypes = {p.unsharded_dtype for p in params}
+        # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
+        self.as_bytes = len(dtypes) > 1
+        self.dtype = torch.uint8 if self.as_bytes else dtypes.pop()
+        self.extension = any(p.has_extension for p in params)
+
+    # ---- inputs ----------------------------------------------------------------------------------
+
+    def inputs(self, params: Sequence[FSDPParam], post_forward: bool) -> list[torch.Tensor]:
+        """Each parameter's 1-D contribution, cast (or viewed as bytes) for one collective."""
+        if self.extension:
+            return self._extension_inputs(params, post_forward)
+        inputs = [p.all_gather_input(post_forward) for p in params]
+        if self.as_bytes:
+            inputs = [_as_bytes(t, p.unsharded_dtype) for t, p in zip(inputs, params, strict=True)]
+        return inputs
+
+    def _extension_inputs(self, params: Sequence[FSDPParam], post_forward: bool) -> list[torch.Tensor]:
+        """Inputs of a group with extension parameters; the collective dtype follows what they return."""
+        inputs: list[torch.Tensor] = []
+        dtypes: list[torch.dtype] = []
+        for fsdp_param in params:
+            tensors = fsdp_param.all_gather_inputs(post_forward)
+            inputs.extend(tensors)
+            if fsdp_param.has_extension:
+                dtypes.extend(t.dtype for t in tensors)
+            else:
+                dtypes.extend(fsdp_param.unsharded_dtype for _ in tensors)
+        self._check_padded_rule(params)
+        kinds = set(dtypes)
+        self.as_bytes = len(kinds) > 1
+        self.dtype = torch.uint8 if self.as_bytes else kinds.pop()
+        if self.as_bytes:
+            inputs = [_as_bytes(t, d) for t, d in zip(inputs, dtypes, strict=True)]
+        return inputs
+
+    def _check_padded_rule(self, params: Sequence[FSDPParam]) -> None:
+        """Every rank raises together if any pre hook broke the padded-size rule (no hang)."""
+        extended = [p for p in params if p.has_extension]
+        bad = [p.fqn for p in extended if not p.extension_rule_ok]
+        if not self._rule_agreed and any(p.unevenly_sharded for p in extended):
+            info = self._mesh_info
+            everyone_ok = info.shard_size == 1 or all_ranks_true(not bad, info.shard_group, self._device)
+            if not everyone_ok:
+                raise padded_rule_error(bad or [p.fqn for p in extended if p.unevenly_sharded])
+            self._rule_agreed = True
+        elif bad:
+            raise padded_rule_error(bad)
+
+    # ---- the collective --------------------------------------------------------------------------
+
+    def issue(
+        self,
+        params: Sequence[FSDPParam],
+        packed: PackedShards,
+        post_forward: bool,
+        info: MeshInfo,
+        comm: object,
+        streams: CommContext | None,
+        async_op: bool,
+    ) -> None:
+        """Copy in and issue the all-gather over ``info``'s shard group; the result stays pending.
+
+        ``packed``: read directly where usable (not for post-forward slices); ``streams``: run on the
+        side streams (CUDA), else in program order.
+        """
+
+        def copy_in() -> CopyIn:
+            flat = None if post_forward else packed.gather_input(self._device)
+            if flat is not None:
+                world, rank = info.shard_size, info.shard_rank
+                output, local = packed_all_gather_copy_in(flat, world, rank, self.dtype, comm)
+                return output, local, packed.splits
+            inputs = self.inputs(params, post_forward)
+            return all_gather_copy_in(inputs, info.shard_size, info.shard_rank, self.dtype, comm)
+
+        if streams is not None:
+            after = None
+            if post_forward:  # the post-forward slices were cloned on the current stream
+                after, self.post_forward_event = self.post_forward_event, None
+
+            def issue(staged: CopyIn) -> None:
+                issue_all_gather(staged[0], staged[1], info.shard_group, info.shard_size, False, comm)
+
+            (output, local, splits), event = streams.all_gather_on_streams(copy_in, issue, after)
+            self.result = AllGatherResult(output, splits, info.shard_size, event, None, input=local)
+            return
+        output, local, splits = copy_in()
+        work = issue_all_gather(output, local, info.shard_group, info.shard_size, async_op, comm)
+        self.result = AllGatherResult(output, splits, info.shard_size, None, work)
+
+    def wait(self) -> AllGatherResult | None:
+        """Wait for the pending all-gather (CPU: its work; CUDA: its event) and hand it over."""
+        result = self.result
+        if result is not None:
+            wait_all_gather(result)
+            self.result = None
+        return result
+
+
+def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, viewed as bytes (for a group that gathers several dtypes at once)."""
+    return (tensor if tensor.dtype == dtype else tensor.to(dtype)).view(torch.uint8)
