@@ -14,28 +14,46 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp2"
 
 
-def _internal_imports(path: Path) -> set[str]:
-    """Names of the ``fsdp2`` modules that ``path`` imports (``_state``, ``_param``, ...)."""
+def _module_name(path: Path) -> str:
+    """``_state`` for ``fsdp2/_state.py``, ``testing._threads`` for ``fsdp2/testing/_threads.py``."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts)
+
+
+def _internal_imports(path: Path, package: Path = PACKAGE) -> set[str]:
+    """Names of the ``fsdp2`` modules that ``path`` imports (``_state``, ``testing._threads``, ...).
+
+    A module named ``__init__`` of a subpackage stands for the subpackage (``testing``); the top-level
+    ``__init__`` is ``__init__``. Relative imports are resolved from ``path``'s own package.
+    """
+    here = list(path.parent.relative_to(package).parts)
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from ._x import y
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import _x
-                found.update(alias.name for alias in node.names)
-            elif node.module and node.module.split(".")[0] == "fsdp2" and "." in node.module:
-                found.add(node.module.split(".")[1])
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                if node.module:  # from ._x import y / from .._x import y
+                    found.add(".".join([*base, node.module.split(".")[0]]))
+                else:  # from . import _x
+                    found.update(".".join([*base, alias.name]) for alias in node.names)
+            elif node.module and node.module.split(".")[0] == "fsdp2":
+                found.add(".".join(node.module.split(".")[1:]) or "__init__")
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
-                if parts[0] == "fsdp2" and len(parts) > 1:
-                    found.add(parts[1])
+                if parts[0] == "fsdp2":
+                    found.add(".".join(parts[1:]) or "__init__")
     return found
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
-    return {name: _internal_imports(path) & modules.keys() - {name} for name, path in modules.items()}
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    names = set(modules) | {name.removesuffix(".__init__") for name in modules}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        node = name.removesuffix(".__init__")
+        graph[node] = {dep.removesuffix(".__init__") for dep in _internal_imports(path)} & names - {node}
+    return graph
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -67,6 +85,10 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles_in_fsdp2() -> None:
     graph = _graph()
     assert len(graph) > 10, "the package was not found"
+    assert {"testing", "testing._threads", "testing._counting"} <= graph.keys(), (
+        "fsdp2/testing is not covered"
+    )
+    assert "_memory" in graph["testing._measure"], "imports from a parent package are not resolved"
     cycle = _find_cycle({k: v for k, v in graph.items() if k != "__init__"})
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -81,7 +103,7 @@ def test_cycle_finder_sees_type_checking_imports(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
     )
     (tmp_path / "b.py").write_text("from . import a\n")
-    graph = {p.stem: _internal_imports(p) for p in tmp_path.glob("*.py")}
+    graph = {p.stem: _internal_imports(p, tmp_path) for p in tmp_path.glob("*.py")}
     assert _find_cycle(graph) == ["a", "b", "a"]
 
 
