@@ -38,8 +38,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
@@ -47,15 +46,12 @@ from ._autograd import preserve_version_counter
 from ._collectives import contiguous_strides
 from ._config import ParamSpec
 from ._dtensor import (
-    DTensorSpec,
-    local_in_placements,
     local_of,
     make_spec,
     rebase_local,
     set_local,
     sole_reference,
     spec_of,
-    strided_shard,
     wrap_local,
 )
 from ._extension import (
@@ -69,6 +65,7 @@ from ._extension import (
 )
 from ._late_params import quiet_registrations
 from ._mesh import MeshInfo
+from ._tp import TPLayout, sharded_spec
 
 
 def padded_shard_numel(size: torch.Size, shard_dim: int, world_size: int) -> int:
@@ -115,8 +112,8 @@ class FSDPParam:
         self.post_forward_mesh_info = post_forward_mesh_info
         # Tensor parallel: the parameter is a DTensor on a TP mesh; FSDP shards its local tensor, and the
         # unsharded parameter is a DTensor with the TP spec again. See [Note: Tensor parallel].
-        self._tp_spec = spec_of(param) if isinstance(param, DTensor) else None
-        global_size, global_stride = param.size(), param.stride()
+        self._tp = TPLayout(spec_of(param), spec.dp_dims) if isinstance(param, DTensor) else None
+        self._spec = sharded_spec(spec, self._tp, mesh_info, param.dtype)
         if isinstance(param, DTensor):
             param = nn.Parameter(local_of(param), requires_grad=param.requires_grad)
         self.orig_size = param.size()  # of the tensor FSDP shards: the TP-local tensor under TP
@@ -157,36 +154,6 @@ class FSDPParam:
         if self.offload_to_cpu and not self._local_shard.is_meta and shard_slot is None:
             # A meta shard stays meta until materialized; reset_sharded_param offloads it then.
             self._local_shard = self._offloaded(self._local_shard)
-        shard = Shard(shard_dim)
-        dp_placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
-        self._dp_dims = spec.dp_dims
-        if self._tp_spec is None:
-            self._spec = make_spec(mesh_info.mesh, dp_placements, global_size, global_stride, param.dtype)
-        elif spec.dp_dims is not None:  # a DTensor on the full SPMD mesh (DataParallelMeshDims)
-            dims = spec.dp_dims
-            placements = tuple(self._tp_spec.placements)
-            if dims.shard:
-                placements = _spmd_sharded_placements(self._tp_spec, dims.shard[0])
-            self._spec = make_spec(
-                dims.sharded_mesh,
-                dims.sharded_placements(placements),
-                global_size,
-                global_stride,
-                param.dtype,
-            )
-        else:
-            assert spec.spmd_mesh is not None, f"{self.fqn}: a DTensor parameter without its (dp, tp) mesh"
-            self._spec = make_spec(
-                spec.spmd_mesh,
-                (
-                    *dp_placements[:-1],
-                    _dp_shard_placement(self._tp_spec, shard_dim),
-                    *self._tp_spec.placements,
-                ),
-                global_size,
-                global_stride,
-                param.dtype,
-            )
         local = self._local_shard[: self.local_numel].view(self.local_shard_size)
         self._local_view = local  # the sharded DTensor's local tensor as fsdp2 made it
         self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
@@ -245,7 +212,7 @@ class FSDPParam:
 
     @property
     def is_tensor_parallel(self) -> bool:
-        return self._tp_spec is not None
+        return self._tp is not None
 
     @property
     def has_extension(self) -> bool:
@@ -312,14 +279,9 @@ class FSDPParam:
         """
         requires_grad = self.sharded_param.requires_grad
         dtype = self.sharded_param.dtype
-        if self._tp_spec is None:
+        if self._tp is None:
             return nn.Parameter(torch.empty(self.global_size, dtype=dtype, device="meta"), requires_grad)
-        local = torch.empty(self.orig_size, dtype=dtype, device="meta")
-        tp = self._tp_spec
-        meta = tp.tensor_meta
-        assert meta is not None, f"{self.fqn}: a TP spec without tensor metadata"
-        spec = make_spec(tp.mesh, tp.placements, meta.shape, meta.stride, dtype)
-        return nn.Parameter(wrap_local(local, spec), requires_grad)
+        return self._tp.placeholder(self.orig_size, dtype, requires_grad)
 
     def local_shard_copy(self) -> torch.Tensor:
         """A copy of the padded local shard (for a deep copy of the model)."""
@@ -387,9 +349,8 @@ class FSDPParam:
         """
         with torch.no_grad():
             local = full.detach()
-            if self._tp_spec is not None:
-                tp = self._tp_spec
-                local = distribute_tensor(local, tp.mesh, tp.placements, src_data_rank=None).to_local()
+            if self._tp is not None:
+                local = self._tp.local_part(local)
             info = self.mesh_info
             if self.shard_dim == 0:
                 _, start, rows = chunk_rows(local.size(0), info.shard_size, info.shard_rank)
@@ -512,8 +473,8 @@ class FSDPParam:
             self._unsharded_full = full
             self._unsharded_full_nbytes = full.untyped_storage().nbytes()
             view = full
-        if self._tp_spec is not None:
-            view = wrap_local(view, self._unsharded_tp_spec())
+        if self._tp is not None:
+            view = wrap_local(view, self._tp.unsharded_spec(self.unsharded_dtype))
         self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
 
     def drop_unsharded(self) -> None:
@@ -567,32 +528,6 @@ class FSDPParam:
                 tensor.untyped_storage().resize_(nbytes)
         with preserve_version_counter(param):  # a refill, as for plain parameters
             call_post_all_gather(local, outputs, record, self.unsharded_dtype, param)
-
-    def _unsharded_tp_spec(self) -> DTensorSpec:
-        """The TP spec of the unsharded parameter, in the unsharded (compute) dtype."""
-        tp = self._tp_spec
-        assert tp is not None, f"{self.fqn}: not a tensor-parallel parameter"
-        meta = tp.tensor_meta
-        assert meta is not None, f"{self.fqn}: a TP spec without tensor metadata"
-        return make_spec(tp.mesh, tp.placements, meta.shape, meta.stride, self.unsharded_dtype)
-
-    def _tp_local_grad(self, grad: DTensor) -> torch.Tensor:
-        """The local gradient laid out like the TP parameter (a ``Partial`` gradient is reduced first)."""
-        tp = self._tp_spec
-        assert tp is not None, f"{self.fqn}: a DTensor gradient on a parameter that is not tensor parallel"
-        target = tp.placements
-        if self._dp_dims is not None:
-            # Keep the data-parallel dims as autograd left them (Partial or Replicate): the reduce-scatter
-            # of the local tensor averages over them; only the other dims follow the parameter.
-            dp = self._dp_dims.dp_indices
-            target = tuple(grad.placements[i] if i in dp else p for i, p in enumerate(tp.placements))
-            # A gradient that autograd already summed over a data-parallel dim (Replicate there) would
-            # be averaged as one rank's contribution: scale it to one, so every parameter gets the same
-            # data-parallel mean (torch 2.13 leaves such gradients dp-size times too large).
-            replicated = math.prod(grad.device_mesh.size(i) for i in dp if grad.placements[i].is_replicate())
-            local = local_in_placements(grad, target)
-            return local / replicated if replicated > 1 else local
-        return local_in_placements(grad, target)
 
     def zero_unsharded_grad(self) -> torch.Tensor:
         """A zero gradient of the unsharded shape (a parameter this rank did not use in backward)."""
@@ -676,7 +611,9 @@ class FSDPParam:
         if grad is not None:
             param.grad = None
             if isinstance(grad, DTensor):
-                grad = self._tp_local_grad(grad)
+                tp = self._tp
+                assert tp is not None, f"{self.fqn}: a DTensor gradient, not tensor parallel"
+                grad = tp.local_grad(grad)
         accumulated = self._accumulated_grad
         if accumulated is None:
             return grad
@@ -699,7 +636,9 @@ class FSDPParam:
         grad = param.grad
         param.grad = None
         if isinstance(grad, DTensor):
-            grad = self._tp_local_grad(grad)
+            tp = self._tp
+            assert tp is not None, f"{self.fqn}: a DTensor gradient, not tensor parallel"
+            grad = tp.local_grad(grad)
         if self._accumulated_grad is None:
             self._accumulated_grad = grad.to(reduce_dtype)
         else:
@@ -731,34 +670,6 @@ class FSDPParam:
             for hook in tuple(hooks.values()):
                 hook(param)
         return in_flight
-
-
-def _dp_shard_placement(tp_spec: DTensorSpec, shard_dim: int) -> Placement:
-    """FSDP's placement on its shard mesh dim for a TP parameter: a strided shard when TP splits that dim.
-
-    TP's shards of ``shard_dim`` come first (outer), FSDP's chunks of each TP-local tensor inside them,
-    so FSDP's slices are interleaved ``split_factor`` ways across the global dim.
-    """
-    split_factor = 1
-    for size, placement in zip(tp_spec.mesh.shape, tp_spec.placements, strict=True):
-        if isinstance(placement, Shard) and placement.dim == shard_dim:
-            split_factor *= size
-    return strided_shard(shard_dim, split_factor) if split_factor > 1 else Shard(shard_dim)
-
-
-def _spmd_sharded_placements(spec: DTensorSpec, shard_index: int) -> tuple[Placement, ...]:
-    """The parameter's placements on its full mesh with FSDP's shard on the data-parallel shard dim.
-
-    A later mesh dim that also shards dim 0 makes FSDP's a strided shard (split by those dims' sizes).
-    """
-    placements = list(spec.placements)
-    split_factor = 1
-    for index in range(shard_index + 1, len(placements)):
-        placement = placements[index]
-        if isinstance(placement, Shard) and placement.dim == 0:
-            split_factor *= spec.mesh.size(index)
-    placements[shard_index] = strided_shard(0, split_factor) if split_factor > 1 else Shard(0)
-    return tuple(placements)
 
 
 _warned_no_pinning = False
