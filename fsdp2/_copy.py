@@ -72,10 +72,10 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 def _copy_bucket_caps(state: FSDPState | None, new_state: FSDPState | None) -> None:
     """The copy's root buckets like the original's root (``set_bucket_cap_mb``)."""
-    if state is None or new_state is None or state.ctx is None or not state.ctx.bucketing.enabled:
+    if state is None or new_state is None or state.ctx is None or not state.ctx.schedule.bucketing.enabled:
         return
-    old, new = state.ctx.bucketing, new_state.shared_context().bucketing
-    new.all_gather_cap, new.reduce_scatter_cap = old.all_gather_cap, old.reduce_scatter_cap
+    old = state.ctx.schedule.bucketing
+    new_state.shared_context().schedule.set_caps(old.all_gather_cap, old.reduce_scatter_cap)
 
 
 def _states_under(root: nn.Module) -> list[FSDPState]:

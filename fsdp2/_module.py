@@ -496,13 +496,7 @@ class FSDPModule(_ModuleBase):
                 "set_bucket_cap_mb cannot change the caps during a forward or backward; call it between "
                 "training steps (e.g. after optimizer.step())."
             )
-        ctx.bucketing.all_gather_cap = ag_bytes
-        ctx.bucketing.reduce_scatter_cap = rs_bytes
-        if ag_bytes is None:
-            for member in ctx.all_states:
-                for group in member.groups:
-                    group.forward_bucket = None
-                    group.backward_bucket = None
+        ctx.schedule.set_caps(ag_bytes, rs_bytes)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""

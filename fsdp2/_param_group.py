@@ -16,6 +16,7 @@ one is pending or when unsharded; every training-state change goes through ``_li
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from . import _events
 from ._api import CPUOffloadPolicy
 from ._autograd import in_backward_task_id, outside_functorch
-from ._bucket import Bucketing, PendingReduceScatter, all_gather_bucket
+from ._bucket import PendingReduceScatter
 from ._collectives import AllGatherResult
 from ._comm_context import CommContext
 from ._comms import GroupComms
@@ -39,6 +40,7 @@ from ._mesh import MeshInfo
 from ._packed import PackedShards, zeroed_shards
 from ._param import FSDPParam, can_pin, padded_shard_numel
 from ._reduce import GradientReducer
+from ._schedule import Schedule
 from ._unshard_buffer import UnshardedBuffer
 
 _IDLE = TrainingState.IDLE
@@ -86,11 +88,8 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._lazy_initialized = False
         self._watch_init = False  # see _check_materialized_init
-        # set_bucket_cap_mb: the root's settings (handed down at lazy init), and the groups this one
-        # shares an all-gather with in forward / in backward (set by the root's plan, None: alone)
-        self.bucketing: Bucketing | None = None
-        self.forward_bucket: list[FSDPParamGroup] | None = None
-        self.backward_bucket: list[FSDPParamGroup] | None = None
+        # The root's cross-group schedule (bucketing), handed down by the root's lazy init.
+        self.schedule: Schedule[Any] | None = None
         # Read (and the last one set) by the optimizer-step guard, see ``_step_guard``:
         self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
         self.awaiting_backward = False  # a forward with gradients ran, its backward has not
@@ -206,12 +205,9 @@ class FSDPParamGroup:
                 self.comm_ctx.wait_for_current_stream()
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        bucketing = self.bucketing
-        if bucketing is not None and bucketing.all_gather_cap is not None and not (async_op or post_forward):
-            members = self._bucket_members(state)
-            if members is not None:
-                self._unshard_bucket(members, state)  # records every member's unshard
-                return
+        schedule = self.schedule
+        if schedule is not None and not (async_op or post_forward) and schedule.gather(self, state):
+            return  # one all-gather with the other members of its bucket (records every unshard)
         self._record_unshard(state)
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
@@ -257,26 +253,6 @@ class FSDPParamGroup:
         numel = sum(p.padded_shard_numel for p in self.fsdp_params) * self.mesh_info.shard_size
         return numel * self.gatherer.dtype.itemsize
 
-    def _bucket_members(self, state: TrainingState) -> list[FSDPParamGroup] | None:
-        """The groups (this one first) to all-gather with now, or ``None`` to gather alone."""
-        bucketing = self.bucketing
-        if bucketing is None or bucketing.all_gather_cap is None:
-            return None
-        if state is _FORWARD:
-            bucket = self.forward_bucket
-        elif state is _PRE_BACKWARD:
-            bucket = self.backward_bucket
-        else:
-            return None
-        if bucket is None:
-            return None
-        key = self.all_gather_bucket_key()
-        if key is None:
-            return None
-        members = [self]
-        members.extend(g for g in bucket if g is not self and g.joins_bucket(state, key))
-        return members if len(members) > 1 else None
-
     def joins_bucket(self, state: TrainingState, key: Hashable) -> bool:
         """Whether this group joins a bucketed all-gather for ``state`` now (it needs one, same key)."""
         return (
@@ -295,24 +271,7 @@ class FSDPParamGroup:
         """This group's part of a bucketed all-gather, copied out by ``wait_for_unshard``."""
         self.gatherer.result = result
 
-    def _unshard_bucket(self, members: list[FSDPParamGroup], state: TrainingState) -> None:
-        """One all-gather for ``members``; each waits for (and copies out) its own part later."""
-        info = self.mesh_info
-        names = "; ".join(g.module_fqn or "<root>" for g in members)
-        with watch_collective("all-gather (bucket)", names, state):
-            results = all_gather_bucket(
-                lambda: [g.bucket_inputs(state) for g in members],
-                info.shard_group,
-                info.shard_size,
-                info.shard_rank,
-                self.gatherer.dtype,
-                self.comms.all_gather,
-                self.comm_ctx,
-            )
-        for group, result in zip(members, results, strict=True):
-            group.set_bucket_result(result)
-
-    def _reduce_scatter_bucket_key(
+    def reduce_scatter_bucket_key(
         self, params: list[FSDPParam], grads: list[torch.Tensor]
     ) -> Hashable | None:
         """What groups sharing one reduce-scatter must agree on; ``None``: alone.
@@ -341,20 +300,13 @@ class FSDPParamGroup:
         comm = comms.reduce_scatter
         return (id(group), dtype, factors, self.device, type(comm))
 
-    def _queue_reduce_scatter(
-        self, bucketing: Bucketing, cap: int, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> bool:
-        """Pack the gradients and queue them for a shared reduce-scatter; ``False``: reduce them now."""
-        key = self._reduce_scatter_bucket_key(params, grads)
-        if key is None:
-            # Reduce alone, after the queue: buckets stay runs of consecutive post-backwards.
-            bucketing.queue.flush(self.comm_ctx)
-            return False
+    def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter:
+        """Pack the gradients into one reduce-scatter input for a shared collective (empties ``grads``)."""
         ctx, controls, comms = self.comm_ctx, self.controls, self.comms
         start = _events.span_start(self.event_scope)
         # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
         ((_, reduced, buffer),) = self.reducer.pack(params, grads, ctx, controls, comms.reduce_scatter)
-        entry = PendingReduceScatter(
+        return PendingReduceScatter(
             self.reducer,
             params,
             reduced,
@@ -366,8 +318,6 @@ class FSDPParamGroup:
             self.event_scope,
             start,
         )
-        bucketing.queue.add(entry, key, cap, ctx)
-        return True
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -534,13 +484,8 @@ class FSDPParamGroup:
         if controls.reshard_after_backward:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
-        bucketing = self.bucketing
-        cap = bucketing.reduce_scatter_cap if bucketing is not None else None
-        if grads and not (
-            bucketing is not None
-            and cap is not None
-            and self._queue_reduce_scatter(bucketing, cap, reduced, grads)
-        ):
+        schedule = self.schedule
+        if grads and not (schedule is not None and schedule.reduce(self, reduced, grads)):
             start = _events.span_start(self.event_scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)

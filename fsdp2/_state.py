@@ -3,26 +3,11 @@
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
 pre/post hooks, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
 default prefetch (the cross-group forward order), root discovery at the first forward, and the final
-callback queued on the autograd engine, and the bucket plan (see [Note: Bucket plan]). Also
-``SharedContext``, the flags, order and bucketing settings every state under one root shares. Does
-not own: parameters or collectives (its group does).
-Invariants: the root's lazy init creates one ``SharedContext``, ``CommContext`` and ``EventScope`` and
-hands them to every state and group under it (none exist before, except those a setter or
-``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
-FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
-
-[Note: Prefetch order]
-Every post-forward of a state with a group (that a backward may use) appends the state to the shared
-``post_forward_order`` and remembers its index (one per forward use). A pre-backward without an
-explicit prefetch list pops its latest index ``i`` and unshards ``post_forward_order[i - 1]``: the
-module that ran just before it in forward runs just after it in backward. Explicit lists replace that
-default.
-
-[Note: Bucket plan]
+callback queued on the autograd engine, and the bucket plan (see [Note: Bucket plan]
 With an all-gather cap (``set_bucket_cap_mb``), the iteration root's post-forward splits this
-iteration's execution order into buckets (``_bucket.split_into_buckets``) and tells every group its
-bucket: forward uses the order in which pre-forwards ran (the order of the forward all-gathers);
-backward uses the reversed post-forward order restricted to groups that all-gather again in backward
+iteration's execution order into buckets (``Schedule.plan``, kept by the schedule per group): forward
+uses the order in which pre-forwards ran (the order of the forward all-gathers); backward uses the
+reversed post-forward order restricted to groups that all-gather again in backward
 (``reshard_after_forward=True`` and ``unshard_in_backward``). The plan made at the end of one forward
 serves that iteration's backward and the next forward, so the first forward runs unbucketed (a
 forward without gradients replans forward only). A state that ran more than once in a forward stands
@@ -59,7 +44,6 @@ from ._autograd import (
     register_pre_backward,
     route_untracked_outputs,
 )
-from ._bucket import Bucketing, split_into_buckets
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
 from ._debug import check_same_model, debug_enabled
@@ -67,6 +51,7 @@ from ._events import EventScope
 from ._late_params import check_late_parameters
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
+from ._schedule import Schedule
 from ._state_dict import register_state_dict_hooks
 from ._torch_protocol import TorchStateNames
 
@@ -91,16 +76,9 @@ class SharedContext:
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
-        # states (with a group) in the order their post-forward ran, one entry per use; the default
-        # backward prefetch walks it in reverse. See [Note: Prefetch order].
-        self.post_forward_order: list[FSDPState] = []
         self.event_scope = EventScope()
-        # set_bucket_cap_mb: the caps and reduce-scatter queue; with an all-gather cap, the states in
-        # the order their pre-forward ran this iteration, and where this iteration's post-forward
-        # entries start. See [Note: Bucket plan].
-        self.bucketing = Bucketing()
-        self.pre_forward_order: list[FSDPState] = []
-        self.iteration_order_start = 0
+        # The execution orders, bucket plan and reduce-scatter queue: all work across groups.
+        self.schedule: Schedule[FSDPState] = Schedule()
 
 
 class FSDPState(TorchStateNames):
@@ -128,7 +106,7 @@ class FSDPState(TorchStateNames):
         # on demand by a setter or share_comm_ctx), which its lazy init then shares.
         self.ctx: SharedContext | None = None
         self.comm_ctx: CommContext | None = None
-        self.post_forward_indices: list[int] = []  # positions in ctx.post_forward_order, per use
+        self.post_forward_indices: list[int] = []  # positions in the schedule's post-forward order
         self._post_backward = eager(self._run_group_post_backward)
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
@@ -233,7 +211,7 @@ class FSDPState(TorchStateNames):
             for group in state.groups:
                 group.comm_ctx = comm_ctx
                 group.event_scope = ctx.event_scope
-                group.bucketing = ctx.bucketing
+                group.schedule = ctx.schedule
         device = _state_device(states)
         comm_ctx.lazy_init(device)
         if device.type != "cpu":
@@ -266,8 +244,8 @@ class FSDPState(TorchStateNames):
         if groups:
             entering = groups[0].training_state is not _FORWARD
             shared = self.ctx
-            if entering and shared is not None and shared.bucketing.all_gather_cap is not None:
-                shared.pre_forward_order.append(self)
+            if entering and shared is not None:
+                shared.schedule.record_pre_forward(self)
             for group in groups:
                 group.pre_forward()
             if entering and torch.is_grad_enabled():
@@ -293,8 +271,7 @@ class FSDPState(TorchStateNames):
             check_late_parameters()  # before any state changes
             ctx.iteration_root = self
             ctx.event_scope.capture()
-            ctx.pre_forward_order.clear()
-            ctx.iteration_order_start = len(ctx.post_forward_order)
+            ctx.schedule.begin_iteration()
             self.shared_comm_context().wait_for_current_stream(ctx.post_optim_event)
             ctx.post_optim_event = None
         return ctx
@@ -316,9 +293,7 @@ class FSDPState(TorchStateNames):
         ctx = self.ctx
         recorded = [group.post_forward() for group in self.groups]
         if any(recorded) and ctx is not None:
-            order = ctx.post_forward_order
-            self.post_forward_indices.append(len(order))
-            order.append(self)
+            self.post_forward_indices.append(ctx.schedule.record_post_forward(self))
 
     def cast_output(self, output: Any) -> Any:
         return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
@@ -337,9 +312,7 @@ class FSDPState(TorchStateNames):
         if self.comm_ctx is not None:
             self.comm_ctx.release_deferred_all_gather()
         ctx.iteration_root = None
-        cap = ctx.bucketing.all_gather_cap
-        if cap is not None:
-            plan_all_gather_buckets(ctx, cap, backward=torch.is_grad_enabled())
+        ctx.schedule.plan(backward=torch.is_grad_enabled())
         return output
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
@@ -417,9 +390,9 @@ class FSDPState(TorchStateNames):
         """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
         if not self.post_forward_indices:
             return
-        index = self.post_forward_indices.pop()
-        if index > 0:
-            for target in ctx.post_forward_order[index - 1].groups:
+        before = ctx.schedule.ran_before(self.post_forward_indices.pop())
+        if before is not None:
+            for target in before.groups:
                 target.prefetch(_PRE_BACKWARD)
 
     def finish_backward(self) -> None:
@@ -427,8 +400,8 @@ class FSDPState(TorchStateNames):
         ctx = self.shared_context()
         ctx.iteration_root = None
         last = ctx.is_last_backward
-        queue = ctx.bucketing.queue
-        if ctx.bucketing.reduce_scatter_cap is not None or queue.pending:
+        queue = ctx.schedule.bucketing.queue
+        if ctx.schedule.bucketing.reduce_scatter_cap is not None or queue.pending:
             # Every post-backward first (those autograd never reached queue their gradients too), then
             # the queued reduce-scatters, and only then the waits of finalize_backward.
             for state in ctx.all_states:
@@ -444,7 +417,7 @@ class FSDPState(TorchStateNames):
                 state.post_forward_indices.clear()
             state.set_state(_IDLE)
         if last:
-            ctx.post_forward_order.clear()
+            ctx.schedule.end_step()
             if self.comm_ctx is not None:
                 self.comm_ctx.retire_reduce_scatters()
         ctx.callback_queued = False
@@ -461,60 +434,15 @@ class FSDPState(TorchStateNames):
         if self.comm_ctx is not None:
             self.comm_ctx.reset()
         if ctx is not None:
-            ctx.post_forward_order.clear()
-            ctx.pre_forward_order.clear()
-            ctx.bucketing.queue.reset()
+            ctx.schedule.reset()
             ctx.iteration_root = None
             ctx.callback_queued = False
-
-
-def plan_all_gather_buckets(ctx: SharedContext, cap: int, *, backward: bool) -> None:
-    """Tell every group which groups it all-gathers with in forward and, if ``backward``, in backward.
-
-    See [Note: Bucket plan]; a forward without gradients (no backward follows) keeps the backward plan.
-    """
-    for state in ctx.all_states:
-        for group in state.groups:
-            group.forward_bucket = None
-            if backward:
-                group.backward_bucket = None
-    _assign_buckets(_order_groups(ctx.pre_forward_order), cap, backward=False)
-    if not backward:
-        return
-    regathered = [
-        (group, alone)
-        for group, alone in _order_groups(list(reversed(ctx.post_forward_order[ctx.iteration_order_start :])))
-        if group.post_forward_mesh_info is group.mesh_info and group.controls.unshard_in_backward
-    ]
-    _assign_buckets(regathered, cap, backward=True)
-
-
-def _order_groups(states: list[FSDPState]) -> list[tuple[FSDPParamGroup, bool]]:
-    """The groups of ``states`` in order, each with whether it must stand alone (its state repeats)."""
-    seen: dict[FSDPState, int] = {}
-    for state in states:
-        seen[state] = seen.get(state, 0) + 1
-    return [(group, seen[state] > 1) for state in states for group in state.groups]
-
-
-def _assign_buckets(order: list[tuple[FSDPParamGroup, bool]], cap: int, *, backward: bool) -> None:
-    keys = [None if alone else group.all_gather_bucket_key() for group, alone in order]
-    sizes = [group.all_gather_bytes() for group, _ in order]
-    for positions in split_into_buckets(sizes, keys, cap):
-        if len(positions) < 2:
-            continue
-        members = [order[i][0] for i in positions]
-        for group in members:
-            if backward:
-                group.backward_bucket = members
-            else:
-                group.forward_bucket = members
 
 
 def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:
     """Refuse bucket caps set on a module that turned out not to be the root (they would be lost)."""
     for state in states:
-        if state is not root and state.ctx is not None and state.ctx.bucketing.enabled:
+        if state is not root and state.ctx is not None and state.ctx.schedule.bucketing.enabled:
             name = names.get(state.modules[0], "?")
             raise RuntimeError(
                 f"set_bucket_cap_mb was called on {name!r} ({type(state.modules[0]).__name__}), but the "

@@ -325,7 +325,7 @@ def test_events_of_every_group(raf: bool) -> None:
 def _caps(model: nn.Module) -> tuple[int | None, int | None]:
     state = get_state(model)
     assert state is not None
-    bucketing = state.shared_context().bucketing
+    bucketing = state.shared_context().schedule.bucketing
     return bucketing.all_gather_cap, bucketing.reduce_scatter_cap
 
 

@@ -17,9 +17,8 @@ LIMIT = 250
 # Classes over the limit, with their current size: the redesign of issue 19 is cutting them down.
 STILL_OVER = {
     "_param.py:FSDPParam": 490,
-    "_param_group.py:FSDPParamGroup": 416,
-    "_state.py:FSDPState": 305,
-    "_module.py:FSDPModule": 253,
+    "_param_group.py:FSDPParamGroup": 365,
+    "_state.py:FSDPState": 298,
 }
 
 
