@@ -62,8 +62,21 @@ class AllGatherer:
         self._device = device
         self._rule_agreed = False  # all ranks checked the extension's padded-size rule once
 
-    def resolve(self, params: Sequence[FSDPParam]) -> None:
-        """Lazy init: the gathered dtype, and whether any parameter uses an extension."""
+    def resolve(self, params: Sequence[FSDPParam], post_forward_info: MeshInfo | None) -> None:
+        """Lazy init: the gathered dtype, and whether any parameter uses an extension (and may)."""
+        for fsdp_param in params:
+            if not fsdp_param.has_extension:
+                continue
+            if post_forward_info is not None and post_forward_info is not self._mesh_info:
+                raise NotImplementedError(
+                    f"Parameter {fsdp_param.fqn} uses fsdp_pre_all_gather, which fsdp2 does not combine "
+                    "with an int reshard_after_forward; use True or False for this module."
+                )
+            if fsdp_param.is_tensor_parallel:
+                raise NotImplementedError(
+                    f"Parameter {fsdp_param.fqn}: fsdp_pre_all_gather on a tensor-parallel parameter is "
+                    "not supported by fsdp2 yet."
+                )
         dtypes = {p.unsharded_dtype for p in params}
         # One all-gather needs one buffer dtype: with several, gather the parameters' bytes.
         self.as_bytes = len(dtypes) > 1

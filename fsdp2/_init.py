@@ -34,7 +34,7 @@ from ._dtensor import local_of
 if TYPE_CHECKING:
     from ._param import FSDPParam
 
-__all__ = ["init_like_unsharded", "warn_if_repeated_shards"]
+__all__ = ["check_materialized", "init_like_unsharded", "warn_if_repeated_shards"]
 
 _aten = torch.ops.aten
 # In-place random fills: (self, scalars..., generator=) -> self.
@@ -136,13 +136,37 @@ def _shard_of(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 _PROBE = 16  # elements compared per rank block: random draws never agree on all of them by chance
 
 
-def warn_if_repeated_shards(params: Sequence[FSDPParam], flats: Sequence[torch.Tensor], world: int) -> None:
-    """Warn once if some parameter's all-gathered rank blocks all hold the same non-constant values.
+def check_materialized(params: Sequence[FSDPParam]) -> None:
+    """Refuse to train parameters still on the meta device, or offloaded ones not on the CPU."""
+    meta = [p.fqn for p in params if p.sharded_param.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"Parameters {meta} are still on the meta device. Materialize them before training, "
+            "e.g. module.to_empty(device=...), then reset_parameters() inside "
+            "`with fsdp2.init_like_unsharded():` (or load the weights)."
+        )
+    misplaced = [p.fqn for p in params if p.offload_to_cpu and p.sharded_param.device.type != "cpu"]
+    if misplaced:
+        raise RuntimeError(
+            f"CPUOffloadPolicy keeps sharded parameters on the CPU, but {misplaced} are not. "
+            "Materialize them on the CPU, e.g. module.to_empty(device='cpu')."
+        )
 
-    ``flats[i]`` is ``params[i]``'s all-gather output (``world`` consecutive blocks, one per rank).
-    That pattern is what shard-by-shard random initialisation with ranks seeded alike produces.
-    Nothing is read from fake tensors (memory estimates) or while torch.compile traces.
+
+def warn_if_repeated_shards(group_params: Sequence[FSDPParam], world: int) -> None:
+    """Warn once if a parameter materialised from meta repeats one block per rank (first all-gather).
+
+    Checks the group's parameters whose rank blocks all hold the same non-constant values: the
+    pattern shard-by-shard random initialisation with ranks seeded alike produces. Only ``world``-rank
+    gathers over the full shard group are read (not post-forward ones), and nothing is read from fake
+    tensors (memory estimates) or while torch.compile traces.
     """
+    params = [p for p in group_params if p.from_meta and not p.has_extension]
+    if not params or world != params[0].mesh_info.shard_size:
+        return
+    for fsdp_param in params:
+        fsdp_param.from_meta = False
+    flats = [p.all_gather_output() for p in params]
     if torch.compiler.is_compiling() or any(is_fake(flat) for flat in flats):
         return
     repeated = [p.fqn for p, flat in zip(params, flats, strict=True) if _blocks_repeat(p, flat, world)]

@@ -215,8 +215,7 @@ class FSDPModule(_ModuleBase):
         if not groups:
             return UnshardHandle() if async_op else None
         for group in groups:
-            group.lazy_init()
-            group.unshard(async_op)
+            group.unshard(async_op)  # lazy-initializes the group first if it is not
         handle = _GroupUnshardHandle(groups)
         if async_op:
             return handle
@@ -627,7 +626,4 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             )
     shared = _require_state(modules[0]).shared_comm_context()
     for module in modules[1:]:
-        state = _require_state(module)
-        state.comm_ctx = shared
-        for group in state.groups:
-            group.comm_ctx = shared
+        _require_state(module).shared_context().comm_ctx = shared

@@ -16,7 +16,7 @@ one is pending or when unsharded; every training-state change goes through ``_li
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,13 +34,16 @@ from ._debug import watch_collective
 from ._dtensor import local_of
 from ._events import EventScope
 from ._gather import AllGatherer
-from ._init import warn_if_repeated_shards
+from ._init import check_materialized, warn_if_repeated_shards
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._mesh import MeshInfo
 from ._packed import PackedShards, zeroed_shards
 from ._param import FSDPParam, can_pin, padded_shard_numel
 from ._reduce import GradientReducer
 from ._schedule import Schedule
+
+if TYPE_CHECKING:
+    from ._root import RootContext
 from ._unshard_buffer import UnshardedBuffer
 
 _IDLE = TrainingState.IDLE
@@ -80,16 +83,14 @@ class FSDPParamGroup:
         self.controls = GroupControls()
         self.comms = GroupComms()
         self.reducer = GradientReducer(config.mesh_info)
-        # handed down by the root's lazy init; None before it (no streams: work runs in program order)
-        self.comm_ctx: CommContext | None = None
-        self.event_scope: EventScope | None = None
+        # The root's context (streams, event scope, schedule), set by the root's lazy init; None
+        # before it: no streams (work runs in program order), no events, no bucketing.
+        self.root: RootContext | None = None
         self.module_fqn = ""
         self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
         self._lazy_initialized = False
-        self._watch_init = False  # see _check_materialized_init
-        # The root's cross-group schedule (bucketing), handed down by the root's lazy init.
-        self.schedule: Schedule[Any] | None = None
+        self._watch_init = False  # check the first all-gather after materialising from meta (_init.py)
         # Read (and the last one set) by the optimizer-step guard, see ``_step_guard``:
         self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
         self.awaiting_backward = False  # a forward with gradients ran, its backward has not
@@ -100,6 +101,25 @@ class FSDPParamGroup:
 
     def set_state(self, new: TrainingState) -> None:
         self.training_state = transition(self.training_state, new, self)
+
+    def attach(self, root: RootContext) -> None:
+        """Work under ``root`` from now on (its lazy init, after validating every group)."""
+        self.root = root
+
+    @property
+    def comm_ctx(self) -> CommContext | None:
+        root = self.root
+        return root.comm_ctx if root is not None else None
+
+    @property
+    def event_scope(self) -> EventScope | None:
+        root = self.root
+        return root.event_scope if root is not None else None
+
+    @property
+    def schedule(self) -> Schedule[Any] | None:
+        root = self.root
+        return root.schedule if root is not None else None
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -125,28 +145,15 @@ class FSDPParamGroup:
             # Catch load_state_dict / to_empty done after fully_shard but before training.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.reset_sharded_param()
-        meta = [p.fqn for p in self.fsdp_params if p.sharded_param.is_meta]
-        if meta:
-            raise RuntimeError(
-                f"Parameters {meta} are still on the meta device. Materialize them before training, "
-                "e.g. module.to_empty(device=...), then reset_parameters() inside "
-                "`with fsdp2.init_like_unsharded():` (or load the weights)."
-            )
+        check_materialized(self.fsdp_params)
         policy = self.config.mp_policy
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
             fsdp_param.init_extension(policy)
-        self._check_extension_support()
-        if any(p.offload_to_cpu for p in self.fsdp_params):
-            misplaced = [p.fqn for p in self.fsdp_params if p.sharded_param.device.type != "cpu"]
-            if misplaced:
-                raise RuntimeError(
-                    f"CPUOffloadPolicy keeps sharded parameters on the CPU, but {misplaced} are not. "
-                    "Materialize them on the CPU, e.g. module.to_empty(device='cpu')."
-                )
         gatherer, params = self.gatherer, self.fsdp_params
         sharded = self.sharded_state is ShardedState.SHARDED
-        gatherer.resolve(params)
+        gatherer.resolve(params, self._post_forward_mesh_info)
+        self._staged_params = [p for p in params if p.shard_dim != 0 or p.has_extension]
         if sharded and not self.packed.intact(params):
             self.packed.repack(params)  # shards replaced since fully_shard (e.g. a deep copy's shards)
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
@@ -168,23 +175,6 @@ class FSDPParamGroup:
             self.packed.repack(self.fsdp_params)
         self.buffer.forget_slots()
         self._lazy_initialized = False
-
-    def _check_extension_support(self) -> None:
-        """All-gather extensions: resolve which parameters use one; refuse what they cannot do."""
-        extended = [p for p in self.fsdp_params if p.has_extension]
-        self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0 or p.has_extension]
-        info = self._post_forward_mesh_info
-        for fsdp_param in extended:
-            if info is not None and info is not self.mesh_info:
-                raise NotImplementedError(
-                    f"Parameter {fsdp_param.fqn} uses fsdp_pre_all_gather, which fsdp2 does not combine "
-                    "with an int reshard_after_forward; use True or False for this module."
-                )
-            if fsdp_param.is_tensor_parallel:
-                raise NotImplementedError(
-                    f"Parameter {fsdp_param.fqn}: fsdp_pre_all_gather on a tensor-parallel parameter is not "
-                    "supported by fsdp2 yet."
-                )
 
     # ---- unshard / reshard -----------------------------------------------------------------------
 
@@ -330,7 +320,8 @@ class FSDPParamGroup:
         assert result is not None
         self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes)
         if self._watch_init:
-            self._check_materialized_init(result.world_size)
+            self._watch_init = False
+            warn_if_repeated_shards(self.fsdp_params, result.world_size)
         for fsdp_param in self._staged_params:
             fsdp_param.finish_unshard()
         self._register_unsharded()
@@ -344,16 +335,6 @@ class FSDPParamGroup:
             ctx.deferred_all_gather = ((result.output, result.input), copy_out_event)
             if self.training_state is not _FORWARD:
                 ctx.release_deferred_all_gather()
-
-    def _check_materialized_init(self, world: int) -> None:
-        """Once after materialising from meta: warn if a parameter's full value repeats per rank."""
-        self._watch_init = False
-        if world != self.mesh_info.shard_size:
-            return
-        params = [p for p in self.fsdp_params if p.from_meta and not p.has_extension]
-        for fsdp_param in params:
-            fsdp_param.from_meta = False
-        warn_if_repeated_shards(params, [p.all_gather_output() for p in params], world)
 
     @outside_functorch
     def reshard(self) -> None:

@@ -42,12 +42,15 @@ class FSDPParamGroup(Protocol):
     """
 
     mesh_info: MeshInfo
-    post_forward_mesh_info: MeshInfo | None
     controls: GroupControls
     gatherer: AllGatherer
     comms: Any
-    comm_ctx: CommContext | None
     module_fqn: str
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfo | None: ...
+    @property
+    def comm_ctx(self) -> CommContext | None: ...
 
     def all_gather_bucket_key(self) -> Hashable | None: ...
     def all_gather_bytes(self) -> int: ...

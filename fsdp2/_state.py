@@ -1,9 +1,24 @@
-"""Per-call state: hooks, root lazy init, and the end-of-backward callback.
+"""Per-call state: hooks, root discovery, and the forward and backward of one ``fully_shard`` call.
 
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
-pre/post hooks, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
-default prefetch (the cross-group forward order), root discovery at the first forward, and the final
-callback queued on the autograd engine, and the bucket plan (see [Note: Bucket plan]
+pre/post hooks, input and output casts, the pre-backward tensor hooks on outputs, post-backward
+registration, explicit and default prefetch, grouped passes over several modules, and root discovery
+and validation at the first forward. Does not own: parameters or collectives (its groups), what the
+states under one root share and the iteration's begin and end (``RootContext``, ``_root.py``), the
+execution orders and bucket plan (``Schedule``, ``_schedule.py``).
+Invariants: the root's lazy init validates everything before it changes anything, then makes every
+state and group under it refer to the root's one ``RootContext`` (none exists before, except one a
+setter or ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that
+reached an FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
+
+[Note: Prefetch order]
+Every post-forward of a state with a group (that a backward may use) appends the state to the
+schedule's post-forward order and remembers its index (one per forward use). A pre-backward without
+an explicit prefetch list pops its latest index ``i`` and unshards the state at ``i - 1``: the module
+that ran just before it in forward runs just after it in backward. Explicit lists replace that
+default.
+
+[Note: Bucket plan]
 With an all-gather cap (``set_bucket_cap_mb``), the iteration root's post-forward splits this
 iteration's execution order into buckets (``Schedule.plan``, kept by the schedule per group): forward
 uses the order in which pre-forwards ran (the order of the forward all-gathers); backward uses the
@@ -39,7 +54,6 @@ from ._autograd import (
     eager,
     in_backward_task_id,
     is_view,
-    queue_end_of_backward_callback,
     register_post_backward,
     register_pre_backward,
     route_untracked_outputs,
@@ -47,11 +61,9 @@ from ._autograd import (
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
 from ._debug import check_same_model, debug_enabled
-from ._events import EventScope
-from ._late_params import check_late_parameters
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
-from ._schedule import Schedule
+from ._root import RootContext
 from ._state_dict import register_state_dict_hooks
 from ._torch_protocol import TorchStateNames
 
@@ -65,20 +77,6 @@ def get_state(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` attached to ``module`` by ``fully_shard``, if any."""
     state: FSDPState | None = module.__dict__.get(_STATE_ATTR)
     return state
-
-
-class SharedContext:
-    """Flags and cross-group order shared by all states under one root (created by the root)."""
-
-    def __init__(self) -> None:
-        self.all_states: list[FSDPState] = []
-        self.iteration_root: FSDPState | None = None
-        self.callback_queued = False
-        self.is_last_backward = True
-        self.post_optim_event: torch.Event | None = None
-        self.event_scope = EventScope()
-        # The execution orders, bucket plan and reduce-scatter queue: all work across groups.
-        self.schedule: Schedule[FSDPState] = Schedule()
 
 
 class FSDPState(TorchStateNames):
@@ -102,10 +100,9 @@ class FSDPState(TorchStateNames):
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
         self.training_state = _IDLE
         self.is_root: bool | None = None  # None until the root's lazy init decides
-        # Both handed down by the root's lazy init; before it only a root may hold its own (created
-        # on demand by a setter or share_comm_ctx), which its lazy init then shares.
-        self.ctx: SharedContext | None = None
-        self.comm_ctx: CommContext | None = None
+        # The root's context, handed down by its lazy init; before it only a root may hold its own
+        # (created on demand by a setter or share_comm_ctx), which its lazy init then shares.
+        self.ctx: RootContext | None = None
         self.post_forward_indices: list[int] = []  # positions in the schedule's post-forward order
         self._post_backward = eager(self._run_group_post_backward)
         self.forward_prefetch: list[FSDPState] = []
@@ -138,17 +135,19 @@ class FSDPState(TorchStateNames):
     def set_state(self, new: TrainingState) -> None:
         self.training_state = transition(self.training_state, new, self)
 
-    def shared_context(self) -> SharedContext:
+    def shared_context(self) -> RootContext:
         """The context shared under this state's root; a not-yet-initialized root creates its own."""
         if self.ctx is None:
-            self.ctx = SharedContext()
+            self.ctx = RootContext()
         return self.ctx
+
+    @property
+    def comm_ctx(self) -> CommContext | None:
+        return self.ctx.comm_ctx if self.ctx is not None else None
 
     def shared_comm_context(self) -> CommContext:
         """The communication context under this state's root (created on demand, see ``shared_context``)."""
-        if self.comm_ctx is None:
-            self.comm_ctx = CommContext()
-        return self.comm_ctx
+        return self.shared_context().comm_ctx
 
     # ---- lazy init -------------------------------------------------------------------------------
 
@@ -203,20 +202,10 @@ class FSDPState(TorchStateNames):
         if self.auto_reshard:
             for group in self.groups:
                 group.post_forward_mesh_info = None
-        ctx, comm_ctx = self.shared_context(), self.shared_comm_context()
-        for state in states:
-            state.is_root = state is self
-            state.ctx = ctx
-            state.comm_ctx = comm_ctx
-            for group in state.groups:
-                group.comm_ctx = comm_ctx
-                group.event_scope = ctx.event_scope
-                group.schedule = ctx.schedule
         device = _state_device(states)
-        comm_ctx.lazy_init(device)
+        self.shared_context().adopt(self, states, device)
         if device.type != "cpu":
             self._input_device = device
-        ctx.all_states = states
 
     # ---- forward hooks ---------------------------------------------------------------------------
 
@@ -256,24 +245,11 @@ class FSDPState(TorchStateNames):
                     target_group.prefetch(_FORWARD)
         return args, kwargs
 
-    def _root_pre_forward(self) -> SharedContext:
+    def _root_pre_forward(self) -> RootContext:
         if self.is_root is None:
             self.lazy_init()
         ctx = self.shared_context()
-        if ctx.callback_queued and in_backward_task_id() == -1:
-            raise RuntimeError(
-                "fsdp2: a forward started, but the previous backward never finished (an exception was "
-                "raised during it?). FSDP is still mid-iteration: parameters may be left unsharded and "
-                "the optimizer would silently stop updating them. Call reset_iter_state() on the root "
-                "module (e.g. in the except block that caught the error) before the next forward."
-            )
-        if ctx.iteration_root is None:
-            check_late_parameters()  # before any state changes
-            ctx.iteration_root = self
-            ctx.event_scope.capture()
-            ctx.schedule.begin_iteration()
-            self.shared_comm_context().wait_for_current_stream(ctx.post_optim_event)
-            ctx.post_optim_event = None
+        ctx.begin_iteration(self)
         return ctx
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -285,7 +261,7 @@ class FSDPState(TorchStateNames):
         self.set_state(_IDLE)
         ctx = self.ctx
         if ctx is not None and ctx.iteration_root is self:
-            output = self._finish_iteration_forward(ctx, output)
+            output = ctx.finish_forward(self, output)
         return self.cast_output(output)
 
     def group_post_forward(self) -> None:
@@ -297,23 +273,6 @@ class FSDPState(TorchStateNames):
 
     def cast_output(self, output: Any) -> Any:
         return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
-
-    def _finish_iteration_forward(self, ctx: SharedContext, output: Any) -> Any:
-        """Iteration root only: complete grouped states some member of which never ran."""
-        for state in reversed(ctx.all_states):
-            if state is self or not state.modules_to_run:
-                continue
-            state.group_post_forward()
-            if torch.is_grad_enabled():
-                output = state.register_pre_backward_hooks(output)
-            state.set_state(_IDLE)
-            state.modules_to_run.clear()
-            output = state.cast_output(output)
-        if self.comm_ctx is not None:
-            self.comm_ctx.release_deferred_all_gather()
-        ctx.iteration_root = None
-        ctx.schedule.plan(backward=torch.is_grad_enabled())
-        return output
 
     def _grouped_pre_forward(self, module: nn.Module) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -373,10 +332,7 @@ class FSDPState(TorchStateNames):
     def pre_backward(self, prefetch: bool = True) -> None:
         self.set_state(_PRE_BACKWARD)
         ctx = self.shared_context()
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            root = ctx.all_states[0] if ctx.all_states else self
-            queue_end_of_backward_callback(root.eager_finish_backward)
+        ctx.queue_end_of_backward(self)
         entered = [group.pre_backward() for group in self.groups]
         if not prefetch:
             return
@@ -386,7 +342,7 @@ class FSDPState(TorchStateNames):
             for target_group in target.groups:
                 target_group.prefetch(_PRE_BACKWARD)
 
-    def _default_backward_prefetch(self, ctx: SharedContext) -> None:
+    def _default_backward_prefetch(self, ctx: RootContext) -> None:
         """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
         if not self.post_forward_indices:
             return
@@ -396,47 +352,12 @@ class FSDPState(TorchStateNames):
                 target.prefetch(_PRE_BACKWARD)
 
     def finish_backward(self) -> None:
-        """Final callback: post-backward for groups autograd never reached, then reset the iteration."""
-        ctx = self.shared_context()
-        ctx.iteration_root = None
-        last = ctx.is_last_backward
-        queue = ctx.schedule.bucketing.queue
-        if ctx.schedule.bucketing.reduce_scatter_cap is not None or queue.pending:
-            # Every post-backward first (those autograd never reached queue their gradients too), then
-            # the queued reduce-scatters, and only then the waits of finalize_backward.
-            for state in ctx.all_states:
-                for group in state.groups:
-                    if group.training_state is not TrainingState.POST_BACKWARD:
-                        group.post_backward()
-            queue.flush(self.comm_ctx)
-        for state in ctx.all_states:
-            state.modules_to_run.clear()
-            for group in state.groups:
-                group.finish_backward(last)
-            if last:
-                state.post_forward_indices.clear()
-            state.set_state(_IDLE)
-        if last:
-            ctx.schedule.end_step()
-            if self.comm_ctx is not None:
-                self.comm_ctx.retire_reduce_scatters()
-        ctx.callback_queued = False
+        """Final callback (on the root's state): see ``RootContext.finish_backward``."""
+        self.shared_context().finish_backward()
 
     def reset_iteration(self) -> None:
         """Root only: recover from an exception in forward or backward."""
-        ctx = self.ctx
-        for state in (ctx.all_states if ctx is not None else None) or [self]:
-            state.modules_to_run.clear()
-            state.post_forward_indices.clear()
-            state.set_state(_IDLE)
-            for group in state.groups:
-                group.reset()
-        if self.comm_ctx is not None:
-            self.comm_ctx.reset()
-        if ctx is not None:
-            ctx.schedule.reset()
-            ctx.iteration_root = None
-            ctx.callback_queued = False
+        self.shared_context().reset(self)
 
 
 def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:
@@ -538,4 +459,4 @@ def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
     return found
 
 
-__all__ = ["FSDPState", "ShardedState", "SharedContext", "get_state"]
+__all__ = ["FSDPState", "ShardedState", "get_state"]

@@ -42,8 +42,6 @@ class _State(Protocol):
 class TorchStateNames:
     """Torch's private FSDP-state names, forwarded to fsdp2's ``FSDPState`` (see the module docstring)."""
 
-    comm_ctx: CommContext | None  # FSDPState's field, written by the _comm_ctx setter
-
     @property
     def _fsdp_param_groups(self: _State) -> list[FSDPParamGroup]:
         return list(self.groups)
@@ -67,7 +65,7 @@ class TorchStateNames:
                 f"An fsdp2 module cannot share the communication context of a module sharded by torch's "
                 f"fully_shard (got {type(comm_ctx).__name__}). Shard every stage with fsdp2.fully_shard."
             )
-        self.comm_ctx = comm_ctx
+        self.shared_context().comm_ctx = comm_ctx
 
     def _pre_forward(self: _State, module: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return self.pre_forward(module, args, kwargs)
