@@ -32,14 +32,12 @@ otherwise fail autograd's in-place check).
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._api import CPUOffloadPolicy, OffloadPolicy
 from ._autograd import preserve_version_counter
@@ -48,9 +46,6 @@ from ._config import ParamSpec
 from ._dtensor import (
     local_of,
     make_spec,
-    rebase_local,
-    set_local,
-    sole_reference,
     spec_of,
     wrap_local,
 )
@@ -64,27 +59,12 @@ from ._extension import (
     padded_rule_holds,
 )
 from ._late_params import quiet_registrations
+from ._layout import ShardLayout, chunk_rows, padded_shard_numel
 from ._mesh import MeshInfo
+from ._shard import LocalShard, is_managed, mark_managed
 from ._tp import TPLayout, sharded_spec
 
-
-def padded_shard_numel(size: torch.Size, shard_dim: int, world_size: int) -> int:
-    """Elements of every rank's local shard of a tensor of ``size``.
-
-    Dim-0 chunks are padded to chunk 0's rows; ``shard_dim > 0`` (evenly divisible) is an exact piece.
-    """
-    if shard_dim != 0:
-        return math.prod(size) // world_size
-    rows = size[0]
-    row_numel = math.prod(size[1:])
-    return chunk_rows(rows, world_size, 0)[0] * row_numel
-
-
-def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int, int]:
-    """``(padded_rows, start_row, local_rows)`` of ``rank``'s ``torch.chunk`` piece of ``rows`` rows."""
-    padded = math.ceil(rows / world_size) if rows else 0
-    start = min(rank * padded, rows)
-    return padded, start, min(start + padded, rows) - start
+__all__ = ["FSDPParam", "can_pin", "chunk_rows", "is_managed", "mark_managed", "padded_shard_numel"]
 
 
 class FSDPParam:
@@ -113,51 +93,30 @@ class FSDPParam:
         # Tensor parallel: the parameter is a DTensor on a TP mesh; FSDP shards its local tensor, and the
         # unsharded parameter is a DTensor with the TP spec again. See [Note: Tensor parallel].
         self._tp = TPLayout(spec_of(param), spec.dp_dims) if isinstance(param, DTensor) else None
-        self._spec = sharded_spec(spec, self._tp, mesh_info, param.dtype)
+        spec_ = sharded_spec(spec, self._tp, mesh_info, param.dtype)
         if isinstance(param, DTensor):
             param = nn.Parameter(local_of(param), requires_grad=param.requires_grad)
-        self.orig_size = param.size()  # of the tensor FSDP shards: the TP-local tensor under TP
-        self.orig_numel = param.numel()
-        self.orig_stride = param.stride()
+        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        layout = ShardLayout.of(param, shard_dim, world, rank)
+        self._layout = layout
+        self.orig_size = layout.orig_size  # of the tensor FSDP shards: the TP-local tensor under TP
+        self.orig_numel = layout.orig_numel
+        self.orig_stride = layout.orig_stride
+        self.row_numel = layout.row_numel
+        self.padded_shard_numel = layout.padded_shard_numel
+        self.local_shard_size = layout.local_shard_size
+        self.local_numel = layout.local_numel
+        self.unevenly_sharded = layout.unevenly_sharded  # some rank's dim-0 shard is padded
+        self.smallest_shard_numel = layout.smallest_shard_numel  # the fewest real elements of any rank
         self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
         self.device = device  # compute device: where all-gather outputs and unsharded params live
         self.shard_dim = shard_dim
         self.offload_to_cpu = isinstance(offload, CPUOffloadPolicy)
         self._pin_memory = self.offload_to_cpu and can_pin(offload)
-        world, rank = mesh_info.shard_size, mesh_info.shard_rank
-        rows = self.orig_size[0]
-        self.row_numel = self.orig_numel // rows if rows else math.prod(self.orig_size[1:])
-        self.padded_shard_numel = padded_shard_numel(self.orig_size, shard_dim, world)
-        if shard_dim == 0:
-            _, start, local_rows = chunk_rows(rows, world, rank)
-            self.local_shard_size = torch.Size((local_rows, *self.orig_size[1:]))
-        else:  # even sharding on a later dim (validated by fully_shard): no padding
-            sizes = list(self.orig_size)
-            sizes[shard_dim] //= world
-            self.local_shard_size = torch.Size(sizes)
-        self.local_numel = self.local_shard_size.numel()
-        # 1D, padded to padded_shard_numel; the all-gather source in the SHARDED state
-        # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
-        if shard_slot is not None:
-            assert shard_slot.numel() == self.padded_shard_numel, f"{self.fqn}: a shard slot of wrong size"
-            self._local_shard = shard_slot
-        else:
-            self._local_shard = param.detach().new_zeros(self.padded_shard_numel)
-        if param.device.type != "meta":
-            if shard_dim == 0:
-                flat = param.detach().reshape(-1)
-                first = start * self.row_numel
-                self._local_shard[: self.local_numel].copy_(flat[first : first + self.local_numel])
-            else:
-                piece = param.detach().chunk(world, dim=shard_dim)[rank]
-                self._local_shard.view(self.local_shard_size).copy_(piece)
-        if self.offload_to_cpu and not self._local_shard.is_meta and shard_slot is None:
-            # A meta shard stays meta until materialized; reset_sharded_param offloads it then.
-            self._local_shard = self._offloaded(self._local_shard)
-        local = self._local_shard[: self.local_numel].view(self.local_shard_size)
-        self._local_view = local  # the sharded DTensor's local tensor as fsdp2 made it
-        self.sharded_param = nn.Parameter(wrap_local(local, self._spec), requires_grad=param.requires_grad)
-        mark_managed(self.sharded_param)
+        self._shard = LocalShard(
+            param, layout, spec_, device, self.offload_to_cpu, self._pin_memory, shard_slot
+        )
+        local = self._shard.view
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
         self._extension = ExtensionRecord() if defines_hooks(local, self.fqn) else None
         self._may_gain_hooks = may_gain_hooks(local)  # a weight subclass: checked at every all-gather
@@ -181,7 +140,7 @@ class FSDPParam:
         self._post_forward_slice: torch.Tensor | None = None
         # Materialised from meta since the last first-unshard check (see _init.warn_if_repeated_shards).
         self.from_meta = False
-        self._register(self.sharded_param)
+        self._register(self._shard.param)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -208,7 +167,12 @@ class FSDPParam:
         self._mp_policy = mp_policy
 
     def _sharded_local(self) -> torch.Tensor:
-        return local_of(cast(DTensor, self.sharded_param))
+        return self._shard.local_tensor()
+
+    @property
+    def sharded_param(self) -> nn.Parameter:
+        """The sharded DTensor parameter (the one registered between steps)."""
+        return self._shard.param
 
     @property
     def is_tensor_parallel(self) -> bool:
@@ -217,20 +181,6 @@ class FSDPParam:
     @property
     def has_extension(self) -> bool:
         return self._extension is not None
-
-    @property
-    def unevenly_sharded(self) -> bool:
-        """Some rank's dim-0 shard is shorter than the padded shard (dim-0 sharding only)."""
-        rows = self.orig_size[0]
-        return self.shard_dim == 0 and rows % self.mesh_info.shard_size != 0
-
-    @property
-    def smallest_shard_numel(self) -> int:
-        """The fewest real (unpadded) elements any rank's shard holds (the last rank's, on dim 0)."""
-        if self.shard_dim != 0:
-            return self.local_numel
-        world = self.mesh_info.shard_size
-        return chunk_rows(self.orig_size[0], world, world - 1)[2] * self.row_numel
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
@@ -249,27 +199,7 @@ class FSDPParam:
                 f"sharded DTensor, got {type(param).__name__}. Load sharded (DTensor) state dicts into "
                 "fully_shard modules, or use torch.distributed.checkpoint.state_dict helpers."
             )
-        self.sharded_param = param
-        mark_managed(self.sharded_param)
-        self._spec = spec_of(param)
-        local = local_of(param)
-        self.from_meta = self.from_meta or (self._local_shard.is_meta and not local.is_meta)
-        if local is self._local_view and not (self.offload_to_cpu and local.device.type != "cpu"):
-            pass  # still the local tensor fsdp2 made (updated in place, e.g. by an optimizer)
-        elif local.is_meta:
-            self._local_shard = local.new_zeros(self.padded_shard_numel)
-        elif (
-            not _same_memory(local, self._local_view)
-            or local.dtype != self._local_shard.dtype
-            or (self.offload_to_cpu and local.device.type != "cpu")
-        ):
-            shard = local.detach().new_zeros(self.padded_shard_numel)
-            shard[: self.local_numel].copy_(local.reshape(-1))
-            if self.offload_to_cpu:  # e.g. materialized with to_empty(device="cuda"): shards live on the CPU
-                shard = self._offloaded(shard)
-            self._local_shard = shard
-            self._local_view = shard[: self.local_numel].view(self.local_shard_size)
-            set_local(param, self._local_view)
+        self.from_meta = self._shard.readopt(param) or self.from_meta
         self._register(param)
 
     def placeholder(self) -> nn.Parameter:
@@ -277,16 +207,11 @@ class FSDPParam:
 
         ``fully_shard`` on it builds this parameter's layout again (used to deep-copy a model).
         """
-        requires_grad = self.sharded_param.requires_grad
-        dtype = self.sharded_param.dtype
-        if self._tp is None:
-            return nn.Parameter(torch.empty(self.global_size, dtype=dtype, device="meta"), requires_grad)
-        return self._tp.placeholder(self.orig_size, dtype, requires_grad)
+        return self._shard.placeholder(self._tp)
 
     def local_shard_copy(self) -> torch.Tensor:
         """A copy of the padded local shard (for a deep copy of the model)."""
-        with torch.no_grad():
-            return self._local_shard.detach().clone()
+        return self._shard.copy()
 
     def can_move_shard(self) -> bool:
         """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``rebase_local``).
@@ -294,7 +219,7 @@ class FSDPParam:
         Never for a shard of a tensor subclass: a packed slot would lose its class (and the all-gather
         hooks it may define by the first forward).
         """
-        return not may_gain_hooks(self._sharded_local()) and sole_reference(self.sharded_param)
+        return self._shard.can_move()
 
     def move_shard_into(self, view: torch.Tensor) -> None:
         """Move the padded local shard into ``view`` (part of a group's packed buffer); same parameter.
@@ -302,44 +227,29 @@ class FSDPParam:
         The sharded parameter stays the same object and now views ``view``, so optimizers and
         references taken before keep working; in-place updates land in the packed buffer.
         """
-        assert view.numel() == self.padded_shard_numel, f"{self.fqn}: a packed slot of the wrong size"
-        local = view[: self.local_numel].view(self.local_shard_size)
-        if not view.is_meta:
-            with torch.no_grad():
-                view.copy_(self._local_shard)
-        moved = rebase_local(cast(DTensor, self.sharded_param), local)
-        assert moved, f"{self.fqn}: moved a shard that can_move_shard() refused"
-        self._local_shard = view
-        self._local_view = local
+        self._shard.move_into(view)
 
     def holds_shard(self, view: torch.Tensor) -> bool:
         """Whether ``view`` is (still) this parameter's padded local shard."""
-        return self._local_shard is view
+        return self._shard.shard is view
 
     @property
     def shard_dtype(self) -> torch.dtype:
-        return self._local_shard.dtype
+        return self._shard.shard.dtype
 
     @property
     def shard_device(self) -> torch.device:
-        return self._local_shard.device
+        return self._shard.shard.device
 
     def adopt_local_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (a padded local shard of this parameter's layout) the sharded parameter's data."""
-        assert shard.numel() == self.padded_shard_numel, f"{self.fqn}: a local shard of another layout"
-        self._local_shard = shard
-        self._local_view = shard[: self.local_numel].view(self.local_shard_size)
-        requires_grad = self.sharded_param.requires_grad
-        self.sharded_param = nn.Parameter(
-            wrap_local(self._local_view, self._spec), requires_grad=requires_grad
-        )
-        mark_managed(self.sharded_param)
-        self._register(self.sharded_param)
+        self._shard.adopt(shard)
+        self._register(self._shard.param)
 
     @property
     def global_size(self) -> torch.Size:
         """The parameter's full (unsharded, un-tensor-parallel) shape: what a full state dict holds."""
-        return self.sharded_param.size()
+        return self._shard.param.size()
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (the whole parameter) as a DTensor laid out like the parameter.
@@ -347,33 +257,7 @@ class FSDPParam:
         No communication: every rank holds ``full`` and keeps its own chunk (after its TP chunk under
         tensor parallelism). The caller checks that ``full`` has :attr:`global_size`.
         """
-        with torch.no_grad():
-            local = full.detach()
-            if self._tp is not None:
-                local = self._tp.local_part(local)
-            info = self.mesh_info
-            if self.shard_dim == 0:
-                _, start, rows = chunk_rows(local.size(0), info.shard_size, info.shard_rank)
-                local = local.narrow(0, start, rows)
-            else:
-                local = local.chunk(info.shard_size, dim=self.shard_dim)[info.shard_rank]
-            local = local.to(self._load_device()).contiguous()
-        spec = self._spec
-        meta = spec.tensor_meta
-        assert meta is not None, f"{self.fqn}: a sharded spec without tensor metadata"
-        return wrap_local(local, make_spec(spec.mesh, spec.placements, meta.shape, meta.stride, full.dtype))
-
-    def _load_device(self) -> torch.device:
-        """Where a loaded shard goes: the current shard's device, or for a meta shard where it will live."""
-        device = self.sharded_param.device
-        if device.type != "meta":
-            return device
-        return torch.device("cpu") if self.offload_to_cpu else self.device
-
-    def _offloaded(self, shard: torch.Tensor) -> torch.Tensor:
-        """``shard`` on the CPU, pinned where pinning is possible and asked for."""
-        shard = shard.cpu()
-        return shard.pin_memory() if self._pin_memory and not shard.is_pinned() else shard
+        return self._shard.shard_full_tensor(full, self._tp)
 
     # ---- all-gather inputs and outputs -------------------------------------------------------------
 
@@ -384,8 +268,7 @@ class FSDPParam:
             return [self.all_gather_input(post_forward)]
         local = self._sharded_local()
         check_hooks_unchanged(local, self.fqn, had_hooks=True)
-        if self.offload_to_cpu and self.device.type != "cpu":
-            local = local.to(self.device, non_blocking=self._pin_memory)
+        local = self._shard.on_device(local)
         info = self.mesh_info
         shard_mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[1]]  # type: ignore[index]  # reason: HSDP meshes have names
         inputs, record.metadata = call_pre_all_gather(
@@ -427,9 +310,8 @@ class FSDPParam:
         if post_forward:
             assert self._post_forward_slice is not None, f"{self.fqn}: no post-forward slice to gather"
             return self._post_forward_slice
-        if self.offload_to_cpu and self.device.type != "cpu":
-            return self._local_shard.to(self.device, non_blocking=self._pin_memory)
-        return self._local_shard
+        shard = self._shard
+        return shard.all_gather_input() if self.offload_to_cpu else shard.shard
 
     def all_gather_output(self) -> torch.Tensor:
         """The per-parameter output buffer, allocated or re-allocated as needed (``.data`` alias).
@@ -650,7 +532,7 @@ class FSDPParam:
         Returns whether a non-blocking device-to-host copy is still in flight (CPU offload): the caller
         must synchronize before the optimizer reads the gradient.
         """
-        param = self.sharded_param
+        param = self._shard.param
         if local_grad.dtype != self.orig_dtype:
             local_grad = local_grad.to(self.orig_dtype)
         hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
@@ -662,7 +544,7 @@ class FSDPParam:
             local_grad = local_grad.to("cpu", non_blocking=in_flight)
         grad = param.grad
         if grad is None:
-            param.grad = wrap_local(local_grad, self._spec)
+            param.grad = wrap_local(local_grad, self._shard.spec)
         else:
             local_of(cast(DTensor, grad)).add_(local_grad)
         # Autograd never accumulates into the sharded parameter, so its hooks are ours to run.
@@ -694,17 +576,6 @@ def can_pin(policy: OffloadPolicy | None) -> bool:
 
 
 _source_ids = itertools.count()
-_MANAGED = "_fsdp2_managed"
-
-
-def mark_managed(param: torch.Tensor) -> None:
-    """Tag a sharded parameter fsdp2 registered (an attribute: tensors cannot be weak-set members)."""
-    param.__dict__[_MANAGED] = True
-
-
-def is_managed(param: torch.Tensor) -> bool:
-    """Whether ``fully_shard`` sharded this parameter (tools above the engine ask, e.g. local steps)."""
-    return param.__dict__.get(_MANAGED, False) is True
 
 
 def _source_id(param: nn.Parameter) -> int:
@@ -713,28 +584,3 @@ def _source_id(param: nn.Parameter) -> int:
     if source is None:
         source = param.__dict__["_fsdp2_source_id"] = next(_source_ids)
     return source
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same elements of the same storage (aliases of each other).
-
-    Not merely the same storage: a group's packed shards share one storage, one region per parameter.
-    """
-    return (
-        a.device == b.device
-        and _storage_key(a) == _storage_key(b)
-        and a.storage_offset() == b.storage_offset()
-        and a.size() == b.size()
-        and a.stride() == b.stride()
-    )
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """Identity of ``tensor``'s storage (not its data pointer: fake tensors have none).
-
-    A wrapper subclass answers with its first inner tensor.
-    """
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return _storage_key(getattr(tensor, names[0]))
-    return int(tensor.untyped_storage()._cdata)  # noqa: SLF001 - the StorageImpl's address
