@@ -10,8 +10,8 @@ the root's plan), events and watchdog labels (the group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,6 +82,31 @@ class AllGatherer:
         self.as_bytes = len(dtypes) > 1
         self.dtype = torch.uint8 if self.as_bytes else dtypes.pop()
         self.extension = any(p.has_extension for p in params)
+
+    def bucket_key(
+        self, comms: Any, tensor_parallel: bool, post_forward_info: MeshInfo | None
+    ) -> Hashable | None:
+        """What groups sharing one all-gather must agree on; ``None``: this group gathers alone.
+
+        Alone: a single-rank shard group, all-gather extensions, several gathered dtypes (byte
+        gathers), tensor-parallel parameters, custom collectives, or an int ``reshard_after_forward``.
+        """
+        info = self._mesh_info
+        if (
+            info.shard_size == 1
+            or self.extension
+            or self.as_bytes
+            or comms.custom
+            or (post_forward_info is not None and post_forward_info is not info)
+            or tensor_parallel
+        ):
+            return None
+        # The built-in collectives a setter installs are bound to the shard group: their type suffices.
+        return (id(info.shard_group), self.dtype, self._device, type(comms.all_gather))
+
+    def output_bytes(self, params: Sequence[FSDPParam]) -> int:
+        """Bytes of the all-gather output (what the all-gather bucket cap counts)."""
+        return sum(p.padded_shard_numel for p in params) * self._mesh_info.shard_size * self.dtype.itemsize
 
     # ---- inputs ----------------------------------------------------------------------------------
 

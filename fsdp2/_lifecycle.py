@@ -76,3 +76,14 @@ def transition(current: TrainingState, new: TrainingState, owner: object) -> Tra
             "otherwise please report this with the traceback."
         )
     return new
+
+
+def stepped_before_backward(module_fqn: str) -> RuntimeError:
+    """The error for a backward whose forward's parameters an optimizer stepped in between."""
+    return RuntimeError(
+        f"fsdp2: {module_fqn or 'the root'}'s parameters were updated by optimizer.step() after the "
+        "forward this backward differentiates and before the backward, so its gradients would be "
+        "computed with the new parameters (the unsharded model fails here too, with autograd's in-place "
+        "error). Call optimizer.step() after loss.backward(). This iteration is unfinished: call "
+        "reset_iter_state() on the root module first."
+    )

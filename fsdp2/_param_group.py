@@ -35,7 +35,7 @@ from ._dtensor import local_of
 from ._events import EventScope
 from ._gather import AllGatherer
 from ._init import check_materialized, warn_if_repeated_shards
-from ._lifecycle import ShardedState, TrainingState, transition
+from ._lifecycle import ShardedState, TrainingState, stepped_before_backward, transition
 from ._mesh import MeshInfo
 from ._packed import PackedShards, zeroed_shards
 from ._param import FSDPParam, can_pin, padded_shard_numel
@@ -218,30 +218,14 @@ class FSDPParamGroup:
     # ---- bucketing (set_bucket_cap_mb) -----------------------------------------------------------
 
     def all_gather_bucket_key(self) -> Hashable | None:
-        """What groups sharing one all-gather must agree on; ``None``: this group gathers alone.
-
-        Alone: a single-rank shard group, all-gather extensions, several gathered dtypes (byte
-        gathers), tensor-parallel parameters, custom collectives, or an int ``reshard_after_forward``.
-        """
-        info = self.mesh_info
-        post = self._post_forward_mesh_info
-        if (
-            info.shard_size == 1
-            or not self._lazy_initialized
-            or self.gatherer.extension
-            or self.gatherer.as_bytes
-            or self.comms.custom
-            or (post is not None and post is not info)
-            or self._tensor_parallel
-        ):
+        """What groups sharing one all-gather must agree on; ``None``: this group gathers alone."""
+        if not self._lazy_initialized:
             return None
-        # The built-in collectives a setter installs are bound to the shard group: their type suffices.
-        return (id(info.shard_group), self.gatherer.dtype, self.device, type(self.comms.all_gather))
+        return self.gatherer.bucket_key(self.comms, self._tensor_parallel, self._post_forward_mesh_info)
 
     def all_gather_bytes(self) -> int:
         """Bytes of this group's all-gather output (what the all-gather cap counts)."""
-        numel = sum(p.padded_shard_numel for p in self.fsdp_params) * self.mesh_info.shard_size
-        return numel * self.gatherer.dtype.itemsize
+        return self.gatherer.output_bytes(self.fsdp_params)
 
     def joins_bucket(self, state: TrainingState, key: Hashable) -> bool:
         """Whether this group joins a bucketed all-gather for ``state`` now (it needs one, same key)."""
@@ -264,31 +248,10 @@ class FSDPParamGroup:
     def reduce_scatter_bucket_key(
         self, params: list[FSDPParam], grads: list[torch.Tensor]
     ) -> Hashable | None:
-        """What groups sharing one reduce-scatter must agree on; ``None``: alone.
-
-        Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
-        collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
-        """
-        info = self.mesh_info
-        controls, comms = self.controls, self.comms
-        if (
-            info.shard_size == 1
-            or info.replicate_group is not None
-            or controls.all_reduce_hook is not None
-            or comms.custom
-            or self._tensor_parallel
-        ):
-            return None
-        dtypes = {
-            p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel
-        }
-        if len(dtypes) != 1:
-            return None
-        dtype = dtypes.pop()
-        factors = self.reducer.divide_factors(dtype, controls)
-        group = comms.reduce_scatter_group or info.shard_group
-        comm = comms.reduce_scatter
-        return (id(group), dtype, factors, self.device, type(comm))
+        """What groups sharing one reduce-scatter must agree on; ``None``: this group reduces alone."""
+        return self.reducer.bucket_key(
+            params, grads, self.controls, self.comms, self._tensor_parallel, self.device
+        )
 
     def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter:
         """Pack the gradients into one reduce-scatter input for a shared collective (empties ``grads``)."""
@@ -423,13 +386,7 @@ class FSDPParamGroup:
             return False
         if self.stepped_after_forward:
             self.stepped_after_forward = False
-            raise RuntimeError(
-                f"fsdp2: {self.module_fqn or 'the root'}'s parameters were updated by optimizer.step() "
-                "after the forward this backward differentiates and before the backward, so its "
-                "gradients would be computed with the new parameters (the unsharded model fails here "
-                "too, with autograd's in-place error). Call optimizer.step() after loss.backward(). "
-                "This iteration is unfinished: call reset_iter_state() on the root module first."
-            )
+            raise stepped_before_backward(self.module_fqn)
         self.set_state(_PRE_BACKWARD)
         if self.controls.unshard_in_backward:
             self.unshard(self.controls.unshard_async_op)
@@ -444,24 +401,13 @@ class FSDPParamGroup:
         if not controls.reduce_grads:
             # No-sync step: gradients stay unsharded (in reduce_dtype where one is set) and keep
             # accumulating until a step with gradient sync reduces their sum.
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.stash_unsharded_grad()
-            self.unreduced_grads = any(p.holds_unsharded_grad() for p in self.fsdp_params)
+            self.unreduced_grads = self.reducer.stash_grads(self.fsdp_params)
             if controls.reshard_after_backward:
                 self.reshard()
             _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
             return
         self.unreduced_grads = False
-        reduced: list[FSDPParam] = []
-        grads: list[torch.Tensor] = []
-        unused_too = controls.reduce_scatter_unused_params
-        for fsdp_param in self.fsdp_params:
-            grad = fsdp_param.take_unsharded_grad()
-            if grad is None and unused_too and fsdp_param.sharded_param.requires_grad:
-                grad = fsdp_param.zero_unsharded_grad()
-            if grad is not None:
-                reduced.append(fsdp_param)
-                grads.append(grad)
+        reduced, grads = self.reducer.take_grads(self.fsdp_params, controls.reduce_scatter_unused_params)
         if controls.reshard_after_backward:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).

@@ -13,7 +13,7 @@ while ``all_reduce_grads`` is off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -53,6 +53,64 @@ class GradientReducer:
             factors = divide_factors(info.shard_size * info.replicate_size, *key)
             self._factors[key] = factors
         return factors
+
+    def take_grads(
+        self, params: list[FSDPParam], unused_too: bool
+    ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        """Take the unsharded gradients autograd left: ``(parameters, gradients)`` to reduce.
+
+        ``unused_too`` (``set_reduce_scatter_unused_params``): a zero gradient for a trainable
+        parameter that got none, so every rank packs the same gradients.
+        """
+        reduced: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for fsdp_param in params:
+            grad = fsdp_param.take_unsharded_grad()
+            if grad is None and unused_too and fsdp_param.sharded_param.requires_grad:
+                grad = fsdp_param.zero_unsharded_grad()
+            if grad is not None:
+                reduced.append(fsdp_param)
+                grads.append(grad)
+        return reduced, grads
+
+    @staticmethod
+    def stash_grads(params: list[FSDPParam]) -> bool:
+        """No-sync backward: keep the unsharded gradients for the next synced one; whether any are held."""
+        for fsdp_param in params:
+            fsdp_param.stash_unsharded_grad()
+        return any(p.holds_unsharded_grad() for p in params)
+
+    def bucket_key(
+        self,
+        params: list[FSDPParam],
+        grads: list[torch.Tensor],
+        controls: GroupControls,
+        comms: GroupComms,
+        tensor_parallel: bool,
+        device: torch.device,
+    ) -> Hashable | None:
+        """What groups sharing one reduce-scatter must agree on; ``None``: reduce alone.
+
+        Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
+        collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
+        """
+        info = self.mesh_info
+        if (
+            info.shard_size == 1
+            or info.replicate_group is not None
+            or controls.all_reduce_hook is not None
+            or comms.custom
+            or tensor_parallel
+        ):
+            return None
+        dtypes = {
+            p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel
+        }
+        if len(dtypes) != 1:
+            return None
+        dtype = dtypes.pop()
+        group = comms.reduce_scatter_group or info.shard_group
+        return (id(group), dtype, self.divide_factors(dtype, controls), device, type(comms.reduce_scatter))
 
     def reduce(
         self,

@@ -17,7 +17,7 @@ LIMIT = 250
 # Classes over the limit, with their current size: the redesign of issue 19 is cutting them down.
 STILL_OVER = {
     "_param.py:FSDPParam": 490,
-    "_param_group.py:FSDPParamGroup": 342,
+    "_param_group.py:FSDPParamGroup": 297,
 }
 
 
