@@ -98,7 +98,9 @@ class _TorchGroupPatch:
 
     The patch is shared by all threads (ranks) of a run and installed while at least one thread
     is recording; each thread appends to its own sink, so ranks never see each other's events.
-    The no-op filters follow spec §10.6 "How the events are recorded".
+    The no-op filters match what ``fsdp2.record_events()`` records (docs/design.md, "The event
+    trace"): an unshard only when an all-gather is really issued, no reshard for the no-op one in
+    forward with ``reshard_after_forward`` off.
     """
 
     def __init__(self) -> None:

@@ -1,9 +1,10 @@
-"""Collective counts (spec §10.6 H) in real gloo processes, measured with CommDebugMode.
+"""Collective counts per forward and backward in real gloo processes, measured with CommDebugMode.
 
+The expected counts are torch 2.13's ``fully_shard``'s, and both implementations must give them.
 One spawn of 2 processes runs every (implementation, reshard_after_forward) subcase, because a
 spawn costs ~10 s and the subcases are milliseconds each. With W = 2 the int case ``2`` equals
-the world size and behaves like ``True``. Implementations that cannot be imported (fsdp2 before
-the engine lands) are left out of the subcases.
+the world size and behaves like ``True``. Both implementations always run: an import error of
+fsdp2 fails the test (``tests/_impls.py`` never turns it into a skip).
 """
 
 from __future__ import annotations

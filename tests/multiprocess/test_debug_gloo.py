@@ -2,7 +2,9 @@
 
 Without debug mode the mismatched collectives would fail or hang (up to the process group timeout);
 with ``FSDP2_DEBUG``-style checking on, the first forward compares the ranks' parameters and every
-rank raises the same error naming the first parameter that differs.
+rank raises the same error naming the first parameter that differs. Also: a watchdog deadline not
+shorter than the process group's timeout warns at the first collective (the threaded backend's
+timeout cannot be read, so this needs real gloo).
 """
 
 from __future__ import annotations

@@ -104,8 +104,9 @@ def _all_gather_group(reshard_after_forward: bool | int) -> None:
         assert group.sharded_state is ShardedState.SHARDED_POST_FORWARD
         per_rank_ranks = WORLD_SIZE // k  # original ranks whose padded shards one post-forward rank keeps
         for param, orig, fsdp_param in zip(_registered(module), originals, group.fsdp_params, strict=True):
-            # spec §6.2: a placeholder whose local shape follows a k-way torch.chunk; for uneven sizes
-            # its values do not describe the slice. The slice itself is 1/k of the padded layout.
+            # A placeholder whose local shape follows a k-way torch.chunk (as torch 2.13's is); for
+            # uneven sizes its values do not describe the slice. The slice itself is 1/k of the padded
+            # layout.
             assert isinstance(param, DTensor)
             assert param.placements == (Replicate(), Shard(0))
             assert param.device_mesh.shape == (WORLD_SIZE // k, k)
@@ -181,7 +182,8 @@ def _rank_grads(originals: list[torch.Tensor], kind: str, rank: int) -> list[tor
 
 
 def _reference_mean(grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """The mean over ranks by all-reduce, divided as spec §11.6 prescribes for ``reduce_dtype``."""
+    """The mean over ranks by all-reduce, with the op and divisions ``divide_factors`` picks for
+    ``reduce_dtype`` (docs/precision.md)."""
     factors = divide_factors(WORLD_SIZE, reduce_dtype)
     reduced = grad.to(reduce_dtype)
     if factors.predivide is not None:

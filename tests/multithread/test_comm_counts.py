@@ -1,4 +1,6 @@
-"""Collective counts per forward and per backward (spec §10.6 H), threads as ranks.
+"""Collective counts per forward and per backward, threads as ranks, for fsdp2 and torch alike.
+
+The expected counts are those torch 2.13's ``fully_shard`` issues (the ``impl`` fixture runs both).
 
 CommDebugMode cannot be used here: its module tracker is process-global, and the threaded
 process group never reaches the c10d op dispatch anyway. ``count_collectives`` counts at the

@@ -1,4 +1,4 @@
-"""``FSDPModule`` controls and module-level helpers (spec §4, §5, §11.6, §15.2, §17), threads as ranks.
+"""``FSDPModule`` controls and module-level helpers, as torch 2.13 defines them, threads as ranks.
 
 - ``set_gradient_divide_factor(f)``: gradients equal the rank sum divided by ``f``, only for the
   module it is called on; the deprecated ``set_reduce_scatter_divide_factor`` warns and does the same;
@@ -14,7 +14,7 @@ The reference is always an unsharded copy on the same per-rank inputs with gradi
 hand (all-reduce SUM, then the divisor under test).
 
 Not covered here: ``set_gradient_divide_factor`` under gloo, where torch's ``PREMUL_SUM`` fails;
-that needs a multiprocess test.
+that needs real gloo processes (``tests/multiprocess/test_gloo_features.py``).
 """
 
 from __future__ import annotations

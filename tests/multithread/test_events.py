@@ -1,8 +1,9 @@
-"""Unshard / reshard / post-backward event order (spec §10.6 A-G), for fsdp2 and torch alike.
+"""Unshard / reshard / post-backward event order, for fsdp2 and torch alike.
 
 Each case builds a model on every rank, records the calling rank's events per phase
 (forward, backward) over a few iterations with optimizer steps in between, and compares every
-rank's phases with the spec's sequences, event for event. The sequences do not depend on the
+rank's phases with the sequences written out here, event for event; torch 2.13's ``fully_shard``
+runs every case too, so they are torch's sequences. The sequences do not depend on the
 world size, so most cases run on 2 ranks; ``reshard_after_forward=2`` needs 4.
 """
 
@@ -45,7 +46,8 @@ def L(i: int) -> str:
 
 def blocks_backward(n_blocks: int, *, with_reshard: bool) -> list[Event]:
     """Blocks' backward with default prefetch: each block's hook unshards the block below it
-    before its own post-backward, so every unshard shows up one step early (§10.2)."""
+    before its own post-backward, so every unshard shows up one step early (the default backward
+    prefetch: docs/design.md, "Prefetch")."""
     events = [U(L(n_blocks - 1), PB)]
     for i in reversed(range(n_blocks)):
         if i > 0:

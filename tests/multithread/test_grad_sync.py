@@ -1,4 +1,4 @@
-"""Gradient accumulation and sync controls (spec §4, §9.5, §12), threads as ranks.
+"""Gradient accumulation and sync controls, threads as ranks (docs/accumulation.md).
 
 - ``set_requires_gradient_sync(False)`` over the first micro-steps (optionally with
   ``set_is_last_backward(False)``): no reduce-scatter, the sharded ``.grad`` stays ``None``, and

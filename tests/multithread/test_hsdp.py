@@ -1,4 +1,4 @@
-"""HSDP on a (replicate=2, shard=2) mesh (spec §2.2, §11.5-11.6, §12.2), threads as ranks.
+"""HSDP on a (replicate=2, shard=2) mesh, threads as ranks (docs/hsdp.md).
 
 Parameters are ``(Replicate(), Shard(0))`` DTensors whose local rows follow the shard rank only.
 Gradients average over all four ranks: the reference is an unsharded copy whose gradients are

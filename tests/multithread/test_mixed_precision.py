@@ -1,4 +1,4 @@
-"""``MixedPrecisionPolicy`` (spec §3.1, §13), threads as ranks.
+"""``MixedPrecisionPolicy``, threads as ranks (docs/precision.md).
 
 Three kinds of checks:
 

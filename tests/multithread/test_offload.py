@@ -1,4 +1,4 @@
-"""``CPUOffloadPolicy`` (spec §3.2, §14), threads as ranks.
+"""``CPUOffloadPolicy``, threads as ranks (docs/offload.md).
 
 Sharded parameters and gradients (hence optimizer state) live on the CPU; training matches the
 unsharded reference and torch's ``fully_shard`` with the same policy. ``pin_memory=True`` (the

@@ -1,4 +1,4 @@
-"""Kinds of parameters and buffers a group can hold (spec §2.4, §2.5, §6, §13, §17), threads as ranks.
+"""Kinds of parameters and buffers a group can hold, threads as ranks.
 
 - ``shard_placement_fn`` returning ``Shard(1)`` (or ``Shard(-1)``): local shapes, placements, full
   tensors, training parity; uneven ``Shard(1)`` is refused at ``fully_shard``;

@@ -1,4 +1,4 @@
-"""Gradient divide factors (spec §11.6): the reduce op and the divisions around it."""
+"""Gradient divide factors: the reduce op and the divisions around it (torch 2.13's but for fp64)."""
 
 from __future__ import annotations
 

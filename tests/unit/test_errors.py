@@ -1,4 +1,4 @@
-"""Every user-facing validation error of ``fully_shard`` and ``FSDPModule`` (style §3.7, spec §17).
+"""Every user-facing validation error of ``fully_shard`` and ``FSDPModule`` (docs/errors.md).
 
 Errors raised by ``fully_shard`` itself must leave the module exactly as it was: same classes, same
 parameter objects and values, no FSDP state, no hooks. Errors that need a mesh run on a small threaded

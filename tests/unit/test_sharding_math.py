@@ -1,4 +1,4 @@
-"""Dim-0 sharding math and the flat buffer layouts of the collectives (spec §6.1, §11.2-§11.4).
+"""Dim-0 sharding math and the flat buffer layouts of the collectives (torch 2.13's ``fully_shard``'s).
 
 No process group: the functions under test are pure.
 """
@@ -47,7 +47,8 @@ def test_chunk_rows_table(rows: int, world_size: int, expected: tuple[int, ...])
 
 
 def test_chunk_rows_weight_with_fewer_rows_than_ranks() -> None:
-    # spec §6.1: a (1, 2) weight over 2 ranks gives shards (1, 2) and (0, 2).
+    # As torch.chunk splits it (and torch 2.13's fully_shard): a (1, 2) weight over 2 ranks gives
+    # shards (1, 2) and (0, 2).
     assert [chunk_rows(1, 2, rank)[2] for rank in range(2)] == [1, 0]
     assert chunk_rows(1, 2, 1)[0] == 1, "the empty rank still pads to one row"
 
@@ -82,8 +83,9 @@ def test_all_gather_copy_in_casts() -> None:
 
 
 def test_reduce_scatter_buffer_layout() -> None:
-    # spec §11.4 (verified against torch): (5, 3) and (4,) over W=2. Row 0 is rows 0-2 of the
-    # weight then b[0:2]; row 1 is rows 3-4, a zero row of padding, then b[2:4].
+    # torch 2.13's reduce-scatter input layout (verified against torch): (5, 3) and (4,) over W=2.
+    # Row 0 is rows 0-2 of the weight then b[0:2]; row 1 is rows 3-4, a zero row of padding, then
+    # b[2:4].
     weight = torch.arange(15, dtype=torch.float32).view(5, 3)
     bias = torch.arange(100, 104, dtype=torch.float32)
     buffer = reduce_scatter_copy_in([weight, bias], 2, torch.float32).view(2, -1)
