@@ -1,10 +1,11 @@
 """Communication context shared by every group under one root.
 
-Owns: the side streams (CUDA only), the all-gather buffer kept alive across one group boundary in
-forward, and the reduce-scatter buffers still in flight. Created once by the root's lazy init (or by
-``share_comm_ctx``) and handed to every state and group under it. Does not own: issuing collectives
-(groups do, through ``_collectives``) or cross-group order (``FSDPState``). A leaf: it imports nothing
-from fsdp2.
+Owns: the side streams (CUDA only), the all-gather protocol on them (``all_gather_on_streams``, used
+by single groups and buckets alike), the all-gather buffer kept alive across one group boundary in
+forward, and the reduce-scatter buffers still in flight. One per ``RootContext`` (several roots share
+one after ``share_comm_ctx``); states and groups read it through their root's context. Does not own:
+what to gather (``AllGatherer``) or cross-group order (``Schedule``). A leaf: it imports nothing from
+fsdp2.
 
 [Note: Stream and event protocol]
 On CUDA, an unshard in FORWARD/PRE_BACKWARD runs its copy-in on ``all_gather_copy_in_stream`` and its

@@ -1,4 +1,6 @@
-"""The only module that touches DTensor internals.
+"""The one module that builds and re-points DTensors through their internals.
+
+(``_memory.py`` also patches DTensor's sharding propagator while it estimates memory on fake tensors.)
 
 Owns: building a DTensor from a local tensor and a precomputed spec without the autograd and
 validation work of ``DTensor.from_local`` (hot path: one call per gradient per step), and re-pointing

@@ -49,7 +49,7 @@ _POST_BACKWARD = TrainingState.POST_BACKWARD
 # - POST_BACKWARD -> PRE_BACKWARD / POST_BACKWARD: a module used several times in one forward is
 #   reached again by the same backward.
 # Never allowed: PRE_BACKWARD/POST_BACKWARD -> FORWARD (a forward after an unfinished backward: the
-# states must be reset first, see FSDPState.check_iteration_finished).
+# states must be reset first, see RootContext.begin_iteration).
 _ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
     _IDLE: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD, _POST_BACKWARD}),
     _FORWARD: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD}),

@@ -1,15 +1,17 @@
 """A group's local shards packed into one buffer: the all-gather input.
 
-Owns: ``PackedShards``. See [Note: Packed shards]
-At ``fully_shard`` each parameter's padded local
-shard is built in its own slot of one zeroed buffer, in parameter order, so the slots are exactly the
-all-gather input layout and an unshard reads the buffer itself (no copy-in with the built-in
-all-gather, one copy for a cast, one host-to-device copy under CPU offload). Groups with all-gather
-extensions, or with shards of several dtypes or devices, keep one buffer per parameter. Conversions
-and loads that install new local tensors (``to_empty``, ``.double()``, ``load_state_dict(assign=True)``,
-a deep copy) are packed again; the sharded parameters keep their Python identity.
-Does not own: the shards' contents or their sharded DTensors (each ``FSDPParam``), the all-gather itself
-(``AllGatherer``).
+Owns: ``PackedShards``. Does not own: the shards' contents or their sharded DTensors (each
+``FSDPParam``), the all-gather itself (``AllGatherer``).
+
+[Note: Packed shards]
+At ``fully_shard`` each parameter's padded local shard is built in its own slot of one zeroed buffer,
+in parameter order, so the slots are exactly the all-gather input layout and an unshard reads the
+buffer itself (no copy-in with the built-in all-gather, one copy for a cast, one host-to-device copy
+under CPU offload, nothing to gather for a one-rank shard group). Groups with all-gather extensions, or
+with shards of several dtypes or devices, keep one buffer per parameter. Conversions and loads that
+install new local tensors (``to_empty``, ``.double()``, ``load_state_dict(assign=True)``, a deep copy)
+are packed again at the next lazy init; the sharded parameters keep their Python identity
+(``_dtensor.rebase_local``), so an optimizer built before keeps training them.
 """
 
 from __future__ import annotations

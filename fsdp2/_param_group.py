@@ -6,8 +6,9 @@ forward and backward, prefetch; with bucketing, its bucket keys, issuing one all
 bucket's members, and packing its gradients into the root's reduce-scatter queue. Its parts:
 ``PackedShards`` (the all-gather input, ``_packed.py``), ``AllGatherer`` (the pending all-gather,
 ``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``) and
-``GradientReducer`` (``_reduce.py``). Does not own: hooks, root logic, the cross-group forward order,
-the bucket plan or default backward prefetch (``FSDPState``).
+``GradientReducer`` (``_reduce.py``). Does not own: hooks and prefetch targets (``FSDPState``), the
+iteration's begin and end (``RootContext``), the execution orders, bucket plan and reduce-scatter
+queue (``Schedule``): a group asks its schedule whether to gather or reduce with others.
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
 pending (``gatherer.result``, possibly this group's part of a bucket); an unshard is a no-op while
 one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.

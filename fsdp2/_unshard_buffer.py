@@ -1,14 +1,16 @@
 """A group's unsharded parameters: where the all-gather's output lands, and their registration.
 
-Owns: ``UnshardedBuffer``. [Note: One unsharded buffer per group]: for ``Shard(0)`` groups without
-extensions, every parameter's all-gather output (``W`` padded shards, rank blocks in order) is a slot
-of one group buffer, so unsharding grows one storage and resharding frees it; the copy-out views into
-it are built once per world size. For one rank the gathered layout is the buffer's own and copy-out is
-a single copy. Other groups keep one output per parameter (each ``FSDPParam`` allocates its own).
-Registering the unsharded and the sharded parameters on their modules is a list of dict writes
-resolved once (``build_slots``) instead of a method call per parameter.
-Does not own: issuing or waiting for the all-gather (``AllGatherer``), the parameters' unsharded
-``nn.Parameter`` objects (each ``FSDPParam``).
+Owns: ``UnshardedBuffer``. Does not own: issuing or waiting for the all-gather (``AllGatherer``), the
+parameters' unsharded ``nn.Parameter`` objects (each ``FSDPParam``).
+
+[Note: One unsharded buffer per group]
+For ``Shard(0)`` groups without extensions and with one gathered dtype, every parameter's all-gather
+output (``W`` padded shards, rank blocks in order) is a slot of one group buffer, so unsharding grows
+one storage and resharding frees it; the copy-out views into it are built once per world size. For
+one rank the gathered layout is the buffer's own and copy-out is a single copy. Other groups keep one
+output per parameter (each ``FSDPParam`` allocates its own). Registering the unsharded and the sharded
+parameters on their modules is a list of dict writes resolved once (``_build_slots``) instead of a
+method call per parameter.
 """
 
 from __future__ import annotations
