@@ -37,32 +37,35 @@ if TYPE_CHECKING:
 __all__ = ["check_materialized", "init_like_unsharded", "warn_if_repeated_shards"]
 
 _aten = torch.ops.aten
+
+
+def _overloads(ops: Sequence[tuple[str, Sequence[str]]]) -> frozenset[Any]:
+    """The named aten overloads this torch has (older versions lack some ``generator`` ones)."""
+    packets = [(getattr(_aten, op), names) for op, names in ops]
+    return frozenset(getattr(p, n) for p, names in packets for n in names if n in p.overloads())
+
+
 # In-place random fills: (self, scalars..., generator=) -> self.
-_RANDOM_FILLS = {
-    getattr(getattr(_aten, op), overload)
-    for op, overload in [
-        ("uniform_", "default"),
-        ("normal_", "default"),
-        ("bernoulli_", "float"),
-        ("random_", "default"),
-        ("random_", "from"),
-        ("random_", "to"),
-        ("exponential_", "default"),
-        ("geometric_", "default"),
-        ("log_normal_", "default"),
-        ("cauchy_", "default"),
+_RANDOM_FILLS = _overloads(
+    [
+        ("uniform_", ("default",)),
+        ("normal_", ("default",)),
+        ("bernoulli_", ("float",)),
+        ("random_", ("default", "from", "to")),
+        ("exponential_", ("default",)),
+        ("geometric_", ("default",)),
+        ("log_normal_", ("default",)),
+        ("cauchy_", ("default",)),
     ]
-}
+)
 # Random tensors shaped like their first argument: (like, scalars..., generator=, dtype=, ...) -> new.
-_RANDOM_LIKES = {
-    getattr(getattr(_aten, op), overload)
-    for op, overloads in [
+_RANDOM_LIKES = _overloads(
+    [
         ("rand_like", ("default", "generator")),
         ("randn_like", ("default", "generator")),
         ("randint_like", ("default", "low_dtype", "generator", "low_generator_dtype")),
     ]
-    for overload in overloads
-}
+)
 
 
 @contextmanager
