@@ -2,10 +2,11 @@
 
 Owns: ``LocalShard`` (building the shard from the original parameter, re-adopting it after a module
 conversion or a load, moving it into a slot of the group's packed buffer, offloading and pinning it,
-the all-gather input it gives, a full tensor's shard as a DTensor, a meta stand-in), and the tag that
-marks sharded parameters as fsdp2's (``mark_managed`` / ``is_managed``). See [Note: FSDP tensors] in
-``_param``. Does not own: the sizes (``ShardLayout``), the DTensor specs (``_tp``), the unsharded form
-(``_unsharded``), gradients or registration on modules (``FSDPParam``).
+the all-gather input it gives, a full tensor's shard as a DTensor, a meta stand-in, and setting or
+adding to the sharded parameter's gradient after a reduction), and the tag that marks sharded
+parameters as fsdp2's (``mark_managed`` / ``is_managed``). See [Note: FSDP tensors] in ``_param``.
+Does not own: the sizes (``ShardLayout``), the DTensor specs (``_tp``), the unsharded form and its
+gradient (``_unsharded``), registration on modules or dtype policy (``FSDPParam``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class LocalShard:
     - ``spec``: the sharded DTensor's spec (global shape and stride, dtype, placements; see ``_tp``).
     - ``param``: the sharded ``nn.Parameter`` DTensor over ``view`` (or over whatever local tensor a
       conversion installed until :meth:`readopt` re-pads it). What the user and the optimizer see.
+      Its ``.grad`` (a DTensor like it, on the shard's device) is set or added to by
+      :meth:`accumulate_grad` after each reduction.
+    - ``dtype``: the sharded dtype as of the last lazy init (:meth:`settle_dtype`): gradients are
+      cast to it.
     """
 
     def __init__(
@@ -96,6 +101,12 @@ class LocalShard:
         self.spec = spec
         self.param = nn.Parameter(wrap_local(self.view, spec), requires_grad=param.requires_grad)
         mark_managed(self.param)
+        self.dtype = param.dtype
+
+    def settle_dtype(self) -> torch.dtype:
+        """Take the sharded parameter's current dtype as the gradients' (lazy init); return it."""
+        self.dtype = self.param.dtype
+        return self.dtype
 
     def local_tensor(self) -> torch.Tensor:
         """The sharded parameter's local tensor (``view`` unless a conversion installed another)."""
@@ -207,6 +218,33 @@ class LocalShard:
         meta = spec.tensor_meta
         assert meta is not None, "a sharded spec without tensor metadata"
         return wrap_local(local, make_spec(spec.mesh, spec.placements, meta.shape, meta.stride, full.dtype))
+
+    def accumulate_grad(self, local_grad: torch.Tensor) -> bool:
+        """Set, or add in place into, the sharded DTensor gradient; then run post-accumulate hooks.
+
+        Returns whether a non-blocking device-to-host copy is still in flight (CPU offload): the caller
+        must synchronize before the optimizer reads the gradient.
+        """
+        param = self.param
+        if local_grad.dtype != self.dtype:
+            local_grad = local_grad.to(self.dtype)
+        hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
+        in_flight = False
+        if self.offload and local_grad.device.type != "cpu":
+            # Only a fresh gradient without hooks may arrive asynchronously: an in-place add or a
+            # hook would read the host copy before it lands.
+            in_flight = self.pin and param.grad is None and not hooks
+            local_grad = local_grad.to("cpu", non_blocking=in_flight)
+        grad = param.grad
+        if grad is None:
+            param.grad = wrap_local(local_grad, self.spec)
+        else:
+            local_of(cast(DTensor, grad)).add_(local_grad)
+        # Autograd never accumulates into the sharded parameter, so its hooks are ours to run.
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(param)
+        return in_flight
 
     def _load_device(self) -> torch.device:
         """Where a loaded shard goes: the current shard's device, or for a meta shard where it will live."""
