@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["AllGatherer"]
 
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+
 
 class AllGatherer:
     """The all-gather of one group.
@@ -51,9 +54,10 @@ class AllGatherer:
       ``reshard_after_forward`` were written; the next copy-in waits on it.
     """
 
-    def __init__(self, mesh_info: MeshInfo, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, params: Sequence[FSDPParam], mesh_info: MeshInfo, device: torch.device) -> None:
         self.result: AllGatherResult | None = None
-        self.dtype = dtype
+        self.dtype = params[0].orig_dtype
+        self._params = params
         self.as_bytes = False
         self.extension = False
         self.span: tuple[float | None, TrainingState] = (None, TrainingState.IDLE)
@@ -62,8 +66,9 @@ class AllGatherer:
         self._device = device
         self._rule_agreed = False  # all ranks checked the extension's padded-size rule once
 
-    def resolve(self, params: Sequence[FSDPParam], post_forward_info: MeshInfo | None) -> None:
+    def resolve(self, post_forward_info: MeshInfo | None) -> None:
         """Lazy init: the gathered dtype, and whether any parameter uses an extension (and may)."""
+        params = self._params
         for fsdp_param in params:
             if not fsdp_param.has_extension:
                 continue
@@ -104,14 +109,16 @@ class AllGatherer:
         # The built-in collectives a setter installs are bound to the shard group: their type suffices.
         return (id(info.shard_group), self.dtype, self._device, type(comms.all_gather))
 
-    def output_bytes(self, params: Sequence[FSDPParam]) -> int:
+    def output_bytes(self) -> int:
         """Bytes of the all-gather output (what the all-gather bucket cap counts)."""
-        return sum(p.padded_shard_numel for p in params) * self._mesh_info.shard_size * self.dtype.itemsize
+        numel = sum(p.padded_shard_numel for p in self._params) * self._mesh_info.shard_size
+        return numel * self.dtype.itemsize
 
     # ---- inputs ----------------------------------------------------------------------------------
 
-    def inputs(self, params: Sequence[FSDPParam], post_forward: bool) -> list[torch.Tensor]:
+    def inputs(self, post_forward: bool) -> list[torch.Tensor]:
         """Each parameter's 1-D contribution, cast (or viewed as bytes) for one collective."""
+        params = self._params
         if self.extension:
             return self._extension_inputs(params, post_forward)
         inputs = [p.all_gather_input(post_forward) for p in params]
@@ -155,43 +162,50 @@ class AllGatherer:
 
     def issue(
         self,
-        params: Sequence[FSDPParam],
         packed: PackedShards,
-        post_forward: bool,
         info: MeshInfo,
-        comm: object,
-        streams: CommContext | None,
+        all_gather: object,
+        ctx: CommContext | None,
         async_op: bool,
+        state: TrainingState,
     ) -> None:
         """Copy in and issue the all-gather over ``info``'s shard group; the result stays pending.
 
-        ``packed``: read directly where usable (not for post-forward slices); ``streams``: run on the
-        side streams (CUDA), else in program order.
+        ``info``: the group's mesh, or its post-forward mesh (gathering the post-forward slices);
+        ``packed`` is read directly where usable. On the side streams of ``ctx`` (CUDA) for a forward
+        or backward use that waits for it, else in program order; ``all_gather`` is the group's
+        collective (not used for one rank: nothing is communicated).
         """
+        post_forward = info is not self._mesh_info
+        comm = all_gather if info.shard_size > 1 else None
+        on_streams = ctx is not None and ctx.use_streams and not async_op
+        if ctx is None or not on_streams or (state is not _FORWARD and state is not _PRE_BACKWARD):
+            output, local, splits = self._copy_in(packed, post_forward, info, comm)  # no closures
+            work = issue_all_gather(output, local, info.shard_group, info.shard_size, async_op, comm)
+            self.result = AllGatherResult(output, splits, info.shard_size, None, work)
+            return
+        after = None
+        if post_forward:  # the post-forward slices were cloned on the current stream
+            after, self.post_forward_event = self.post_forward_event, None
 
         def copy_in() -> CopyIn:
-            flat = None if post_forward else packed.gather_input(self._device)
-            if flat is not None:
-                world, rank = info.shard_size, info.shard_rank
-                output, local = packed_all_gather_copy_in(flat, world, rank, self.dtype, comm)
-                return output, local, packed.splits
-            inputs = self.inputs(params, post_forward)
-            return all_gather_copy_in(inputs, info.shard_size, info.shard_rank, self.dtype, comm)
+            return self._copy_in(packed, post_forward, info, comm)
 
-        if streams is not None:
-            after = None
-            if post_forward:  # the post-forward slices were cloned on the current stream
-                after, self.post_forward_event = self.post_forward_event, None
+        def issue(staged: CopyIn) -> None:
+            issue_all_gather(staged[0], staged[1], info.shard_group, info.shard_size, False, comm)
 
-            def issue(staged: CopyIn) -> None:
-                issue_all_gather(staged[0], staged[1], info.shard_group, info.shard_size, False, comm)
+        (output, local, splits), event = ctx.all_gather_on_streams(copy_in, issue, after)
+        self.result = AllGatherResult(output, splits, info.shard_size, event, None, input=local)
 
-            (output, local, splits), event = streams.all_gather_on_streams(copy_in, issue, after)
-            self.result = AllGatherResult(output, splits, info.shard_size, event, None, input=local)
-            return
-        output, local, splits = copy_in()
-        work = issue_all_gather(output, local, info.shard_group, info.shard_size, async_op, comm)
-        self.result = AllGatherResult(output, splits, info.shard_size, None, work)
+    def _copy_in(self, packed: PackedShards, post_forward: bool, info: MeshInfo, comm: object) -> CopyIn:
+        """The output and this rank's input of the next all-gather (from the packed shards if usable)."""
+        flat = None if post_forward else packed.gather_input(self._device)
+        if flat is not None:
+            world, rank = info.shard_size, info.shard_rank
+            output, local = packed_all_gather_copy_in(flat, world, rank, self.dtype, comm)
+            return output, local, packed.splits
+        inputs = self.inputs(post_forward)
+        return all_gather_copy_in(inputs, info.shard_size, info.shard_rank, self.dtype, comm)
 
     def wait(self) -> AllGatherResult | None:
         """Wait for the pending all-gather (CPU: its work; CUDA: its event) and hand it over."""

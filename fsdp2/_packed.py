@@ -67,12 +67,13 @@ class PackedShards:
         return bool(views) and all(p.holds_shard(v) for p, v in zip(params, views, strict=True))
 
     def repack(self, params: Sequence[FSDPParam]) -> None:
-        """Move the local shards into a fresh buffer, one padded slot each, where the group allows it.
+        """Unless packing is intact: move the local shards into a fresh buffer, one padded slot each.
 
-        Not for extensions (their inputs come from a hook), shards of several dtypes or devices, or a
-        sharded parameter that is part of an autograd graph now: those keep per-parameter shards.
+        Only where the group allows it: not for extensions (their inputs come from a hook), shards of
+        several dtypes or devices, or a sharded parameter that is part of an autograd graph now: those
+        keep per-parameter shards.
         """
-        if not params or any(p.has_extension for p in params):
+        if self.intact(params) or not params or any(p.has_extension for p in params):
             return
         if len({p.shard_dtype for p in params}) != 1 or len({p.shard_device for p in params}) != 1:
             return

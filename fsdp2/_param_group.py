@@ -17,7 +17,7 @@ one is pending or when unsharded; every training-state change goes through ``_li
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,7 +41,6 @@ from ._mesh import MeshInfo
 from ._packed import PackedShards, zeroed_shards
 from ._param import FSDPParam, can_pin, padded_shard_numel
 from ._reduce import GradientReducer
-from ._schedule import Schedule
 
 if TYPE_CHECKING:
     from ._root import RootContext
@@ -78,7 +77,7 @@ class FSDPParamGroup:
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
         self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
         self._tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
-        self.gatherer = AllGatherer(config.mesh_info, config.device, self.fsdp_params[0].orig_dtype)
+        self.gatherer = AllGatherer(self.fsdp_params, config.mesh_info, config.device)
         self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
         self._post_forward_mesh_info = post_forward_mesh_info
         self.controls = GroupControls()
@@ -117,11 +116,6 @@ class FSDPParamGroup:
         root = self.root
         return root.event_scope if root is not None else None
 
-    @property
-    def schedule(self) -> Schedule[Any] | None:
-        root = self.root
-        return root.schedule if root is not None else None
-
     # ---- configuration ---------------------------------------------------------------------------
 
     @property
@@ -134,10 +128,6 @@ class FSDPParamGroup:
         self.buffer.forget_slots()
         for fsdp_param in self.fsdp_params:
             fsdp_param.post_forward_mesh_info = info
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self._post_forward_mesh_info is not None
 
     @outside_functorch
     def lazy_init(self) -> None:
@@ -153,10 +143,10 @@ class FSDPParamGroup:
             fsdp_param.init_extension(policy)
         gatherer, params = self.gatherer, self.fsdp_params
         sharded = self.sharded_state is ShardedState.SHARDED
-        gatherer.resolve(params, self._post_forward_mesh_info)
+        gatherer.resolve(self._post_forward_mesh_info)
         self._staged_params = [p for p in params if p.shard_dim != 0 or p.has_extension]
-        if sharded and not self.packed.intact(params):
-            self.packed.repack(params)  # shards replaced since fully_shard (e.g. a deep copy's shards)
+        if sharded:
+            self.packed.repack(params)  # if shards were replaced since fully_shard (e.g. a deep copy's)
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
         shares = not gatherer.as_bytes and all(p.shard_dim == 0 and not p.has_extension for p in params)
         self.buffer.resolve(params, shares, gatherer.dtype, sharded)
@@ -172,8 +162,7 @@ class FSDPParamGroup:
         """
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param()
-        if not self.packed.intact(self.fsdp_params):
-            self.packed.repack(self.fsdp_params)
+        self.packed.repack(self.fsdp_params)
         self.buffer.forget_slots()
         self._lazy_initialized = False
 
@@ -188,33 +177,31 @@ class FSDPParamGroup:
         """
         if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
             return
+        root = self.root
         if not self._lazy_initialized:
             self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
-            if self.comm_ctx is not None:
+            if root is not None:
                 # Lazy init may have (re)packed the shards on the current stream: the copy-in and
                 # all-gather streams read them, so they wait for those writes.
-                self.comm_ctx.wait_for_current_stream()
+                root.comm_ctx.wait_for_current_stream()
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        schedule = self.schedule
-        if schedule is not None and not (async_op or post_forward) and schedule.gather(self, state):
+        schedule = root.schedule if root is not None else None
+        if (
+            schedule is not None
+            and schedule.bucket_gathers
+            and not (async_op or post_forward)
+            and schedule.gather(self, state)
+        ):
             return  # one all-gather with the other members of its bucket (records every unshard)
-        self._record_unshard(state)
+        scope = root.event_scope if root is not None else None
+        _events.record("unshard", self.module_fqn, state, scope)
+        self.gatherer.span = (_events.span_start(scope), state)
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
-        ctx = self.comm_ctx
-        on_streams = ctx is not None and ctx.use_streams and not async_op
-        on_streams = on_streams and state in (_FORWARD, _PRE_BACKWARD)
-        # Custom collectives are not used for a single rank (nothing is communicated).
-        comm = self.comms.all_gather if info.shard_size > 1 else None
+        ctx = root.comm_ctx if root is not None else None
         with watch_collective("all-gather", self.module_fqn, state):
-            self.gatherer.issue(
-                self.fsdp_params, self.packed, post_forward, info, comm, ctx if on_streams else None, async_op
-            )
-
-    def _record_unshard(self, state: TrainingState) -> None:
-        _events.record("unshard", self.module_fqn, state, self.event_scope)
-        self.gatherer.span = (_events.span_start(self.event_scope), state)
+            self.gatherer.issue(self.packed, info, self.comms.all_gather, ctx, async_op, state)
 
     # ---- bucketing (set_bucket_cap_mb) -----------------------------------------------------------
 
@@ -226,7 +213,7 @@ class FSDPParamGroup:
 
     def all_gather_bytes(self) -> int:
         """Bytes of this group's all-gather output (what the all-gather cap counts)."""
-        return self.gatherer.output_bytes(self.fsdp_params)
+        return self.gatherer.output_bytes()
 
     def joins_bucket(self, state: TrainingState, key: Hashable) -> bool:
         """Whether this group joins a bucketed all-gather for ``state`` now (it needs one, same key)."""
@@ -239,8 +226,9 @@ class FSDPParamGroup:
 
     def bucket_inputs(self, state: TrainingState) -> list[torch.Tensor]:
         """This group's all-gather inputs for a bucket issued for ``state`` (records its unshard)."""
-        self._record_unshard(state)
-        return self.gatherer.inputs(self.fsdp_params, False)
+        _events.record("unshard", self.module_fqn, state, self.event_scope)
+        self.gatherer.span = (_events.span_start(self.event_scope), state)
+        return self.gatherer.inputs(False)
 
     def set_bucket_result(self, result: AllGatherResult) -> None:
         """This group's part of a bucketed all-gather, copied out by ``wait_for_unshard``."""
@@ -291,8 +279,9 @@ class FSDPParamGroup:
         self._register_unsharded()
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
-        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope)
-        ctx = self.comm_ctx
+        root = self.root
+        _events.span_end(start, "all-gather", self.module_fqn, issued_in, root.event_scope if root else None)
+        ctx = root.comm_ctx if root is not None else None
         if ctx is not None and ctx.use_streams:
             copy_out_event = torch.cuda.current_stream(self.device).record_event()
             ctx.release_deferred_all_gather()
@@ -412,13 +401,17 @@ class FSDPParamGroup:
         if controls.reshard_after_backward:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
-        schedule = self.schedule
-        if grads and not (schedule is not None and schedule.reduce(self, reduced, grads)):
-            start = _events.span_start(self.event_scope)
+        root = self.root
+        scope = root.event_scope if root is not None else None
+        schedule = root.schedule if root is not None else None
+        if grads and not (
+            schedule is not None and schedule.bucket_reduces and schedule.reduce(self, reduced, grads)
+        ):
+            start = _events.span_start(scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
-            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, self.event_scope)
-        _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
+            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope)
+        _events.record("post_backward", self.module_fqn, self.training_state, scope)
 
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""

@@ -88,10 +88,13 @@ class Schedule(Generic[_State]):
     - ``post_forward_order``: states (with a group) in the order their post-forward ran, one entry per
       use, across the backwards of one step; ``iteration_start`` is where this iteration's begin.
     - ``_forward`` / ``_backward``: ``id(group)`` -> the groups it all-gathers with (this plan).
+    - ``bucket_gathers`` / ``bucket_reduces``: a cap of each kind is set (read per step by groups).
     """
 
     def __init__(self) -> None:
         self.bucketing = Bucketing()
+        self.bucket_gathers = False  # an all-gather cap is set (groups ask ``gather``)
+        self.bucket_reduces = False  # a reduce-scatter cap is set (groups ask ``reduce``)
         self.pre_forward_order: list[_State] = []
         self.post_forward_order: list[_State] = []
         self.iteration_start = 0
@@ -101,6 +104,7 @@ class Schedule(Generic[_State]):
     def set_caps(self, all_gather: int | None, reduce_scatter: int | None) -> None:
         self.bucketing.all_gather_cap = all_gather
         self.bucketing.reduce_scatter_cap = reduce_scatter
+        self.bucket_gathers, self.bucket_reduces = all_gather is not None, reduce_scatter is not None
         if all_gather is None:
             self._forward.clear()
             self._backward.clear()
