@@ -269,7 +269,7 @@ class FSDPParamGroup:
             return
         with watch_collective("all-gather wait", self.module_fqn, self.training_state):
             result = gatherer.wait()
-        assert result is not None
+        assert result is not None, "an all-gather vanished while waiting for it"
         self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes)
         if self._watch_init:
             self._watch_init = False
@@ -409,14 +409,13 @@ class FSDPParamGroup:
         ):
             start = _events.span_start(scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
-                self.reducer.reduce(reduced, grads, self.comm_ctx, controls, self.comms)
+                self.reducer.reduce(reduced, grads, root.comm_ctx if root else None, controls, self.comms)
             _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope)
         _events.record("post_backward", self.module_fqn, self.training_state, scope)
 
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.take_unsharded_grad()
+        self.reducer.take_grads(self.fsdp_params, unused_too=False)  # and drop them
         self.unreduced_grads = False
 
     def finish_backward(self, last: bool) -> None:

@@ -233,7 +233,7 @@ class FSDPState(TorchStateNames):
         if groups:
             entering = groups[0].training_state is not _FORWARD
             shared = self.ctx
-            if entering and shared is not None:
+            if entering and shared is not None and shared.schedule.bucket_gathers:
                 shared.schedule.record_pre_forward(self)
             for group in groups:
                 group.pre_forward()
@@ -249,7 +249,8 @@ class FSDPState(TorchStateNames):
         if self.is_root is None:
             self.lazy_init()
         ctx = self.shared_context()
-        ctx.begin_iteration(self)
+        if ctx.iteration_root is None or ctx.callback_queued:
+            ctx.begin_iteration(self)
         return ctx
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -332,7 +333,8 @@ class FSDPState(TorchStateNames):
     def pre_backward(self, prefetch: bool = True) -> None:
         self.set_state(_PRE_BACKWARD)
         ctx = self.shared_context()
-        ctx.queue_end_of_backward(self)
+        if not ctx.callback_queued:
+            ctx.queue_end_of_backward(self)
         entered = [group.pre_backward() for group in self.groups]
         if not prefetch:
             return

@@ -17,7 +17,7 @@ LIMIT = 250
 # Classes over the limit, with their current size: the ongoing split into smaller classes is cutting
 # them down.
 STILL_OVER = {
-    "_param_group.py:FSDPParamGroup": 295,
+    "_param_group.py:FSDPParamGroup": 294,
 }
 
 
