@@ -33,20 +33,19 @@ import fsdp2
 from tests._harness import assert_sharded_parity, run_threaded
 from tests._training import train_in_lockstep
 from tests.models import make_input
+from tests.multithread.test_load_and_policies import _Net as _UnevenNet
 
 
-class _Net(nn.Module):
-    """Row counts 6, 3 and 5: world 4 pads every layer, and world 4 leaves the last rank 0 rows of ``b``."""
+class _Net(_UnevenNet):
+    """Row counts 6, 3 and 5 (world 4 pads every layer and leaves the last rank 0 rows of ``b``), plus
+    a parameter initialised to a constant."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 3, bias=False)
-        self.head = nn.Linear(3, 5)
         self.scale = nn.Parameter(torch.ones(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.b(torch.relu(self.a(x))))) * self.scale[:5]
+        return super().forward(x) * self.scale[:5]
 
 
 def _init(model: nn.Module, gen: torch.Generator) -> None:
