@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["Schedule"]
 
 
-class FSDPParamGroup(Protocol):
+class GroupLike(Protocol):
     """What the schedule asks of a group (``_param_group.FSDPParamGroup``).
 
     Described here rather than imported, so that the group can hold its schedule without an import
@@ -67,7 +67,7 @@ class StateLike(Protocol):
     """What the schedule reads of a ``fully_shard`` state (``_state.FSDPState``): its groups."""
 
     @property
-    def groups(self) -> Sequence[FSDPParamGroup]: ...
+    def groups(self) -> Sequence[GroupLike]: ...
 
 
 _State = TypeVar("_State", bound=StateLike)
@@ -98,8 +98,8 @@ class Schedule(Generic[_State]):
         self.pre_forward_order: list[_State] = []
         self.post_forward_order: list[_State] = []
         self.iteration_start = 0
-        self._forward: dict[int, list[FSDPParamGroup]] = {}
-        self._backward: dict[int, list[FSDPParamGroup]] = {}
+        self._forward: dict[int, list[GroupLike]] = {}
+        self._backward: dict[int, list[GroupLike]] = {}
 
     def set_caps(self, all_gather: int | None, reduce_scatter: int | None) -> None:
         self.bucketing.all_gather_cap = all_gather
@@ -116,8 +116,8 @@ class Schedule(Generic[_State]):
         self.iteration_start = len(self.post_forward_order)
 
     def record_pre_forward(self, state: _State) -> None:
-        if self.bucketing.all_gather_cap is not None:
-            self.pre_forward_order.append(state)
+        """Append ``state``'s first pre-forward of this pass (callers check ``bucket_gathers`` first)."""
+        self.pre_forward_order.append(state)
 
     def record_post_forward(self, state: _State) -> int:
         """Append a forward use of ``state``; returns its position (for the backward prefetch)."""
@@ -157,7 +157,7 @@ class Schedule(Generic[_State]):
         ]
         self._backward = _buckets(regathered, cap)
 
-    def gather(self, group: FSDPParamGroup, state: TrainingState) -> bool:
+    def gather(self, group: GroupLike, state: TrainingState) -> bool:
         """Issue one all-gather for ``group`` and the members of its bucket that need one now.
 
         ``False`` (nothing done) where ``group`` gathers alone: no plan for it, or no member joins.
@@ -182,7 +182,7 @@ class Schedule(Generic[_State]):
             member.set_bucket_result(result)
         return True
 
-    def _members(self, group: FSDPParamGroup, state: TrainingState) -> list[FSDPParamGroup] | None:
+    def _members(self, group: GroupLike, state: TrainingState) -> list[GroupLike] | None:
         if self.bucketing.all_gather_cap is None or state not in (_FORWARD, _PRE_BACKWARD):
             return None
         bucket = (self._forward if state is _FORWARD else self._backward).get(id(group))
@@ -197,7 +197,7 @@ class Schedule(Generic[_State]):
 
     # ---- reduce-scatter queue --------------------------------------------------------------------
 
-    def reduce(self, group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
+    def reduce(self, group: GroupLike, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
         """Queue ``group``'s gradients for a shared reduce-scatter; ``False``: it reduces them now.
 
         A group that cannot share reduces after the queue, so buckets stay runs of consecutive
@@ -214,7 +214,7 @@ class Schedule(Generic[_State]):
         return True
 
 
-def _groups_in(states: Sequence[StateLike]) -> list[tuple[FSDPParamGroup, bool]]:
+def _groups_in(states: Sequence[StateLike]) -> list[tuple[GroupLike, bool]]:
     """The groups of ``states`` in order, each with whether it must stand alone (its state repeats)."""
     seen: dict[StateLike, int] = {}
     for state in states:
@@ -222,10 +222,10 @@ def _groups_in(states: Sequence[StateLike]) -> list[tuple[FSDPParamGroup, bool]]
     return [(group, seen[state] > 1) for state in states for group in state.groups]
 
 
-def _buckets(order: list[tuple[FSDPParamGroup, bool]], cap: int) -> dict[int, list[FSDPParamGroup]]:
+def _buckets(order: list[tuple[GroupLike, bool]], cap: int) -> dict[int, list[GroupLike]]:
     keys: list[Hashable | None] = [None if alone else group.all_gather_bucket_key() for group, alone in order]
     sizes = [group.all_gather_bytes() for group, _ in order]
-    plan: dict[int, list[FSDPParamGroup]] = {}
+    plan: dict[int, list[GroupLike]] = {}
     for positions in split_into_buckets(sizes, keys, cap):
         if len(positions) < 2:
             continue
