@@ -98,6 +98,20 @@ class CommContext:
         copy_in_stream.wait_stream(current)
         gather_stream.wait_stream(current)
 
+    def defer_all_gather_buffers(
+        self, output: torch.Tensor, input_: torch.Tensor | None, device: torch.device, in_forward: bool
+    ) -> None:
+        """Keep a finished all-gather's buffers from reuse until the copy-out just queued is done.
+
+        In forward, the next group's all-gather may start before this copy-out ends: the buffers
+        are released when the next one is deferred. Elsewhere they are released now.
+        """
+        copy_out_event = torch.cuda.current_stream(device).record_event()
+        self.release_deferred_all_gather()
+        self.deferred_all_gather = ((output, input_), copy_out_event)
+        if not in_forward:
+            self.release_deferred_all_gather()
+
     def release_deferred_all_gather(self) -> None:
         """Let the all-gather streams reuse the last forward buffer once its copy-out is done."""
         deferred = self.deferred_all_gather

@@ -2,8 +2,8 @@
 
 Owns: the group's ``TrainingState`` and ``ShardedState`` and the sequence of one step over its own
 parameters: unshard (issue one all-gather), wait_for_unshard (copy out, register), reshard, pre/post
-forward and backward, prefetch; with bucketing, its bucket keys, issuing one all-gather for its
-bucket's members, and packing its gradients into the root's reduce-scatter queue. Its parts:
+forward and backward, prefetch. Its side of bucketing (bucket keys, inputs, packed gradients for
+the schedule) and its view of the root context are the ``BucketMember`` mixin. Its parts:
 ``PackedShards`` (the all-gather input, ``_packed.py``), ``AllGatherer`` (the pending all-gather,
 ``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``) and
 ``GradientReducer`` (``_reduce.py``). Does not own: hooks and prefetch targets (``FSDPState``), the
@@ -16,7 +16,6 @@ one is pending or when unsharded; every training-state change goes through ``_li
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,14 +25,11 @@ from torch.distributed.tensor import DTensor
 from . import _events
 from ._api import CPUOffloadPolicy
 from ._autograd import in_backward_task_id, outside_functorch
-from ._bucket import PendingReduceScatter
-from ._collectives import AllGatherResult
-from ._comm_context import CommContext
+from ._bucket_member import BucketMember
 from ._comms import GroupComms
 from ._config import GroupConfig, GroupControls, ParamSpec
 from ._debug import watch_collective
 from ._dtensor import local_of
-from ._events import EventScope
 from ._gather import AllGatherer
 from ._init import check_materialized, warn_if_repeated_shards
 from ._lifecycle import ShardedState, TrainingState, stepped_before_backward, transition
@@ -53,8 +49,11 @@ _POST_BACKWARD = TrainingState.POST_BACKWARD
 _UNSHARDED = ShardedState.UNSHARDED
 
 
-class FSDPParamGroup:
-    """The parameters of one ``fully_shard`` call, gathered and reduced together."""
+class FSDPParamGroup(BucketMember):
+    """The parameters of one ``fully_shard`` call, gathered and reduced together.
+
+    Its side of bucketing (keys, inputs, packed gradients for the schedule) is ``BucketMember``.
+    """
 
     def __init__(
         self,
@@ -76,7 +75,7 @@ class FSDPParamGroup:
         ]
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
         self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
-        self._tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
+        self.tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
         self.gatherer = AllGatherer(self.fsdp_params, config.mesh_info, config.device)
         self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
         self._post_forward_mesh_info = post_forward_mesh_info
@@ -89,7 +88,7 @@ class FSDPParamGroup:
         self.module_fqn = ""
         self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
-        self._lazy_initialized = False
+        self.lazy_initialized = False
         self._watch_init = False  # check the first all-gather after materialising from meta (_init.py)
         # Read (and the last one set) by the optimizer-step guard, see ``_step_guard``:
         self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
@@ -105,16 +104,6 @@ class FSDPParamGroup:
     def attach(self, root: RootContext) -> None:
         """Work under ``root`` from now on (its lazy init, after validating every group)."""
         self.root = root
-
-    @property
-    def comm_ctx(self) -> CommContext | None:
-        root = self.root
-        return root.comm_ctx if root is not None else None
-
-    @property
-    def event_scope(self) -> EventScope | None:
-        root = self.root
-        return root.event_scope if root is not None else None
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -132,7 +121,7 @@ class FSDPParamGroup:
     @outside_functorch
     def lazy_init(self) -> None:
         """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
-        if not self._lazy_initialized and self.sharded_state is ShardedState.SHARDED:
+        if not self.lazy_initialized and self.sharded_state is ShardedState.SHARDED:
             # Catch load_state_dict / to_empty done after fully_shard but before training.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.reset_sharded_param()
@@ -153,7 +142,7 @@ class FSDPParamGroup:
         self.reducer.resolve(params)
         # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
         self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
-        self._lazy_initialized = True
+        self.lazy_initialized = True
 
     def readopt_sharded_params(self) -> None:
         """Re-adopt the registered sharded parameters; the next unshard re-runs lazy init.
@@ -164,7 +153,7 @@ class FSDPParamGroup:
             fsdp_param.reset_sharded_param()
         self.packed.repack(self.fsdp_params)
         self.buffer.forget_slots()
-        self._lazy_initialized = False
+        self.lazy_initialized = False
 
     # ---- unshard / reshard -----------------------------------------------------------------------
 
@@ -178,7 +167,7 @@ class FSDPParamGroup:
         if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
             return
         root = self.root
-        if not self._lazy_initialized:
+        if not self.lazy_initialized:
             self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
             if root is not None:
                 # Lazy init may have (re)packed the shards on the current stream: the copy-in and
@@ -203,64 +192,6 @@ class FSDPParamGroup:
         with watch_collective("all-gather", self.module_fqn, state):
             self.gatherer.issue(self.packed, info, self.comms.all_gather, ctx, async_op, state)
 
-    # ---- bucketing (set_bucket_cap_mb) -----------------------------------------------------------
-
-    def all_gather_bucket_key(self) -> Hashable | None:
-        """What groups sharing one all-gather must agree on; ``None``: this group gathers alone."""
-        if not self._lazy_initialized:
-            return None
-        return self.gatherer.bucket_key(self.comms, self._tensor_parallel, self._post_forward_mesh_info)
-
-    def all_gather_bytes(self) -> int:
-        """Bytes of this group's all-gather output (what the all-gather cap counts)."""
-        return self.gatherer.output_bytes()
-
-    def joins_bucket(self, state: TrainingState, key: Hashable) -> bool:
-        """Whether this group joins a bucketed all-gather for ``state`` now (it needs one, same key)."""
-        return (
-            self.gatherer.result is None
-            and self.sharded_state is ShardedState.SHARDED
-            and (state is _FORWARD or self.controls.unshard_in_backward)
-            and self.all_gather_bucket_key() == key
-        )
-
-    def bucket_inputs(self, state: TrainingState) -> list[torch.Tensor]:
-        """This group's all-gather inputs for a bucket issued for ``state`` (records its unshard)."""
-        _events.record("unshard", self.module_fqn, state, self.event_scope)
-        self.gatherer.span = (_events.span_start(self.event_scope), state)
-        return self.gatherer.inputs(False)
-
-    def set_bucket_result(self, result: AllGatherResult) -> None:
-        """This group's part of a bucketed all-gather, copied out by ``wait_for_unshard``."""
-        self.gatherer.result = result
-
-    def reduce_scatter_bucket_key(
-        self, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> Hashable | None:
-        """What groups sharing one reduce-scatter must agree on; ``None``: this group reduces alone."""
-        return self.reducer.bucket_key(
-            params, grads, self.controls, self.comms, self._tensor_parallel, self.device
-        )
-
-    def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter:
-        """Pack the gradients into one reduce-scatter input for a shared collective (empties ``grads``)."""
-        ctx, controls, comms = self.comm_ctx, self.controls, self.comms
-        start = _events.span_start(self.event_scope)
-        # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
-        ((_, reduced, buffer),) = self.reducer.pack(params, grads, ctx, controls, comms.reduce_scatter)
-        return PendingReduceScatter(
-            self.reducer,
-            params,
-            reduced,
-            buffer,
-            controls,
-            comms,
-            self.module_fqn,
-            self.training_state,
-            self.event_scope,
-            start,
-        )
-
     @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the pending all-gather: copy out and register the unsharded parameters."""
@@ -283,11 +214,9 @@ class FSDPParamGroup:
         _events.span_end(start, "all-gather", self.module_fqn, issued_in, root.event_scope if root else None)
         ctx = root.comm_ctx if root is not None else None
         if ctx is not None and ctx.use_streams:
-            copy_out_event = torch.cuda.current_stream(self.device).record_event()
-            ctx.release_deferred_all_gather()
-            ctx.deferred_all_gather = ((result.output, result.input), copy_out_event)
-            if self.training_state is not _FORWARD:
-                ctx.release_deferred_all_gather()
+            ctx.defer_all_gather_buffers(
+                result.output, result.input, self.device, self.training_state is _FORWARD
+            )
 
     @outside_functorch
     def reshard(self) -> None:
