@@ -5,8 +5,8 @@ cap, the greedy split of an execution order into buckets (``split_into_buckets``
 the inputs of several groups (``all_gather_bucket``: each group gets an ``AllGatherResult`` naming its
 own columns of the shared output), and ``ReduceScatterQueue``: the packed gradient buffers of
 consecutive post-backwards, reduced by one collective once their bytes reach the cap or backward ends.
-Does not own: which groups may share a collective (their bucket keys, ``_bucket_member.BucketMember``), when an
-execution order is known and the plan built (``FSDPState``), or how shards become gradients
+Does not own: which groups may share a collective (their bucket keys, ``_bucket_member.BucketMember``),
+when an execution order is known and the plan built (``Schedule``), or how shards become gradients
 (``GradientReducer``).
 
 [Note: Bucket layouts]

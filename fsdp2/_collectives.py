@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._comms import DefaultAllGather, DefaultReduceScatter
+from ._comms import DefaultAllGather, DefaultReduceScatter, comm_type
 
 ReduceOp = dist.ReduceOp
 _DEFAULT_ALL_GATHER = DefaultAllGather()
@@ -84,7 +84,7 @@ def packed_all_gather_copy_in(
     comm = _DEFAULT_ALL_GATHER if comm is None else comm
     block = packed.numel()
     output = comm.allocate((block * world_size,), dtype=dtype, device=packed.device)
-    if world_size > 1 and packed.dtype == dtype and type(comm) is DefaultAllGather:
+    if world_size > 1 and packed.dtype == dtype and comm_type(comm) is DefaultAllGather:
         return output, packed
     local = output.narrow(0, block * rank, block)
     local.copy_(packed)

@@ -114,6 +114,17 @@ class DefaultReduceScatter(ReduceScatter):
         return _start(_reduce_scatter_single, output_tensor, input_tensor, group, async_op, op=op)
 
 
+def comm_type(comm: Any) -> type:
+    """The type of the collective ``comm`` stands for: a wrapper's (``comm.wrapped``) is its inner one's.
+
+    What bucket keys compare and fast paths test, so that a forwarding wrapper (e.g. the recorder of
+    ``fsdp2.testing.record_collectives``) changes nothing about how collectives are issued.
+    """
+    while hasattr(comm, "wrapped"):
+        comm = comm.wrapped
+    return type(comm)
+
+
 class AllReduce:
     """The HSDP all-reduce across replicas (not user-replaceable, as in torch)."""
 

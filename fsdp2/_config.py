@@ -10,7 +10,8 @@ only through ``FSDPModule`` setters.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,3 +87,13 @@ class GroupControls:
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
     unshard_async_op: bool = False
+
+    def update(self, **values: Any) -> None:
+        """Set the named controls (the one way setters change them); an unknown name is a bug."""
+        unknown = sorted(set(values) - _CONTROL_NAMES)
+        assert not unknown, f"GroupControls has no {unknown}"
+        for name, value in values.items():
+            setattr(self, name, value)
+
+
+_CONTROL_NAMES = frozenset(f.name for f in fields(GroupControls))

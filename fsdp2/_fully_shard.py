@@ -172,7 +172,7 @@ def fully_shard(
             specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info
         )
         # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
-        group.controls.reshard_after_no_grad_forward = reshard_after_forward is not False
+        group.controls.update(reshard_after_no_grad_forward=reshard_after_forward is not False)
         groups.append(group)
     state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     watch_optimizer_steps(groups)

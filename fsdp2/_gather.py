@@ -24,6 +24,7 @@ from ._collectives import (
     packed_all_gather_copy_in,
     wait_all_gather,
 )
+from ._comms import comm_type
 from ._extension import padded_rule_error
 from ._lifecycle import TrainingState
 
@@ -107,7 +108,7 @@ class AllGatherer:
         ):
             return None
         # The built-in collectives a setter installs are bound to the shard group: their type suffices.
-        return (id(info.shard_group), self.dtype, self._device, type(comms.all_gather))
+        return (id(info.shard_group), self.dtype, self._device, comm_type(comms.all_gather))
 
     def output_bytes(self) -> int:
         """Bytes of the all-gather output (what the all-gather bucket cap counts)."""

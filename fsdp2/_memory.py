@@ -33,8 +33,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import _engine as engine
 from ._dtensor import local_of
-from ._state import get_state
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
 PHASES = ("init", "forward", "backward", "optimizer")
@@ -272,16 +272,10 @@ class MemoryTracker(TorchDispatchMode):
             for state in optimizer.state.values():
                 for value in state.values():
                     _add(sets["optimizer_states"], value)
-        seen: set[int] = set()
         for module in self.modules:
-            for sub in module.modules():
-                state = get_state(sub)
-                if state is None or id(state) in seen:
-                    continue
-                seen.add(id(state))
-                for group in state.groups:
-                    for tensor in group.unsharded_tensors():
-                        _add(sets["unsharded_parameters"], tensor)
+            for state in engine.states_under(module):
+                for tensor in engine.unsharded_tensors(state):
+                    _add(sets["unsharded_parameters"], tensor)
         return sets
 
     def report(self, world_size: int, rank: int) -> MemoryReport:

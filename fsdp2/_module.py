@@ -38,7 +38,6 @@ from ._comms import (
 from ._lifecycle import TrainingState
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
-from ._step_guard import drop_held_gradients
 
 
 def describe(value: Any) -> str:
@@ -184,7 +183,10 @@ class FSDPModule(_ModuleBase):
         still sum them in. ``optimizer.zero_grad()`` does the same for the groups of its parameters.
         """
         super().zero_grad(set_to_none)
-        drop_held_gradients([g for m in self._fsdp_modules(True) for g in _require_state(m).groups])
+        for module in self._fsdp_modules(True):
+            for group in _require_state(module).groups:
+                if group.unreduced_grads:
+                    group.drop_unreduced_grads()
 
     def _single_group(self, method: str) -> FSDPParamGroup | None:
         """This module's only group (``None`` without parameters); ambiguous with per-parameter meshes."""
@@ -196,6 +198,11 @@ class FSDPModule(_ModuleBase):
                 "fully_shard the parameters of each mesh in a submodule of their own."
             )
         return groups[0] if groups else None
+
+    def _set_controls(self, recurse: bool, **values: Any) -> None:
+        """Set group controls on this module's groups (and its FSDP descendants' with ``recurse``)."""
+        for module in self._fsdp_modules(recurse):
+            _require_state(module).set_controls(**values)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -233,9 +240,7 @@ class FSDPModule(_ModuleBase):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter gradients after backward (``True``) or accumulate them unsharded locally."""
-        for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
-                group.controls.reduce_grads = requires_gradient_sync
+        self._set_controls(recurse, reduce_grads=requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (bool only); also stops the root's automatic choice."""
@@ -256,19 +261,15 @@ class FSDPModule(_ModuleBase):
             state.auto_reshard = False
             for group in state.groups:
                 group.post_forward_mesh_info = group.mesh_info if reshard_after_forward else None
-                group.controls.reshard_after_no_grad_forward = reshard_after_forward
+            state.set_controls(reshard_after_no_grad_forward=reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (``False``), e.g. across accumulation steps."""
-        for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
-                group.controls.reshard_after_backward = reshard_after_backward
+        self._set_controls(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
-        for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
-                group.controls.all_reduce_grads = requires_all_reduce
+        self._set_controls(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of the number of ranks.
@@ -286,8 +287,7 @@ class FSDPModule(_ModuleBase):
             raise ValueError(
                 f"gradient divide factor must be a positive, finite number, got {describe(factor)}."
             )
-        for group in self._get_fsdp_state().groups:
-            group.controls.gradient_divide_factor = float(factor)
+        self._set_controls(False, gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -300,8 +300,7 @@ class FSDPModule(_ModuleBase):
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use only SUM collectives, dividing explicitly afterwards (not recursive)."""
-        for group in self._get_fsdp_state().groups:
-            group.controls.force_sum_reduction = enable
+        self._set_controls(False, force_sum_reduction=enable)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
@@ -329,8 +328,7 @@ class FSDPModule(_ModuleBase):
                 f"set_all_reduce_hook: stream must be a torch.Stream (e.g. a torch.cuda.Stream), got "
                 f"{type(stream).__name__}; leave it None to run the hook where the gradients are reduced."
             )
-        group.controls.all_reduce_hook = hook
-        group.controls.all_reduce_hook_stream = stream
+        group.controls.update(all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Root only: the next forward's all-gathers wait on ``event`` instead of the whole stream.
@@ -420,9 +418,7 @@ class FSDPModule(_ModuleBase):
         Needed when ranks use different parameters (conditional control flow, mixture of experts): every
         rank then issues the same reduce-scatter instead of mismatched ones.
         """
-        for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
-                group.controls.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self._set_controls(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduce-scatter input buffers may be in flight at once (CUDA; default 1).
@@ -437,9 +433,7 @@ class FSDPModule(_ModuleBase):
             )
         if value < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {describe(max_input_buffers)}.")
-        for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
-                group.controls.reduce_scatter_max_input_buffers = max_input_buffers
+        self._set_controls(recurse, reduce_scatter_max_input_buffers=max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Give gradient reduce-scatters a process group of their own (``False`` goes back to sharing).
@@ -499,8 +493,7 @@ class FSDPModule(_ModuleBase):
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""
-        for group in self._get_fsdp_state().groups:
-            group.controls.unshard_in_backward = unshard_in_backward
+        self._set_controls(False, unshard_in_backward=unshard_in_backward)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Issue the pre-forward / pre-backward all-gathers as async ops on the current stream.
@@ -510,9 +503,7 @@ class FSDPModule(_ModuleBase):
         """
         if not isinstance(async_op, bool):
             raise TypeError(f"_set_unshard_async_op expects a bool, got {describe(async_op)}.")
-        for module in self._fsdp_modules(True):
-            for group in _require_state(module).groups:
-                group.controls.unshard_async_op = async_op
+        self._set_controls(True, unshard_async_op=async_op)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Unshard ``modules`` right after this module's own unshard in forward (replaces the list)."""

@@ -26,7 +26,7 @@ from ._collectives import (
     view_out_shards,
 )
 from ._comm_context import CommContext
-from ._comms import GroupComms
+from ._comms import GroupComms, comm_type
 from ._config import GroupControls
 from ._mesh import MeshInfo
 from ._param import FSDPParam
@@ -110,7 +110,13 @@ class GradientReducer:
             return None
         dtype = dtypes.pop()
         group = comms.reduce_scatter_group or info.shard_group
-        return (id(group), dtype, self.divide_factors(dtype, controls), device, type(comms.reduce_scatter))
+        return (
+            id(group),
+            dtype,
+            self.divide_factors(dtype, controls),
+            device,
+            comm_type(comms.reduce_scatter),
+        )
 
     def reduce(
         self,

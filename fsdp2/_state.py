@@ -135,6 +135,11 @@ class FSDPState(TorchStateNames):
     def set_state(self, new: TrainingState) -> None:
         self.training_state = transition(self.training_state, new, self)
 
+    def set_controls(self, **values: Any) -> None:
+        """Set run-time controls (``GroupControls`` fields) on each of this state's groups."""
+        for group in self.groups:
+            group.controls.update(**values)
+
     def shared_context(self) -> RootContext:
         """The context shared under this state's root; a not-yet-initialized root creates its own."""
         if self.ctx is None:

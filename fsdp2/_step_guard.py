@@ -17,7 +17,8 @@ three silent mistakes into an error or the intended result:
   a later synced backward, as it would clear them on the unsharded model (``torch.optim.Optimizer``'s
   ``zero_grad`` is wrapped once, at the first ``fully_shard``; ``FSDPModule.zero_grad`` does the same).
 
-Does not own: the flags it reads (``FSDPParamGroup`` sets them) or the optimizer.
+Does not own: the flags behind it (``FSDPParamGroup`` sets them; this module reads and acts on them only
+through the engine's interface for tools, ``_engine.py``) or the optimizer.
 Cost: two hook calls per step and one attribute check per group of the stepped parameters.
 """
 
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import _engine as engine
 from ._autograd import eager
-from ._lifecycle import ShardedState, TrainingState
 from ._param_group import FSDPParamGroup
 
 _groups: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
@@ -72,8 +73,7 @@ def _wrap_zero_grad() -> None:
 def drop_held_gradients(groups: list[FSDPParamGroup]) -> None:
     """Forget the gradients no-sync backwards left for a later reduction (what zero_grad means)."""
     for group in groups:
-        if group.unreduced_grads:
-            group.drop_unreduced_grads()
+        engine.drop_unreduced_grads(group)
 
 
 def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
@@ -81,7 +81,7 @@ def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
     cached = _by_optimizer.get(optimizer)
     if cached is not None and cached[0] == key:
         return list(filter(None, (ref() for ref in cached[1])))
-    owner = {id(p.sharded_param): g for g in list(_groups) for p in g.fsdp_params}
+    owner = {id(p): g for g in list(_groups) for p in engine.sharded_params(g)}
     found: dict[int, FSDPParamGroup] = {}
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
@@ -96,7 +96,7 @@ def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
 @eager  # reads the optimizer's lists and fsdp2's flags: never traced
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     groups = _stepped_groups(optimizer)
-    held = [g for g in groups if g.unreduced_grads]
+    held = [g for g in groups if engine.holds_unreduced_grads(g)]
     if held:
         names = ", ".join(g.module_fqn or "the root" for g in held[:4]) + (", ..." if len(held) > 4 else "")
         raise RuntimeError(
@@ -107,16 +107,10 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             "gradients), then step."
         )
     for group in groups:
-        if group.awaiting_backward:
-            group.stepped_after_forward = True
+        engine.before_optimizer_step(group)
 
 
 @eager
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in _stepped_groups(optimizer):
-        if (
-            group.sharded_state is ShardedState.UNSHARDED
-            and group.training_state is TrainingState.IDLE
-            and not group.awaiting_backward
-        ):
-            group.reshard()  # the unsharded parameters are stale: the next forward gathers the new ones
+        engine.after_optimizer_step(group)

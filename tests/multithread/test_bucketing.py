@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2._state import get_state
-from tests._harness import broadcast_module_, count_collectives, run_threaded
+from fsdp2.testing import record_collectives
+from tests._harness import broadcast_module_, run_threaded
 from tests._training import EXACT, average_grads
 
 MIB = 1024 * 1024
@@ -94,7 +95,7 @@ def _train(
     losses: list[torch.Tensor] = []
     first_grads: list[torch.Tensor] = []
     for step in range(steps):
-        with count_collectives() as counter:
+        with record_collectives(model) as counter:
             for micro in range(micro_steps):
                 last = micro == micro_steps - 1
                 model.set_requires_gradient_sync(last)

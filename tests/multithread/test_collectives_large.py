@@ -8,8 +8,6 @@ the original tensors for all-gathers, and an all-reduce of the full gradients, c
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,7 +30,9 @@ from fsdp2._lifecycle import ShardedState, TrainingState
 from fsdp2._mesh import MeshInfo, post_forward_mesh_info
 from fsdp2._param import chunk_rows
 from fsdp2._param_group import FSDPParamGroup
-from tests._harness import count_collectives, run_threaded
+from fsdp2.testing import CollectiveLog
+from fsdp2.testing._recording import Recording
+from tests._harness import run_threaded
 
 WORLD_SIZE = 128
 PARAM_SIZES = [(17, 257), (17,), (64, 312), (64,), (64, 64), (512, 64), (256,), (64, 297)]
@@ -119,12 +119,14 @@ def _all_gather_group(reshard_after_forward: bool | int) -> None:
                 fsdp_param.all_gather_input(post_forward=True), expected_slice, **EXACT
             )
     group.training_state = TrainingState.PRE_BACKWARD
-    with count_collectives(by_group_size=True) as counts:
-        group.unshard()
-        group.wait_for_unshard()
+    # The group has no fully_shard state to record through: wrap its all-gather as the recorder does.
+    counts = CollectiveLog()
+    group.comms.all_gather = Recording(group.comms.all_gather, "all_gather", lambda: "", counts)
+    group.unshard()
+    group.wait_for_unshard()
     # The backward all-gather runs over the post-forward group: k ranks for an int, all of them for True.
     gather_size = WORLD_SIZE if isinstance(reshard_after_forward, bool) else reshard_after_forward
-    assert counts == Counter({("all_gather", gather_size): 1})
+    assert [(c.kind, c.group_size) for c in counts.calls] == [("all_gather", gather_size)]
     _assert_unsharded(module, originals)
 
     group.training_state = TrainingState.IDLE

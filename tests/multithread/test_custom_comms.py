@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
-from tests._harness import assert_sharded_parity, count_collectives, run_threaded
+from fsdp2.testing import record_collectives
+from tests._harness import assert_sharded_parity, run_threaded
 from tests._impls import get_impl
 from tests._training import seeded, train_in_lockstep
 from tests.models import MLP, make_input
@@ -230,7 +231,7 @@ def _errors() -> None:
     with pytest.raises(RuntimeError, match=r"cannot be combined with set_custom_all_gather"):
         model.set_allocate_memory_from_process_group_for_comm(True)
     # Nothing changed by the refused calls: training still works and counts are plain.
-    with count_collectives() as counts:
+    with record_collectives(model) as counts:
         model(_inputs(dist.get_rank(), 0)).sum().backward()
     assert counts == Counter({"all_gather": 5, "reduce_scatter": 3})
 

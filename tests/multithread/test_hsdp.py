@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp2.testing import record_collectives
 from tests._harness import count_collectives, run_threaded
 from tests._impls import Impl, get_impl, torch_impl
 from tests._training import EXACT, TIGHT, average_grads, forward_backward, seeded, step_all, train_in_lockstep
@@ -212,7 +213,7 @@ def _no_sync_hsdp() -> None:
         last = micro == MICRO_STEPS - 1
         model.set_requires_gradient_sync(last)
         x = MLP_SPEC.inputs(rank, micro)
-        with count_collectives() as counted:
+        with record_collectives(model) as counted:
             model(x).sum().backward()
         ref(x).sum().backward()
         if not last:

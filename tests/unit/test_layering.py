@@ -125,3 +125,26 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
                 names = [alias.name for alias in node.names]
             for name in names:
                 assert not name.startswith("torch.distributed.fsdp"), f"{path.name} imports {name}"
+
+
+# The engine's stateful classes: tools on top reach them only through ``_engine``.
+ENGINE_INTERNALS = {"_state", "_param_group", "_param", "_root", "_schedule", "_reduce", "_gather"}
+TOOLS = ["_copy", "_memory"]
+# Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
+ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
+
+
+@pytest.mark.parametrize("tool", [*TOOLS, "_step_guard"])
+def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
+    path = PACKAGE / f"{tool}.py"
+    internals = _internal_imports(path) & ENGINE_INTERNALS
+    if tool == "_step_guard":
+        internals -= {"_param_group"}  # the groups it watches, for typing; every read goes through _engine
+    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine's interface"
+    assert "_engine" in _internal_imports(path)
+    reads = {
+        node.attr
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_FIELDS
+    }
+    assert not reads, f"{tool} reads engine fields {sorted(reads)}: add what it needs to _engine instead"

@@ -1,0 +1,259 @@
+"""The engine's interface for the tools built on it: deep copy, the optimizer-step guard, memory.
+
+Owns nothing. It is the one place outside the engine's own classes that knows their fields: the tools
+(``_copy``, ``_step_guard``, ``_memory``) call these functions and never read a state's or a group's
+fields themselves, so the engine's layout can change without touching them.
+
+The interface, by tool:
+
+- every tool: ``states_under(root)`` (the states of a module tree, in the order ``fully_shard`` was
+  applied) and ``state_of(module)``;
+- deep copy: ``busy`` (a forward or backward is running), ``extension_params``, ``reshard``,
+  ``detached`` (the tree as plain modules while it is copied), ``sharding_calls`` (what to call
+  ``fully_shard`` with again), ``copy_state_into`` (shards, controls and settings onto the copy's
+  state) and ``copy_prefetch_and_caps``;
+- the optimizer-step guard: ``sharded_params``, ``holds_unreduced_grads``, ``drop_unreduced_grads``,
+  ``before_optimizer_step`` and ``after_optimizer_step``, each on one group;
+- the memory tracker: ``unsharded_tensors(state)``;
+- the collective recorder (``fsdp2.testing.record_collectives``): ``wrap_comms``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._composable import pop_torch_state, restore_torch_state
+from ._lifecycle import ShardedState, TrainingState
+from ._module import original_class
+from ._param_group import FSDPParamGroup
+from ._state import FSDPState, get_state
+
+__all__ = [
+    "after_optimizer_step",
+    "before_optimizer_step",
+    "busy",
+    "copy_prefetch_and_caps",
+    "copy_state_into",
+    "detached",
+    "drop_unreduced_grads",
+    "extension_params",
+    "holds_unreduced_grads",
+    "reshard",
+    "sharded_params",
+    "sharding_calls",
+    "state_of",
+    "states_under",
+    "unsharded_tensors",
+    "wrap_comms",
+]
+
+state_of = get_state
+
+
+def states_under(root: nn.Module) -> list[FSDPState]:
+    """The fully_shard states of ``root``'s tree, deepest first (the order they were applied)."""
+    depth = {module: name.count(".") + (1 if name else 0) for name, module in root.named_modules()}
+    seen: dict[int, FSDPState] = {}
+    for module in root.modules():
+        state = get_state(module)
+        if state is not None and id(state) not in seen:
+            seen[id(state)] = state
+    return sorted(seen.values(), key=lambda s: -max(depth.get(m, 0) for m in s.modules))
+
+
+# ---- deep copy -----------------------------------------------------------------------------------
+
+
+def busy(states: list[FSDPState]) -> bool:
+    """Whether any of ``states`` (or their groups) is inside a forward or backward."""
+    idle = TrainingState.IDLE
+    return any(
+        s.training_state is not idle or any(g.training_state is not idle for g in s.groups) for s in states
+    )
+
+
+def extension_params(states: list[FSDPState]) -> list[str]:
+    """Names of the parameters that use an all-gather extension (a tensor subclass)."""
+    return [p.fqn for s in states for g in s.groups for p in g.fsdp_params if p.has_extension]
+
+
+def reshard(states: list[FSDPState]) -> None:
+    """Register every group's sharded parameters and free the unsharded ones."""
+    for state in states:
+        for group in state.groups:
+            group.reshard()
+
+
+@contextmanager
+def detached(states: list[FSDPState]) -> Iterator[None]:
+    """The states' modules as plain modules for the duration, everything restored on exit.
+
+    Plain: original classes, no fsdp2 hooks or state, each sharded parameter replaced by a meta
+    placeholder of its full shape (what a copy rebuilds with ``fully_shard``).
+    """
+    undo: list[Callable[[], None]] = []
+    hook_dicts: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
+    try:
+        for state in states:
+            for handle in state.hook_handles:
+                for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
+                    hooks = ref()
+                    if hooks is not None and handle.id in hooks:
+                        hook_dicts.setdefault(id(hooks), (hooks, list(hooks.items())))
+                        del hooks[handle.id]
+            for module in state.modules:
+                undo.append(_restorer(module, "__class__", module.__class__))
+                module.__class__ = original_class(module.__class__)  # FSDP<Name> -> <Name>
+                undo.append(_restorer(module, "state", module.__dict__.pop("_fsdp2_state")))
+                undo.append(_restorer(module, "torch_state", pop_torch_state(module)))
+            for group in state.groups:
+                for fsdp_param in group.fsdp_params:
+                    placeholder = fsdp_param.placeholder()
+                    for owner, attr in fsdp_param.owners:
+                        undo.append(_restorer(owner, f"param:{attr}", owner._parameters[attr]))  # noqa: SLF001
+                        owner._parameters[attr] = placeholder  # noqa: SLF001 - swapped back on exit
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+        for hooks, items in hook_dicts.values():
+            hooks.clear()
+            hooks.update(items)
+
+
+def _restorer(module: nn.Module, what: str, value: Any) -> Callable[[], None]:
+    def restore() -> None:
+        if what == "__class__":
+            module.__class__ = value
+        elif what == "state":
+            module.__dict__["_fsdp2_state"] = value
+        elif what == "torch_state":
+            restore_torch_state(module, value)
+        else:
+            module._parameters[what[len("param:") :]] = value  # noqa: SLF001 - restoring
+
+    return restore
+
+
+def sharding_calls(states: list[FSDPState]) -> list[tuple[list[nn.Module], dict[str, Any]]]:
+    """For each state, in order: its modules and the arguments ``fully_shard`` was called with."""
+    return [(list(s.modules), dict(s.shard_args)) for s in states]
+
+
+def copy_state_into(state: FSDPState, new_state: FSDPState, memo: dict[int, Any]) -> None:
+    """Give the copy's state the original's local shards, group controls and automatic resharding.
+
+    Each original sharded parameter maps to its copy in ``memo``, so objects copied in the same
+    ``deepcopy`` call after the model (``copy.deepcopy((model, optimizer))``) refer to the copy's
+    parameters, as they do for plain modules.
+    """
+    for group, new_group in zip(state.groups, new_state.groups, strict=True):
+        new_group.controls = copy.copy(group.controls)
+        for fsdp_param, new_param in zip(group.fsdp_params, new_group.fsdp_params, strict=True):
+            new_param.adopt_local_shard(fsdp_param.local_shard_copy())
+            memo[id(fsdp_param.sharded_param)] = new_param.sharded_param
+    new_state.auto_reshard = state.auto_reshard
+
+
+def copy_prefetch_and_caps(
+    states: list[FSDPState], copy_of: Callable[[FSDPState], FSDPState | None], root: FSDPState | None
+) -> None:
+    """Explicit prefetch lists and the root's bucket caps, onto the copies (``copy_of`` maps states)."""
+    for state in states:
+        new_state = copy_of(state)
+        assert new_state is not None, "a copied module without its state"
+        for attr in ("forward_prefetch", "backward_prefetch"):
+            targets = [copy_of(t) for t in getattr(state, attr)]
+            setattr(new_state, attr, [t for t in targets if t is not None])
+    new_root = copy_of(root) if root is not None else None
+    if root is None or new_root is None or root.ctx is None or not root.ctx.schedule.bucketing.enabled:
+        return
+    old = root.ctx.schedule.bucketing
+    new_root.shared_context().schedule.set_caps(old.all_gather_cap, old.reduce_scatter_cap)
+
+
+# ---- the optimizer-step guard --------------------------------------------------------------------
+
+
+def sharded_params(group: FSDPParamGroup) -> list[nn.Parameter]:
+    """The sharded parameters an optimizer holds for ``group``."""
+    return [p.sharded_param for p in group.fsdp_params]
+
+
+def holds_unreduced_grads(group: FSDPParamGroup) -> bool:
+    """Whether a no-sync backward left gradients that no synced backward has reduced yet."""
+    return group.unreduced_grads
+
+
+def drop_unreduced_grads(group: FSDPParamGroup) -> None:
+    """Forget those gradients (what ``zero_grad`` means for them)."""
+    if group.unreduced_grads:
+        group.drop_unreduced_grads()
+
+
+def before_optimizer_step(group: FSDPParamGroup) -> None:
+    """A step of ``group``'s parameters is about to run: a pending backward will refuse to run."""
+    if group.awaiting_backward:
+        group.stepped_after_forward = True
+
+
+def after_optimizer_step(group: FSDPParamGroup) -> None:
+    """A step ran: unsharded parameters kept after backward are stale, so reshard them."""
+    if (
+        group.sharded_state is ShardedState.UNSHARDED
+        and group.training_state is TrainingState.IDLE
+        and not group.awaiting_backward
+    ):
+        group.reshard()  # the next forward gathers the updated parameters
+
+
+# ---- the memory tracker --------------------------------------------------------------------------
+
+
+def unsharded_tensors(state: FSDPState) -> list[torch.Tensor]:
+    """Tensors holding unsharded data of ``state``'s groups (in-flight all-gathers included)."""
+    return [t for group in state.groups for t in group.unsharded_tensors()]
+
+
+# ---- the collective recorder ---------------------------------------------------------------------
+
+_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def wrap_comms(
+    states: list[FSDPState], wrap: Callable[[str, Any, Callable[[], str]], Any]
+) -> Callable[[], None]:
+    """Replace each group's collectives by ``wrap(kind, comm, module_fqn)``; returns the undo.
+
+    ``kind`` is ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``; ``module_fqn()`` names the
+    group's module (known from the root's first forward on). A wrapper must forward to
+    ``comm`` and name it in its ``wrapped`` attribute (so bucketing and fast paths see the original);
+    it does not mark the group's collectives as custom. The undo puts back each original that is still
+    wrapped (a setter called in between wins).
+    """
+    swapped: list[tuple[Any, str, Any, Any]] = []
+    for state in states:
+        for group in state.groups:
+            for kind in _COMM_KINDS:
+                original = getattr(group.comms, kind)
+                wrapper = wrap(kind, original, _namer(group))
+                assert getattr(wrapper, "wrapped", None) is original, "a comm wrapper must name what it wraps"
+                setattr(group.comms, kind, wrapper)
+                swapped.append((group.comms, kind, original, wrapper))
+
+    def undo() -> None:
+        for comms, kind, original, wrapper in reversed(swapped):
+            if getattr(comms, kind) is wrapper:
+                setattr(comms, kind, original)
+
+    return undo
+
+
+def _namer(group: FSDPParamGroup) -> Callable[[], str]:
+    return lambda: group.module_fqn
