@@ -25,6 +25,12 @@ class MixedPrecisionPolicy:
         reduce_dtype: dtype of the gradient reduce-scatter. ``None`` reduces in the gradient's dtype.
         output_dtype: floating-point forward outputs are cast to this dtype. ``None`` leaves them.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        wire_dtype (fsdp2 only): gradients travel in this dtype and are summed in ``reduce_dtype`` (or
+            the gradients' dtype) where they arrive, in global rank order (an all-to-all and a local
+            sum instead of a reduce-scatter). With bf16 gradients, ``wire_dtype=torch.bfloat16`` and
+            ``reduce_dtype=torch.float32`` nothing is lost: the sharded gradient is the fp32 sum of the
+            bf16 gradients, for half the bytes of an fp32 reduce-scatter. ``None``: the backend's
+            reduce-scatter in ``reduce_dtype``. See docs/precision.md.
 
     Sharded parameters and their gradients always keep the original dtype.
     """
@@ -33,9 +39,10 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    wire_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "wire_dtype"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -50,6 +57,14 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy({name}={value}) must be a floating-point dtype (e.g. "
                     "torch.bfloat16, torch.float16, torch.float32) or None."
                 )
+        wire, reduce = self.wire_dtype, self.reduce_dtype
+        if wire is not None and reduce is not None and wire.itemsize > reduce.itemsize:
+            raise ValueError(
+                f"MixedPrecisionPolicy(wire_dtype={wire}, reduce_dtype={reduce}): the wire dtype is wider "
+                "than the dtype gradients are summed in, so it would send more bytes than it keeps. Use a "
+                "wire_dtype no wider than reduce_dtype (e.g. wire_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32), or leave wire_dtype None."
+            )
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy(cast_forward_inputs=...) expects a bool, got "
@@ -142,5 +157,5 @@ def as_fsdp2_policy(policy: Any) -> Any:
     ):
         theirs = getattr(torch_api, name, None)
         if isinstance(theirs, type) and isinstance(policy, theirs):
-            return ours(**{f.name: getattr(policy, f.name) for f in fields(ours)})
+            return ours(**{f.name: getattr(policy, f.name) for f in fields(ours) if hasattr(policy, f.name)})
     return policy

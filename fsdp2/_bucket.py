@@ -41,6 +41,7 @@ from ._config import GroupControls
 from ._debug import watch_collective
 from ._events import EventScope
 from ._lifecycle import TrainingState
+from ._ordered import ordered_reduce
 from ._param import FSDPParam
 from ._reduce import GradientReducer
 
@@ -235,8 +236,16 @@ def _reduce_and_assign_bucket(
 ) -> None:
     first = pending[0]
     info = first.reducer.mesh_info
-    factors = first.reducer.divide_factors(buffer.dtype, first.controls)
     group = first.comms.reduce_scatter_group or info.shard_group
+    ordered = first.reducer.ordered(first.controls)  # the same for every entry: it is in the key
+    if ordered is not None:
+        total = ordered_reduce(buffer, info, group, ordered, first.comms)
+        offset = 0
+        for entry, width in zip(pending, widths, strict=True):
+            entry.reducer.finish_ordered(total.narrow(0, offset, width), entry.reduced_params, entry.controls)
+            offset += width
+        return
+    factors = first.reducer.divide_factors(buffer.dtype, first.controls)
     output = reduce_scatter(
         buffer, group, info.shard_size, factors.op, factors.predivide, first.comms.reduce_scatter
     )

@@ -132,6 +132,20 @@ class AllReduce:
         dist.all_reduce(tensor, op=op, group=group)
 
 
+class AllToAll:
+    """The all-to-all of a rank-ordered gradient reduction (see ``_ordered.py``)."""
+
+    def __call__(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        dist.all_to_all_single(output, input_tensor, group=group)
+
+
+class ReplicaAllGather:
+    """HSDP, rank-ordered gradient reduction: every replica's contributions (see ``_ordered.py``)."""
+
+    def __call__(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        _all_gather_single(output, input_tensor, group=group)
+
+
 def _process_group_buffer(
     group: dist.ProcessGroup, size: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -252,6 +266,7 @@ class GroupComms:
         all_gather: an ``AllGather`` (or any object with its two methods, e.g. torch's).
         reduce_scatter: a ``ReduceScatter`` (likewise).
         all_reduce: the HSDP all-reduce.
+        all_to_all / replica_all_gather: the collectives of a rank-ordered reduction (``_ordered.py``).
         custom: a user object replaced a default (``set_custom_*``).
         reduce_scatter_group: a process group of its own for the reduce-scatter
             (``set_separate_reduce_scatter_group``), else ``None``: the shard group.
@@ -260,5 +275,7 @@ class GroupComms:
     all_gather: Any = field(default_factory=DefaultAllGather)
     reduce_scatter: Any = field(default_factory=DefaultReduceScatter)
     all_reduce: AllReduce = field(default_factory=AllReduce)
+    all_to_all: AllToAll = field(default_factory=AllToAll)
+    replica_all_gather: ReplicaAllGather = field(default_factory=ReplicaAllGather)
     custom: bool = False
     reduce_scatter_group: dist.ProcessGroup | None = None

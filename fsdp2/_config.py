@@ -73,6 +73,7 @@ class GroupControls:
         reduce_scatter_max_input_buffers: reduce-scatter input buffers kept in flight (CUDA; >= 1).
         unshard_async_op: the pre-forward and pre-backward all-gathers run as async ops on the current
             stream instead of the all-gather streams (``_set_unshard_async_op``).
+        deterministic_reduction: sum gradients in global rank order (``set_deterministic_reduction``).
     """
 
     reduce_grads: bool = True
@@ -87,6 +88,7 @@ class GroupControls:
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
     unshard_async_op: bool = False
+    deterministic_reduction: bool = False
 
     def update(self, **values: Any) -> None:
         """Set the named controls (the one way setters change them); an unknown name is a bug."""

@@ -223,7 +223,14 @@ def unsharded_tensors(state: FSDPState) -> list[torch.Tensor]:
 
 # ---- the collective recorder ---------------------------------------------------------------------
 
-_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# (GroupComms attribute, the kind of collective it issues)
+_COMM_KINDS = (
+    ("all_gather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"),
+    ("all_reduce", "all_reduce"),
+    ("all_to_all", "all_to_all"),
+    ("replica_all_gather", "all_gather"),
+)
 
 
 def wrap_comms(
@@ -231,21 +238,21 @@ def wrap_comms(
 ) -> Callable[[], None]:
     """Replace each group's collectives by ``wrap(kind, comm, module_fqn)``; returns the undo.
 
-    ``kind`` is ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``; ``module_fqn()`` names the
-    group's module (known from the root's first forward on). A wrapper must forward to
-    ``comm`` and name it in its ``wrapped`` attribute (so bucketing and fast paths see the original);
-    it does not mark the group's collectives as custom. The undo puts back each original that is still
-    wrapped (a setter called in between wins).
+    ``kind`` is ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``;
+    ``module_fqn()`` names the group's module (known from the root's first forward on). A wrapper must
+    forward to ``comm`` and name it in its ``wrapped`` attribute (so bucketing and fast paths see the
+    original); it does not mark the group's collectives as custom. The undo puts back each original
+    that is still wrapped (a setter called in between wins).
     """
     swapped: list[tuple[Any, str, Any, Any]] = []
     for state in states:
         for group in state.groups:
-            for kind in _COMM_KINDS:
-                original = getattr(group.comms, kind)
+            for attr, kind in _COMM_KINDS:
+                original = getattr(group.comms, attr)
                 wrapper = wrap(kind, original, _namer(group))
                 assert getattr(wrapper, "wrapped", None) is original, "a comm wrapper must name what it wraps"
-                setattr(group.comms, kind, wrapper)
-                swapped.append((group.comms, kind, original, wrapper))
+                setattr(group.comms, attr, wrapper)
+                swapped.append((group.comms, attr, original, wrapper))
 
     def undo() -> None:
         for comms, kind, original, wrapper in reversed(swapped):

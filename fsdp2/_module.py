@@ -269,7 +269,23 @@ class FSDPModule(_ModuleBase):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
+        groups = [g for m in self._fsdp_modules(recurse) for g in _require_state(m).groups]
+        _refuse_ordered_conflicts(groups, "set_requires_all_reduce", all_reduce=requires_all_reduce)
         self._set_controls(recurse, all_reduce_grads=requires_all_reduce)
+
+    def set_deterministic_reduction(self, enabled: bool = True, *, recurse: bool = True) -> None:
+        """Sum each sharded gradient over every rank in global rank order (bit-for-bit reproducible).
+
+        The result no longer depends on the layout at one world size (bucketed or not, any prefetch or
+        reshard setting, FSDP on N ranks or HSDP on R x N/R) nor on the run. Costs an all-to-all
+        instead of the reduce-scatter (and, for HSDP, an all-gather of the replicas' contributions
+        instead of the all-reduce); see docs/precision.md, "Reproducible reductions".
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_deterministic_reduction expects a bool, got {describe(enabled)}.")
+        groups = [g for m in self._fsdp_modules(recurse) for g in _require_state(m).groups]
+        _refuse_ordered_conflicts(groups, "set_deterministic_reduction", deterministic=enabled)
+        self._set_controls(recurse, deterministic_reduction=enabled)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of the number of ranks.
@@ -366,6 +382,7 @@ class FSDPModule(_ModuleBase):
         _check_comm(comm, "reduce_scatter")
         group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
+            _refuse_ordered_conflicts([group], "set_custom_reduce_scatter", custom=True)
             group.comms.reduce_scatter = comm
             group.comms.custom = True
 
@@ -542,6 +559,41 @@ def _require_state(module: Any) -> FSDPState:
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
     return state
+
+
+def _refuse_ordered_conflicts(
+    groups: list[FSDPParamGroup],
+    method: str,
+    *,
+    deterministic: bool | None = None,
+    all_reduce: bool | None = None,
+    custom: bool = False,
+) -> None:
+    """Refuse, before any change, what a rank-ordered reduction (wire dtype, deterministic) cannot do."""
+    for group in groups:
+        controls = group.controls
+        wire = group.config.mp_policy.wire_dtype
+        ordered = wire is not None or (
+            controls.deterministic_reduction if deterministic is None else deterministic
+        )
+        if not ordered:
+            continue
+        why = (
+            f"MixedPrecisionPolicy(wire_dtype={wire})" if wire is not None else "set_deterministic_reduction"
+        )
+        syncs = controls.all_reduce_grads if all_reduce is None else all_reduce
+        if group.mesh_info.replicate_group is not None and not syncs:
+            raise RuntimeError(
+                f"{method}: {group} reduces gradients in rank order ({why}), which sums every replica's "
+                "contribution in each backward, so HSDP's set_requires_all_reduce(False) cannot hold "
+                "partial sums. Use set_requires_gradient_sync(False) to accumulate, or turn the ordered "
+                "reduction off."
+            )
+        if custom or group.comms.custom:
+            raise RuntimeError(
+                f"{method}: {group} reduces gradients in rank order ({why}) with an all-to-all, so a "
+                "custom reduce-scatter (set_custom_reduce_scatter) would never run. Use one or the other."
+            )
 
 
 def _refuse_custom(group: FSDPParamGroup, method: str) -> None:

@@ -139,7 +139,7 @@ class FSDPParamGroup(BucketMember):
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
         shares = not gatherer.as_bytes and all(p.shard_dim == 0 and not p.has_extension for p in params)
         self.buffer.resolve(params, shares, gatherer.dtype, sharded)
-        self.reducer.resolve(params)
+        self.reducer.resolve(params, policy.wire_dtype)
         # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
         self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
         self.lazy_initialized = True

@@ -29,6 +29,7 @@ from ._comm_context import CommContext
 from ._comms import GroupComms, comm_type
 from ._config import GroupControls
 from ._mesh import MeshInfo
+from ._ordered import OrderedReduction, ordered_reduce, rank_order
 from ._param import FSDPParam
 
 
@@ -43,6 +44,9 @@ class GradientReducer:
         self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         self._identity = False  # resolved at lazy init: one rank, nothing to cast (see resolve)
+        # The policy's wire_dtype (resolved at lazy init) and the rank order of an ordered reduction
+        self.wire_dtype: torch.dtype | None = None
+        self._rank_order: tuple[int, ...] | None = None
 
     def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
         """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
@@ -116,6 +120,7 @@ class GradientReducer:
             self.divide_factors(dtype, controls),
             device,
             comm_type(comms.reduce_scatter),
+            self.ordered(controls),
         )
 
     def reduce(
@@ -142,12 +147,13 @@ class GradientReducer:
             self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms)
         self.assign_empty(params)
 
-    def resolve(self, params: list[FSDPParam]) -> None:
+    def resolve(self, params: list[FSDPParam], wire_dtype: torch.dtype | None) -> None:
         """Lazy init: whether reducing ``params`` is the identity (one rank, no replicas, no cast).
 
         Not under CPU offload (its device-to-host copies are waited on through the reduce event).
         """
         info = self.mesh_info
+        self.wire_dtype = wire_dtype
         self._identity = (
             info.shard_size == 1
             and info.replicate_group is None
@@ -232,8 +238,13 @@ class GradientReducer:
         self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls, comms: GroupComms
     ) -> None:
         info = self.mesh_info
-        factors = self.divide_factors(buffer.dtype, controls)
         group = comms.reduce_scatter_group or info.shard_group
+        ordered = self.ordered(controls)
+        if ordered is not None:
+            output = ordered_reduce(buffer, info, group, ordered, comms)
+            self.finish_ordered(output, params, controls)
+            return
+        factors = self.divide_factors(buffer.dtype, controls)
         comm = comms.reduce_scatter if info.shard_size > 1 else None
         output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
         if info.replicate_group is not None:
@@ -250,11 +261,39 @@ class GradientReducer:
             _run_hook(controls.all_reduce_hook, output, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
+    def ordered(self, controls: GroupControls) -> OrderedReduction | None:
+        """The rank-ordered reduction this group uses (``wire_dtype`` or deterministic), else ``None``."""
+        if self.wire_dtype is None and not controls.deterministic_reduction:
+            return None
+        if self._rank_order is None:
+            self._rank_order = rank_order(self.mesh_info)
+        return OrderedReduction(self.wire_dtype, self._rank_order)
+
+    def finish_ordered(self, total: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
+        """Divide a rank-ordered sum (``total``, 1-D), run the hook, accumulate the gradients.
+
+        One division by the gradient divide factor (default: every rank, shard x replicate), before the
+        all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
+        """
+        info = self.mesh_info
+        divisor = controls.gradient_divide_factor or float(info.shard_size * info.replicate_size)
+        force_sum = controls.force_sum_reduction
+        if divisor != 1 and not force_sum:
+            total.div_(divisor)
+        if controls.all_reduce_hook is not None:
+            _run_hook(controls.all_reduce_hook, total, controls.all_reduce_hook_stream)
+        if divisor != 1 and force_sum:
+            total.div_(divisor)
+        self._assign_views(total, params)
+
     def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         """Post-divide this group's reduced shards (``output``, 1-D) and accumulate them as gradients."""
         factors = self.divide_factors(output.dtype, controls)
         if factors.postdivide is not None:
             output.div_(factors.postdivide)
+        self._assign_views(output, params)
+
+    def _assign_views(self, output: torch.Tensor, params: list[FSDPParam]) -> None:
         views = view_out_shards(
             output,
             [p.padded_shard_numel for p in params],

@@ -19,15 +19,15 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2._state import get_state
 from fsdp2.testing import record_collectives
-from tests._harness import broadcast_module_, count_collectives, run_threaded
-from tests._training import EXACT
+from tests._harness import count_collectives, run_threaded
+from tests._training import EXACT, fill_deterministic_
 
 DIM = 8
 
 
 def _model(n_blocks: int = 4) -> nn.Sequential:
-    torch.manual_seed(0)
-    return broadcast_module_(nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(n_blocks))))
+    # The same values in every run and on every rank (threads share torch's global RNG).
+    return fill_deterministic_(nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(n_blocks))))
 
 
 def _shard(model: nn.Sequential, mesh: object = None) -> nn.Sequential:
