@@ -137,6 +137,7 @@ class PendingReduceScatter:
     """One group's packed gradients waiting for a shared reduce-scatter."""
 
     reducer: GradientReducer
+    dtype: torch.dtype  # the reduce dtype (the buffer's, unless packed in a wire dtype)
     params: list[FSDPParam]  # every parameter given to the reduction (zero-element ones included)
     reduced_params: list[FSDPParam]  # the parameters packed into ``buffer``, in order
     buffer: torch.Tensor  # 1-D, W * s: the group's (W, s) reduce-scatter input
@@ -183,7 +184,7 @@ class ReduceScatterQueue:
             entry = pending[0]
             with watch_collective("reduce-scatter", entry.module_fqn, entry.state):
                 entry.reducer.reduce_packed(
-                    entry.buffer, entry.reduced_params, comm_ctx, entry.controls, entry.comms
+                    entry.buffer, entry.reduced_params, comm_ctx, entry.controls, entry.comms, entry.dtype
                 )
             _finish_entry(entry)
             return
@@ -239,7 +240,7 @@ def _reduce_and_assign_bucket(
     group = first.comms.reduce_scatter_group or info.shard_group
     ordered = first.reducer.ordered(first.controls)  # the same for every entry: it is in the key
     if ordered is not None:
-        total = ordered_reduce(buffer, info, group, ordered, first.comms)
+        total = ordered_reduce(buffer, info, group, ordered, first.comms, first.dtype)
         offset = 0
         for entry, width in zip(pending, widths, strict=True):
             entry.reducer.finish_ordered(total.narrow(0, offset, width), entry.reduced_params, entry.controls)

@@ -110,11 +110,12 @@ class BucketMember:
         controls, comms, scope = self.controls, self.comms, self.event_scope
         start = _events.span_start(scope)
         # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
-        ((_, reduced, buffer),) = self.reducer.pack(
+        ((dtype, reduced, buffer),) = self.reducer.pack(
             params, grads, self.comm_ctx, controls, comms.reduce_scatter
         )
         return PendingReduceScatter(
             self.reducer,
+            dtype,
             params,
             reduced,
             buffer,

@@ -11,9 +11,9 @@ A reduce-scatter sums the ranks' contributions inside the backend, in an order t
 algorithm, the world size and where an element sits in the buffer, and in the dtype it was sent in.
 Here every rank instead receives the contributions to its own shard and sums them itself:
 
-1. the packed buffer, ``(W, S)`` with row ``j`` what rank ``j`` of the shard group owns, is cast to the
-   wire dtype (no cast without one) and sent with one ``all_to_all_single``: rank ``j`` receives row ``j``
-   of every rank, ``(W, S)``, row ``i`` being rank ``i``'s contribution;
+1. the packed buffer, ``(W, S)`` with row ``j`` what rank ``j`` of the shard group owns, packed in
+   the wire dtype (in the reduce dtype without one), is sent with one ``all_to_all_single``: rank
+   ``j`` receives row ``j`` of every rank, ``(W, S)``, row ``i`` being rank ``i``'s contribution;
 2. HSDP: one ``all_gather_into_tensor`` over the replicate group brings every replica's ``(W, S)``, so
    each rank holds all ``R * W`` contributions to its shard (sent in the wire dtype as well);
 3. the contributions are summed one after another in global rank order, in the reduce dtype, into a
@@ -79,11 +79,12 @@ def ordered_reduce(
     shard_group: dist.ProcessGroup,
     reduction: OrderedReduction,
     comms: GroupComms,
+    sum_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The sum over every rank of their contributions to this rank's shard, in global rank order.
 
-    ``buffer`` is the packed ``(W * S,)`` reduce-scatter input in the reduce dtype; returns ``(S,)`` in
-    that dtype, not divided (see [Note: Ordered reduction]).
+    ``buffer`` is the packed ``(W * S,)`` reduce-scatter input (in the wire dtype where there is one);
+    returns ``(S,)`` in ``sum_dtype`` (the reduce dtype), not divided (see [Note: Ordered reduction]).
     """
     world = info.shard_size
     shard_numel = buffer.numel() // world
@@ -102,7 +103,7 @@ def ordered_reduce(
         received = gathered
     rows = received.view(-1, shard_numel)
     order = reduction.order
-    total = rows[order[0]].to(buffer.dtype, copy=True)
+    total = rows[order[0]].to(sum_dtype, copy=True)
     for index in order[1:]:
         total.add_(rows[index])  # promoted to the reduce dtype: exact for a narrower wire dtype
     return total

@@ -143,8 +143,8 @@ class GradientReducer:
             return
         # Custom collectives are not used for a single rank (nothing is communicated).
         comm = comms.reduce_scatter if self.mesh_info.shard_size > 1 else None
-        for _, packed_params, buffer in self.pack(params, grads, comm_ctx, controls, comm):
-            self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms)
+        for dtype, packed_params, buffer in self.pack(params, grads, comm_ctx, controls, comm):
+            self.reduce_packed(buffer, packed_params, comm_ctx, controls, comms, dtype)
         self.assign_empty(params)
 
     def resolve(self, params: list[FSDPParam], wire_dtype: torch.dtype | None) -> None:
@@ -183,7 +183,10 @@ class GradientReducer:
         packed = []
         for dtype, (bucket_params, bucket_grads) in self.split_by_dtype(params, grads).items():
             shard_numel = sum(p.padded_shard_numel for p in bucket_params)
-            buffer = reduce_scatter_copy_in(bucket_grads, self.mesh_info.shard_size, dtype, shard_numel, comm)
+            # With a wire dtype the gradients are packed in it directly (summed in dtype on arrival).
+            packed_dtype = self.wire_dtype or dtype
+            world = self.mesh_info.shard_size
+            buffer = reduce_scatter_copy_in(bucket_grads, world, packed_dtype, shard_numel, comm)
             bucket_grads.clear()
             packed.append((dtype, bucket_params, buffer))
         return packed
@@ -215,15 +218,19 @@ class GradientReducer:
         comm_ctx: CommContext | None,
         controls: GroupControls,
         comms: GroupComms,
+        dtype: torch.dtype,
     ) -> None:
-        """Reduce-scatter one packed buffer (on the reduce-scatter stream, if any) and assign the shards."""
+        """Reduce-scatter one packed buffer (on the reduce-scatter stream, if any) and assign the shards.
+
+        ``dtype`` is the reduce dtype (the buffer's, unless packed in a wire dtype).
+        """
         stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
         if stream is None or comm_ctx is None:
-            self._reduce_and_assign(buffer, params, controls, comms)
+            self._reduce_and_assign(buffer, params, controls, comms, dtype)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            self._reduce_and_assign(buffer, params, controls, comms)
+            self._reduce_and_assign(buffer, params, controls, comms, dtype)
             event = stream.record_event()
         comm_ctx.pending_reduce_scatters.append((buffer, event))
         self._post_reduce_event = event
@@ -235,13 +242,18 @@ class GradientReducer:
                 fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
 
     def _reduce_and_assign(
-        self, buffer: torch.Tensor, params: list[FSDPParam], controls: GroupControls, comms: GroupComms
+        self,
+        buffer: torch.Tensor,
+        params: list[FSDPParam],
+        controls: GroupControls,
+        comms: GroupComms,
+        dtype: torch.dtype,
     ) -> None:
         info = self.mesh_info
         group = comms.reduce_scatter_group or info.shard_group
         ordered = self.ordered(controls)
         if ordered is not None:
-            output = ordered_reduce(buffer, info, group, ordered, comms)
+            output = ordered_reduce(buffer, info, group, ordered, comms, dtype)
             self.finish_ordered(output, params, controls)
             return
         factors = self.divide_factors(buffer.dtype, controls)

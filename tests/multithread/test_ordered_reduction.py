@@ -66,11 +66,14 @@ def _rank_ordered_mean(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 # ---- fp32 sums of bf16 bytes ---------------------------------------------------------------------
 
 
-def _wire(wire: torch.dtype | None) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+def _wire(
+    wire: torch.dtype | None, hsdp: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     model = _model()
     ref = copy.deepcopy(model).to(BF16)  # what fsdp2 computes with param_dtype=bf16
     policy = fsdp2.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, wire_dtype=wire)
-    _shard(model, mp_policy=policy)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    _shard(model, mesh, mp_policy=policy)
     x = _batch(0)
     with record_collectives(model) as log:
         model(x).sum().backward()
@@ -91,6 +94,13 @@ def test_bf16_on_the_wire_is_the_exact_fp32_sum_at_half_the_bytes(world: int) ->
             torch.testing.assert_close(g, e, **EXACT)
         assert calls == fp32_calls == 3  # one per group, all-to-alls instead of reduce-scatters
         assert sent * 2 == fp32_sent, (sent, fp32_sent)
+
+
+def test_bf16_on_the_wire_with_hsdp_is_the_exact_fp32_sum_of_all_ranks() -> None:
+    for got, expected, _, calls in run_threaded(4, _wire, BF16, True):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, **EXACT)
+        assert calls == 3
 
 
 # ---- reproducible reductions ---------------------------------------------------------------------
