@@ -4,6 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 """
 
 from . import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
+from ._accumulate import Accumulation, accumulate
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
@@ -25,6 +26,7 @@ from ._wrap import apply_fully_shard
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accumulation",
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
@@ -47,6 +49,7 @@ __all__ = [
     "TrainingState",
     "UnshardHandle",
     "__version__",
+    "accumulate",
     "apply_fully_shard",
     "clip_grad_norm_",
     "estimate_memory",

@@ -15,7 +15,10 @@ The interface, by tool:
 - the optimizer-step guard: ``sharded_params``, ``holds_unreduced_grads``, ``drop_unreduced_grads``,
   ``before_optimizer_step`` and ``after_optimizer_step``, each on one group;
 - the memory tracker: ``unsharded_tensors(state)``;
-- the collective recorder (``fsdp2.testing.record_collectives``): ``wrap_comms``.
+- the collective recorder (``fsdp2.testing.record_collectives``): ``wrap_comms``;
+- gradient accumulation (``fsdp2.accumulate``): ``groups_under``, ``group_name``,
+  ``kept_grad_bytes``, ``held_grad_bytes``, ``set_gradient_sync`` and ``reduce_held_grads``, each on one
+  group (``wrap_comms`` counts its collectives).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from ._composable import pop_torch_state, restore_torch_state
+from ._debug import watch_collective
 from ._lifecycle import ShardedState, TrainingState
 from ._module import original_class
 from ._param_group import FSDPParamGroup
@@ -43,8 +47,14 @@ __all__ = [
     "detached",
     "drop_unreduced_grads",
     "extension_params",
+    "group_name",
+    "groups_under",
+    "held_grad_bytes",
     "holds_unreduced_grads",
+    "kept_grad_bytes",
+    "reduce_held_grads",
     "reshard",
+    "set_gradient_sync",
     "sharded_params",
     "sharding_calls",
     "state_of",
@@ -264,3 +274,61 @@ def wrap_comms(
 
 def _namer(group: FSDPParamGroup) -> Callable[[], str]:
     return lambda: group.module_fqn
+
+
+# ---- gradient accumulation -----------------------------------------------------------------------
+
+
+def groups_under(root: nn.Module) -> list[FSDPParamGroup]:
+    """The groups of ``root``'s tree, in the order ``fully_shard`` was applied (deepest first)."""
+    return [group for state in states_under(root) for group in state.groups]
+
+
+def group_name(group: FSDPParamGroup) -> str:
+    """The group's module name (``""``: the root; known from the root's first forward on)."""
+    return group.module_fqn
+
+
+def kept_grad_bytes(group: FSDPParamGroup) -> int:
+    """Bytes of the unsharded gradients ``group`` holds when it skips a reduction.
+
+    Kept in ``reduce_dtype`` where the policy sets one, else in the compute dtype; only trainable
+    parameters count.
+    """
+    policy = group.config.mp_policy
+    total = 0
+    for fsdp_param in group.fsdp_params:
+        if not fsdp_param.sharded_param.requires_grad:
+            continue
+        dtype = policy.reduce_dtype or policy.param_dtype or fsdp_param.orig_dtype
+        total += fsdp_param.orig_size.numel() * dtype.itemsize
+    return total
+
+
+def held_grad_bytes(group: FSDPParamGroup) -> int:
+    """Bytes of the unsharded gradients ``group`` holds now (waiting for a reduction)."""
+    return sum(t.numel() * t.element_size() for p in group.fsdp_params for t in p.held_unsharded_grads())
+
+
+def set_gradient_sync(group: FSDPParamGroup, enabled: bool) -> bool:
+    """Reduce ``group``'s gradients in each backward (``True``) or keep them; returns the old value."""
+    previous = group.controls.reduce_grads
+    group.controls.update(reduce_grads=enabled)
+    return previous
+
+
+def reduce_held_grads(group: FSDPParamGroup) -> bool:
+    """Reduce the gradients ``group`` kept, now (outside backward); whether there were any.
+
+    Waits for the reduction before returning, as the end of a backward does.
+    """
+    if not group.unreduced_grads:
+        return False
+    reducer = group.reducer
+    reduced, grads = reducer.take_grads(group.fsdp_params, unused_too=False)
+    group.unreduced_grads = False
+    if grads:
+        with watch_collective("reduce-scatter", group.module_fqn, group.training_state):
+            reducer.reduce(reduced, grads, group.comm_ctx, group.controls, group.comms)
+    reducer.finalize(group.device)
+    return True

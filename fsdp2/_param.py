@@ -132,6 +132,7 @@ class FSDPParam:
         self.take_unsharded_grad = unsharded.take_grad
         self.stash_unsharded_grad = unsharded.stash_grad
         self.holds_unsharded_grad = unsharded.holds_grad
+        self.held_unsharded_grads = unsharded.held_grads
         self.accumulate_sharded_grad = shard.accumulate_grad
         local = shard.view
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init

@@ -226,6 +226,14 @@ class UnshardedParam:
             accumulated.add_(grad)
         return accumulated
 
+    def held_grads(self) -> list[torch.Tensor]:
+        """The gradients waiting here for a reduction (the accumulator and the parameter's ``.grad``)."""
+        param = self.param
+        held = [] if self.accumulated_grad is None else [self.accumulated_grad]
+        if param is not None and param.grad is not None:
+            held.append(param.grad)
+        return held
+
     def holds_grad(self) -> bool:
         """Whether a gradient waits here for a reduction (no-sync accumulation)."""
         param = self.param
