@@ -4,8 +4,10 @@
 and 4 in gloo processes and (d) bytes per collective against the unpadded minimum (``scale.py``),
 (c) peak memory per rank at world 4 and 8 against torch and the floor (``memory_floor.py``),
 (e) a model of 64 tiny groups at world 4: collectives per step and step time, bucketed or not,
-against torch (``bucketing.py`` under ``torchrun``). Each part interleaves torch's ``fully_shard``
-and fsdp2 (and an unsharded baseline where it applies) round by round in one run.
+against torch (``bucketing.py`` under ``torchrun``), (f) the gradient reductions fsdp2 adds (accumulation
+within a budget, a bf16 wire, deterministic sums) at world 2: bytes, held gradients and step time
+against the default and torch (``reductions.py`` under ``torchrun``). Each part interleaves torch's
+``fully_shard`` and fsdp2 (and an unsharded baseline where it applies) round by round in one run.
 
 Run:  python benchmarks/suite.py [--quick]      (or: nox -s bench)
 Writes benchmarks/results/suite.json, suite.md (the tables) and suite.png (one panel per part),
@@ -39,6 +41,17 @@ def run_bucketing(out: Path, quick: bool) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
         str(HERE / "bucketing.py"), "--json", str(path), "--rounds", "3" if quick else "5",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def run_reductions(out: Path, quick: bool) -> dict[str, Any]:
+    path = out / "reductions.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(HERE / "reductions.py"), "--json", str(path), "--rounds", "3" if quick else "5",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result: dict[str, Any] = json.loads(path.read_text())
@@ -131,6 +144,28 @@ def tables(results: dict[str, Any]) -> str:
                 f"| {name} | {row['all_gather']:.0f} | {row['reduce_scatter']:.0f} | {row['step_ms']:.1f} | "
                 f"{row['step_ms'] / torch_ms:.2f} |"
             )
+    f = results.get("f_reductions")
+    if f:
+        cfg = f["config"]
+        lines += [
+            "",
+            f"(f) Gradient reductions, {cfg['layers']} blocks of dim {cfg['dim']}, bf16 params / fp32 "
+            f"reduce, {cfg['micro']} micro-batches + AdamW per step, world {f['world_size']}, "
+            "gloo processes:",
+            "",
+            "| variant | reductions / step | bytes sent / step | held grad bytes | step ms | / fsdp2 "
+            "| / torch |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, row in f["variants"].items():
+            count = row.get("collectives")
+            sent = row.get("sent_bytes")
+            count_text = "-" if count is None else f"{count:.0f}"
+            sent_text = "-" if sent is None else f"{sent:.0f}"
+            lines.append(
+                f"| {name} | {count_text} | {sent_text} | {row['held_bytes']:.0f} | {row['step_ms']:.1f} | "
+                f"{row['over_fsdp2']:.2f} | {row['over_torch']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -191,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--skip-bucketing", action="store_true")
+    parser.add_argument("--skip-reductions", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -205,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not args.skip_bucketing:
         results["e_bucketing"] = run_bucketing(out, args.quick)
+    if not args.skip_reductions:
+        results["f_reductions"] = run_reductions(out, args.quick)
     results["seconds"] = time.perf_counter() - start
     (out / "suite.json").write_text(json.dumps(results, indent=2))
     text = tables(results)
