@@ -17,6 +17,9 @@ recorded: it issues what ``fsdp2`` does), the unsharded gradient bytes held betw
 (the most over a step), and the median over rounds of the mean step time.
 
 Run:  torchrun --nproc-per-node 2 benchmarks/reductions.py [--layers 8 --dim 256 --micro 4]
+
+With ``--memory`` (plain ``python``, no torchrun) it measures instead each fsdp2 variant's peak live
+tensor bytes per rank over a step, at world 2 on thread ranks (``fsdp2.testing.measure_memory``).
 """
 
 from __future__ import annotations
@@ -95,8 +98,54 @@ def _counting(variant: Variant) -> Iterator[dict[str, float]]:
     found["sent_bytes"] = sum(c.sent_bytes for c in calls)
 
 
+def _variant_setup(name: str, model: nn.Sequential, total: int) -> Callable[[], Any]:
+    if name == "deterministic":
+        model.set_deterministic_reduction()
+    if name == "accumulate None":
+        return lambda: fsdp2.accumulate(model)
+    if name == "accumulate half":
+        return lambda: fsdp2.accumulate(model, budget_bytes=total // 2)
+    return contextlib.nullcontext
+
+
+def measure_peaks(layers: int, dim: int, micro: int) -> dict[str, dict[str, int]]:
+    """Peak live tensor bytes of rank 0 per phase for each fsdp2 variant (world 2, thread ranks)."""
+    from fsdp2.testing import measure_memory
+
+    names = ["fsdp2", "accumulate None", "accumulate half", "wire bf16", "deterministic"]
+    peaks: dict[str, dict[str, int]] = {}
+    for name in names:
+        policy = fsdp2.MixedPrecisionPolicy(
+            param_dtype=BF16, reduce_dtype=FP32, wire_dtype=BF16 if name == "wire bf16" else None
+        )
+        states: dict[int, dict[str, Any]] = {}  # per rank: the ranks are threads of this process
+
+        def build(policy: Any = policy, name: str = name, states: dict[int, Any] = states) -> nn.Module:
+            model = _shard(_build(layers, dim), fsdp2.fully_shard, policy)
+            total = sum(engine.kept_grad_bytes(g) for g in engine.groups_under(model))
+            states[dist.get_rank()] = {
+                "context": _variant_setup(name, model, total),
+                "optim": torch.optim.AdamW(model.parameters(), lr=1e-4),
+            }
+            return model
+
+        def step(model: nn.Module, states: dict[int, Any] = states) -> None:
+            state = states[dist.get_rank()]
+            gen = torch.Generator().manual_seed(dist.get_rank())
+            with state["context"]():
+                for _ in range(micro):
+                    model(torch.randn(16, dim, generator=gen)).float().square().mean().backward()
+            state["optim"].step()
+            state["optim"].zero_grad()
+
+        report = measure_memory(2, build, step, steps=2)[0]
+        peaks[name] = {"peak": report.peak_bytes, **{k: v.peak_bytes for k, v in report.phases.items()}}
+    return peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--memory", action="store_true", help="measure peak memory on thread ranks")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--micro", type=int, default=4)
@@ -106,6 +155,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)
+    if args.memory:
+        peaks = measure_peaks(args.layers, args.dim, args.micro)
+        base = peaks["fsdp2"]["peak"]
+        print("| variant | peak bytes (rank 0, world 2) | / fsdp2 |")
+        print("| --- | ---: | ---: |")
+        for name, row in peaks.items():
+            print(f"| {name} | {row['peak']} | {row['peak'] / base:.3f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(peaks, indent=2))
+        return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
