@@ -18,6 +18,7 @@ an ``AllGatherResult`` then names its group's columns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,3 +274,20 @@ def all_ranks_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=ReduceOp.MIN, group=group)
     return bool(value.item())
+
+
+def run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: torch.Stream | None
+) -> None:
+    """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows.
+
+    On the CPU there is no stream to order: the hook runs in place, as torch runs it there.
+    """
+    if stream is None or output.device.type == "cpu":
+        hook(output)
+        return
+    reducing = torch.accelerator.current_stream(output.device)
+    stream.wait_stream(reducing)
+    with stream:
+        hook(output)
+    reducing.wait_stream(stream)

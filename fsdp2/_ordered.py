@@ -35,10 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._collectives import run_all_reduce_hook
 from ._comms import GroupComms
+from ._config import GroupControls
 from ._mesh import MeshInfo
 
-__all__ = ["OrderedReduction", "ordered_reduce", "rank_order"]
+__all__ = ["OrderedReduction", "divide_and_hook", "ordered_reduce", "rank_order"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,21 @@ def ordered_reduce(
     for index in order[1:]:
         total.add_(rows[index])  # promoted to the reduce dtype: exact for a narrower wire dtype
     return total
+
+
+def divide_and_hook(
+    total: torch.Tensor, grad_part: torch.Tensor, controls: GroupControls, ranks: int
+) -> None:
+    """Divide a rank-ordered sum in place and run the all-reduce hook on ``grad_part`` (a view of it).
+
+    One division by the gradient divide factor (default: ``ranks``, shard x replicate), before the
+    hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook then sees sums).
+    """
+    divisor = controls.gradient_divide_factor or float(ranks)
+    force_sum = controls.force_sum_reduction
+    if divisor != 1 and not force_sum:
+        total.div_(divisor)
+    if controls.all_reduce_hook is not None:
+        run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
+    if divisor != 1 and force_sum:
+        total.div_(divisor)

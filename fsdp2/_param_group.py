@@ -344,7 +344,7 @@ class FSDPParamGroup(BucketMember):
 
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
-        self.reducer.take_grads(self.fsdp_params, unused_too=False)  # and drop them
+        self.reducer.take_grads(self.fsdp_params, unused_too=False, reducing=False)  # and drop them
         self.unreduced_grads = False
 
     def finish_backward(self, last: bool) -> None:

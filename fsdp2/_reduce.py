@@ -13,7 +13,7 @@ while ``all_reduce_grads`` is off.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -23,14 +23,16 @@ from ._collectives import (
     divide_factors,
     reduce_scatter,
     reduce_scatter_copy_in,
+    run_all_reduce_hook,
     view_out_shards,
 )
 from ._comm_context import CommContext
 from ._comms import GroupComms, comm_type
 from ._config import GroupControls
 from ._mesh import MeshInfo
-from ._ordered import OrderedReduction, ordered_reduce, rank_order
+from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
 from ._param import FSDPParam
+from ._usage import UsageTail
 
 
 class GradientReducer:
@@ -47,6 +49,10 @@ class GradientReducer:
         # The policy's wire_dtype (resolved at lazy init) and the rank order of an ordered reduction
         self.wire_dtype: torch.dtype | None = None
         self._rank_order: tuple[int, ...] | None = None
+        # More than one rank: missing gradients become zeros and reductions carry a usage row (see
+        # [Note: Unused parameters] in _usage.py); resolved at lazy init
+        self._fill_unused = False
+        self.usage = UsageTail()
 
     def divide_factors(self, dtype: torch.dtype, controls: GroupControls) -> DivideFactors:
         """How this group's gradients in ``dtype`` are averaged under ``controls`` (cached)."""
@@ -59,22 +65,29 @@ class GradientReducer:
         return factors
 
     def take_grads(
-        self, params: list[FSDPParam], unused_too: bool
+        self, params: list[FSDPParam], unused_too: bool, reducing: bool = True
     ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
         """Take the unsharded gradients autograd left: ``(parameters, gradients)`` to reduce.
 
-        ``unused_too`` (``set_reduce_scatter_unused_params``): a zero gradient for a trainable
-        parameter that got none, so every rank packs the same gradients.
+        A trainable parameter that got none gets a zero gradient when reducing over several ranks, so
+        every rank packs the same gradients (see [Note: Unused parameters] in ``_usage.py``), and on
+        one rank with ``unused_too`` (``set_reduce_scatter_unused_params``). ``reducing=False``: the
+        gradients are being dropped.
         """
+        fill = reducing and (unused_too or self._fill_unused)
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
+        zero_filled: list[FSDPParam] = []
         for fsdp_param in params:
             grad = fsdp_param.take_unsharded_grad()
-            if grad is None and unused_too and fsdp_param.sharded_param.requires_grad:
+            if grad is None and fill and fsdp_param.sharded_param.requires_grad:
                 grad = fsdp_param.zero_unsharded_grad()
+                zero_filled.append(fsdp_param)
             if grad is not None:
                 reduced.append(fsdp_param)
                 grads.append(grad)
+        if reducing and self._fill_unused:
+            self.usage.note_taken(reduced, zero_filled)
         return reduced, grads
 
     @staticmethod
@@ -154,6 +167,9 @@ class GradientReducer:
         """
         info = self.mesh_info
         self.wire_dtype = wire_dtype
+        self._fill_unused = info.shard_size > 1 or (
+            info.replicate_group is not None and info.replicate_size > 1
+        )
         self._identity = (
             info.shard_size == 1
             and info.replicate_group is None
@@ -186,6 +202,10 @@ class GradientReducer:
             # With a wire dtype the gradients are packed in it directly (summed in dtype on arrival).
             packed_dtype = self.wire_dtype or dtype
             world = self.mesh_info.shard_size
+            if self._fill_unused:  # each row ends with the usage row ([Note: Unused parameters])
+                first = bucket_grads[0]  # the copy-in casts every input (one dtype) to packed_dtype
+                bucket_grads.append(self.usage.row(bucket_params, first.dtype, first.device, world))
+                shard_numel += len(bucket_params)
             buffer = reduce_scatter_copy_in(bucket_grads, world, packed_dtype, shard_numel, comm)
             bucket_grads.clear()
             packed.append((dtype, bucket_params, buffer))
@@ -270,7 +290,8 @@ class GradientReducer:
             if info.replicate_size > 1:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
-            _run_hook(controls.all_reduce_hook, output, controls.all_reduce_hook_stream)
+            grad_part = _without_usage_row(output, params, self._fill_unused)
+            run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
     def ordered(self, controls: GroupControls) -> OrderedReduction | None:
@@ -288,24 +309,21 @@ class GradientReducer:
         all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
         """
         info = self.mesh_info
-        divisor = controls.gradient_divide_factor or float(info.shard_size * info.replicate_size)
-        force_sum = controls.force_sum_reduction
-        if divisor != 1 and not force_sum:
-            total.div_(divisor)
-        if controls.all_reduce_hook is not None:
-            _run_hook(controls.all_reduce_hook, total, controls.all_reduce_hook_stream)
-        if divisor != 1 and force_sum:
-            total.div_(divisor)
-        self._assign_views(total, params)
+        grad_part = _without_usage_row(total, params, self._fill_unused)
+        divide_and_hook(total, grad_part, controls, info.shard_size * info.replicate_size)
+        self._assign_views(total, params, controls)
 
     def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         """Post-divide this group's reduced shards (``output``, 1-D) and accumulate them as gradients."""
         factors = self.divide_factors(output.dtype, controls)
         if factors.postdivide is not None:
             output.div_(factors.postdivide)
-        self._assign_views(output, params)
+        self._assign_views(output, params, controls)
 
-    def _assign_views(self, output: torch.Tensor, params: list[FSDPParam]) -> None:
+    def _assign_views(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
+        if self._fill_unused:
+            tail = output.narrow(0, output.numel() - len(params), len(params))
+            self.usage.note_assigned(params, tail, controls.reduce_scatter_unused_params)
         views = view_out_shards(
             output,
             [p.padded_shard_numel for p in params],
@@ -330,25 +348,16 @@ class GradientReducer:
             torch.cuda.current_stream(device).wait_event(event)
             self._post_reduce_event = None
         self._offload_copies_in_flight = False
+        if self.usage.watched:
+            self.usage.finish()  # reads the usage rows: after the reductions (the stream waits above)
 
     def reset(self, device: torch.device) -> None:
         """Forget the reductions of an aborted iteration, HSDP partial sums included."""
+        self.usage.watched.clear()
         self.finalize(device)
         self._partial_outputs.clear()
 
 
-def _run_hook(
-    hook: Callable[[torch.Tensor], None], output: torch.Tensor, stream: torch.Stream | None
-) -> None:
-    """``hook(output)``, on ``stream`` if given, ordered after the reduction and before what follows.
-
-    On the CPU there is no stream to order: the hook runs in place, as torch runs it there.
-    """
-    if stream is None or output.device.type == "cpu":
-        hook(output)
-        return
-    reducing = torch.accelerator.current_stream(output.device)
-    stream.wait_stream(reducing)
-    with stream:
-        hook(output)
-    reducing.wait_stream(stream)
+def _without_usage_row(output: torch.Tensor, params: list[FSDPParam], has_row: bool) -> torch.Tensor:
+    """``output`` without its usage row (what the all-reduce hook sees; see ``_usage.py``)."""
+    return output.narrow(0, 0, output.numel() - len(params)) if has_row else output

@@ -11,7 +11,10 @@ not. The cases are the thread-rank tests' own (``tests/multithread/test_ordered_
 - wire dtype: the bf16-wire gradient is the exact fp32 sum of the bf16 gradients (FSDP and HSDP) for
   half the bytes of the fp32 reduce-scatter;
 - accumulate: a budget that keeps two groups matches syncing every micro-batch, bucketed or not, and
-  never holds more than the budget.
+  never holds more than the budget;
+- conditional compute (``tests/multithread/test_conditional_compute.py``): a mixture-of-experts layer
+  whose experts get tokens on some ranks only trains like the unsharded reference with fsdp2's
+  defaults, FSDP and HSDP, no hang.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from tests._harness import run_multiprocess
 from tests._training import EXACT
 from tests.multithread.test_accumulate import _run as accumulate_run
+from tests.multithread.test_conditional_compute import _train as moe_train
 from tests.multithread.test_ordered_reduction import BF16, LAYOUTS, _deterministic, _wire
 
 WORLD_SIZE = 4
@@ -42,6 +46,9 @@ def _all_cases() -> None:
     got, expected, _, _ = _wire(BF16, True)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, **EXACT)
+
+    for option in ("", "hsdp"):
+        assert moe_train(option)["idle_somewhere"] > 0
 
     for options in ({}, {"bucketed": True}):
         result = accumulate_run(300, options)

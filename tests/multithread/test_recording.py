@@ -107,14 +107,15 @@ def _bytes_and_undo() -> tuple[list[tuple[str, str, int, int, int]], bool]:
 
 
 def test_bytes_per_call_and_originals_put_back() -> None:
-    # One Linear(8, 8) block at world 2: 72 elements, 36 per rank (fp32: 144 bytes per rank).
+    # One Linear(8, 8) block at world 2: 72 elements, 36 per rank (fp32: 144 bytes per rank). Each
+    # reduce-scatter row also carries one usage element per parameter (2 here; see fsdp2/_usage.py).
     for rows, restored in run_threaded(2, _bytes_and_undo):
         assert restored
         shard = 36 * 4
         assert rows == [
             ("all_gather", "0", shard, 2 * shard, shard),  # sends its block to the other rank
             ("all_gather", "0", shard, 2 * shard, shard),  # re-gathered for backward
-            ("reduce_scatter", "0", 2 * shard, shard, shard),  # sends the other rank's half
+            ("reduce_scatter", "0", 2 * (shard + 8), shard + 8, shard + 8),  # the other rank's half
         ]
 
 

@@ -1,0 +1,89 @@
+"""Parameters a rank did not use: the same reductions on every rank, no gradient that no rank computed.
+
+Owns: ``UsageTail`` (one per group reducer): which parameters this rank zero-filled in its reductions
+since the last end of backward, the usage row appended to each reduce-scatter input, and putting
+``None`` back as the gradient of parameters no rank used (see [Note: Unused parameters]).
+Does not own: taking or packing the gradients, the collectives (``GradientReducer``).
+
+[Note: Unused parameters]
+With conditional compute (a mixture-of-experts layer whose experts get tokens on some ranks only, a
+branch taken on one rank) a rank can reach a group's post-backward without a gradient for some of its
+trainable parameters. If it left them out, its reduce-scatter input would be smaller than the other
+ranks' and the collectives would pair up wrongly: a hang or garbage. So on more than one rank a
+missing gradient is always replaced by zeros (a parameter a rank did not use contributes nothing),
+and the gradients are those of the unsharded model averaged over the ranks.
+
+A parameter that no rank used must end with no gradient, as on the unsharded model (an optimizer
+then leaves it alone; AdamW would otherwise decay it and update its moments). No rank can know that
+alone, and a separate agreement would cost a collective per group. Instead each reduce-scatter input
+carries a usage row: row ``j`` of the packed ``(W, S)`` buffer becomes ``(S + P,)``, its last ``P``
+elements being 1 for each of the ``P`` packed parameters this rank has a real gradient for and 0 for
+the zero-filled ones. The reduction sums (or averages) them like the gradients, so every rank receives
+in its output's last ``P`` elements a positive value exactly for the parameters some rank used. Only a
+rank that zero-filled a parameter needs to read it, at the end of backward after the reductions
+finished; a parameter whose row stayed 0 in every reduction since its sharded gradient was ``None``
+gets ``None`` back. Cost: ``W * P`` extra elements per reduce-scatter, and a wait for the reduction's
+result on the host only on ranks that zero-filled a parameter in that step.
+With ``set_reduce_scatter_unused_params(True)`` the zeros are kept, as torch does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._param import FSDPParam
+
+__all__ = ["UsageTail"]
+
+
+class UsageTail:
+    """This rank's unused parameters of one group, and the usage rows of its reductions.
+
+    Fields:
+        zero_filled: ids of the parameters zero-filled in the current reduction.
+        watched: per parameter id, ``[param, tails]``: parameters whose sharded gradient was ``None``
+            when a zero-filled gradient was first assigned to them, with each reduction's usage value
+            (0-d views of reduce-scatter outputs); a real local gradient drops the parameter from it.
+    """
+
+    def __init__(self) -> None:
+        self.zero_filled: set[int] = set()
+        self.watched: dict[int, tuple[FSDPParam, list[torch.Tensor]]] = {}
+
+    def note_taken(self, params: list[FSDPParam], zero_filled: list[FSDPParam]) -> None:
+        """The gradients of one reduction were taken: ``zero_filled`` had none on this rank."""
+        self.zero_filled = {id(p) for p in zero_filled}
+        if self.watched:
+            for fsdp_param in params:
+                if id(fsdp_param) not in self.zero_filled:
+                    self.watched.pop(id(fsdp_param), None)  # used here: it keeps its gradient
+
+    def row(
+        self, params: list[FSDPParam], dtype: torch.dtype, device: torch.device, world: int
+    ) -> torch.Tensor:
+        """The ``(W, P)`` usage rows to pack after ``params``' gradients (1: used on this rank)."""
+        used = [0.0 if id(p) in self.zero_filled else 1.0 for p in params]
+        return torch.tensor(used, dtype=dtype, device=device).expand(world, len(used))
+
+    def note_assigned(self, params: list[FSDPParam], tail: torch.Tensor, keep_zeros: bool) -> None:
+        """Before assigning a reduction's shards: watch the zero-filled parameters (``tail``: usage)."""
+        if not self.zero_filled or keep_zeros:
+            return
+        for index, fsdp_param in enumerate(params):
+            key = id(fsdp_param)
+            if key not in self.zero_filled:
+                continue
+            entry = self.watched.get(key)
+            if entry is None:
+                if fsdp_param.sharded_param.grad is not None:
+                    continue  # an earlier reduction gave it a gradient: zeros add nothing
+                entry = self.watched[key] = (fsdp_param, [])
+            entry[1].append(tail[index])
+
+    def finish(self) -> None:
+        """End of backward, reductions done: ``None`` again for the parameters no rank used."""
+        for fsdp_param, tails in self.watched.values():
+            if all(float(value) == 0.0 for value in tails):
+                fsdp_param.sharded_param.grad = None
+        self.watched.clear()
+        self.zero_filled = set()
