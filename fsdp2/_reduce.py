@@ -69,17 +69,20 @@ class GradientReducer:
     ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
         """Take the unsharded gradients autograd left: ``(parameters, gradients)`` to reduce.
 
-        A trainable parameter that got none gets a zero gradient when reducing over several ranks, so
-        every rank packs the same gradients (see [Note: Unused parameters] in ``_usage.py``), and on
-        one rank with ``unused_too`` (``set_reduce_scatter_unused_params``). ``reducing=False``: the
-        gradients are being dropped.
+        When this rank has a gradient for some of the group's parameters, a trainable parameter that got
+        none gets zeros over several ranks, so every rank packs the same gradients (see [Note: Unused
+        parameters] in ``_usage.py``). A group with no gradient at all is not reduced, as in torch (a
+        backward that did not reach it, e.g. one chunk's of a chunked loss). With ``unused_too``
+        (``set_reduce_scatter_unused_params``) every trainable parameter gets zeros, as in torch.
+        ``reducing=False``: the gradients are being dropped.
         """
-        fill = reducing and (unused_too or self._fill_unused)
+        taken = [(p, p.take_unsharded_grad()) for p in params]
+        some = any(g is not None for _, g in taken)
+        fill = reducing and (unused_too or (self._fill_unused and some))
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
         zero_filled: list[FSDPParam] = []
-        for fsdp_param in params:
-            grad = fsdp_param.take_unsharded_grad()
+        for fsdp_param, grad in taken:
             if grad is None and fill and fsdp_param.sharded_param.requires_grad:
                 grad = fsdp_param.zero_unsharded_grad()
                 zero_filled.append(fsdp_param)

@@ -2,10 +2,11 @@
 
 Skipped without CUDA. On a GPU these check that stream ordering gives the same numbers as the
 unsharded reference, with implicit and explicit prefetch, int reshard-after-forward, async unshard,
-mixed precision, CPU offload (pinned, non-blocking gradient copies) and an all-reduce hook on a
-slow stream of its own. Thread ranks share one GPU, and the threaded backend moves data with
-copies on the issuing thread's stream, so NCCL's rules (kernels on the current stream, no tensor
-lifetime management) are not exercised here: that needs processes on several GPUs.
+mixed precision, rank-ordered reductions (deterministic, bf16 on the wire), CPU offload (pinned,
+non-blocking gradient copies) and an all-reduce hook on a slow stream of its own. Thread ranks share
+one GPU, and the threaded backend moves data with copies on the issuing thread's stream, so NCCL's
+rules (kernels on the current stream, no tensor lifetime management) are not exercised here: that
+needs processes on several GPUs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ CASES = [
     pytest.param({"prefetch": 2}, id="explicit-prefetch"),
     pytest.param({"mp_policy": fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, id="bf16"),
     pytest.param({"offload_policy": fsdp2.CPUOffloadPolicy()}, id="offload"),
+    # Rank-ordered reductions: the all-to-all and the local sum on the reduce-scatter stream
+    pytest.param({"deterministic": True}, id="deterministic"),
+    pytest.param(
+        {
+            "mp_policy": fsdp2.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, wire_dtype=torch.bfloat16
+            )
+        },
+        id="bf16-wire",
+    ),
 ]
 
 
@@ -41,6 +52,7 @@ def _train(options: dict[str, Any]) -> None:
     torch.cuda.set_device(0)
     options = dict(options)
     prefetch = options.pop("prefetch", 0)
+    deterministic = options.pop("deterministic", False)
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     args = ModelArgs(n_layers=3)
     model = broadcast_module_(Transformer(args).cuda())
@@ -48,6 +60,8 @@ def _train(options: dict[str, Any]) -> None:
     for block in model.layers:
         fsdp2.fully_shard(block, mesh=mesh, **options)
     fsdp2.fully_shard(model, mesh=mesh, **options)
+    if deterministic:
+        model.set_deterministic_reduction()
     if prefetch:
         layers = list(model.layers)
         for i, layer in enumerate(layers):

@@ -213,10 +213,15 @@ def test_parity_random_caps_and_dims(
 # ---- collective counts ---------------------------------------------------------------------------
 
 
-def _group_bytes(module: nn.Module, world: int, itemsize: int = 4) -> int:
-    """A group's collective bytes: W * its padded per-rank elements (computed from the shapes here)."""
-    total = 0
-    for p in module.parameters(recurse=False) if not isinstance(module, Block) else module.parameters():
+def _group_bytes(module: nn.Module, world: int, itemsize: int = 4, usage_row: bool = False) -> int:
+    """A group's collective bytes: W * its padded per-rank elements (computed from the shapes here).
+
+    ``usage_row``: a reduce-scatter input, whose rows also carry one usage element per parameter (see
+    fsdp2/_usage.py).
+    """
+    params = list(module.parameters(recurse=False) if not isinstance(module, Block) else module.parameters())
+    total = len(params) if usage_row else 0
+    for p in params:
         rows = p.shape[0]
         total += math.ceil(rows / world) * (p.numel() // rows)
     return world * total * itemsize
@@ -232,8 +237,9 @@ def _greedy(sizes: list[int], cap: int) -> int:
     return buckets
 
 
-def _root_bytes(model: Blocks, world: int) -> int:
-    return sum(_group_bytes(m, world) for m in (model.inp, model.out))
+def _root_bytes(model: Blocks, world: int, usage_row: bool = False) -> int:
+    # The root's group holds both layers: one usage row for its four parameters.
+    return sum(_group_bytes(m, world, usage_row=usage_row) for m in (model.inp, model.out))
 
 
 def _counts_body(dims: list[int], raf: bool, cap_mb: float) -> list[Counter[str]]:
@@ -256,7 +262,9 @@ def test_collective_counts(raf: bool, cap_mb: float) -> None:
     root = _root_bytes(model, world)
     forward = [root, *blocks]  # pre-forward order: the root first
     backward = list(reversed(forward)) if raf else []  # groups gathered again in backward
-    post_backward = [*reversed(blocks), root]  # the root's post-backward runs at the end of backward
+    # The root's post-backward runs at the end of backward
+    post_backward = [*(_group_bytes(b, world, usage_row=True) for b in reversed(model.blocks))]
+    post_backward.append(_root_bytes(model, world, usage_row=True))
     n_groups = len(forward)
     want_first = Counter(
         all_gather=n_groups + (_greedy(backward, cap) if backward else 0),

@@ -90,7 +90,10 @@ def test_estimate_within_10_percent_of_measured(world: int, model_name: str, pre
 
 
 def test_breakdown_matches_the_analytic_sizes() -> None:
-    """Parameters, gradients and AdamW states at their peaks are exactly the padded shard bytes."""
+    """Parameters, gradients and AdamW states at their peaks are exactly the padded shard bytes.
+
+    (Gradients: plus the usage elements their reduce-scatter outputs carry.)
+    """
     world = 4
     build, step = _job("blocks", world, fsdp2.MixedPrecisionPolicy())
     report = fsdp2.estimate_memory(build, step, world_size=world)
@@ -101,7 +104,9 @@ def test_breakdown_matches_the_analytic_sizes() -> None:
         assert report.phases[phase].breakdown["parameters"] == shard_bytes
     # AdamW: exp_avg and exp_avg_sq like the shards, plus one float32 step count per parameter
     assert report.phases["forward"].breakdown["optimizer_states"] == 2 * shard_bytes + 4 * n_params
-    assert report.phases["optimizer"].breakdown["gradients"] == shard_bytes
+    # The sharded gradients are views of each group's reduce-scatter output, whose storage ends with one
+    # usage element per parameter (see fsdp2/_usage.py)
+    assert report.phases["optimizer"].breakdown["gradients"] == shard_bytes + 4 * n_params
     assert report.phases["forward"].breakdown["gradients"] == 0  # zero_grad(set_to_none) after step 1
     assert report.phases["init"].breakdown["parameters"] >= sum(p.numel() * 4 for p in ref.parameters())
     assert report.peak_bytes == max(p.peak_bytes for p in report.phases.values())
