@@ -62,8 +62,13 @@ class UsageTail:
         self, params: list[FSDPParam], dtype: torch.dtype, device: torch.device, world: int
     ) -> torch.Tensor:
         """The ``(W, P)`` usage rows to pack after ``params``' gradients (1: used on this rank)."""
-        used = [0.0 if id(p) in self.zero_filled else 1.0 for p in params]
-        return torch.tensor(used, dtype=dtype, device=device).expand(world, len(used))
+        # Built on the device (no host-to-device copy, which would wait for the stream on CUDA)
+        row = torch.ones(len(params), dtype=dtype, device=device)
+        if self.zero_filled:
+            for index, fsdp_param in enumerate(params):
+                if id(fsdp_param) in self.zero_filled:
+                    row[index] = 0
+        return row.expand(world, len(params))
 
     def note_assigned(self, params: list[FSDPParam], tail: torch.Tensor, keep_zeros: bool) -> None:
         """Before assigning a reduction's shards: watch the zero-filled parameters (``tail``: usage)."""
