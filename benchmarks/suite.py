@@ -36,22 +36,12 @@ import scale  # noqa: E402
 import step_overhead  # noqa: E402
 
 
-def run_bucketing(out: Path, quick: bool) -> dict[str, Any]:
-    path = out / "bucketing.json"
+def run_torchrun(script: str, nproc: int, out: Path, quick: bool) -> dict[str, Any]:
+    """Run ``benchmarks/<script>.py`` under torchrun (gloo processes); its JSON figures."""
+    path = out / f"{script}.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        str(HERE / "bucketing.py"), "--json", str(path), "--rounds", "3" if quick else "5",
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    result: dict[str, Any] = json.loads(path.read_text())
-    return result
-
-
-def run_reductions(out: Path, quick: bool) -> dict[str, Any]:
-    path = out / "reductions.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(HERE / "reductions.py"), "--json", str(path), "--rounds", "3" if quick else "5",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        str(HERE / f"{script}.py"), "--json", str(path), "--rounds", "3" if quick else "5",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result: dict[str, Any] = json.loads(path.read_text())
@@ -240,9 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "c_memory": memory_floor.main(["--out", str(out)]),
     }
     if not args.skip_bucketing:
-        results["e_bucketing"] = run_bucketing(out, args.quick)
+        results["e_bucketing"] = run_torchrun("bucketing", 4, out, args.quick)
     if not args.skip_reductions:
-        results["f_reductions"] = run_reductions(out, args.quick)
+        results["f_reductions"] = run_torchrun("reductions", 2, out, args.quick)
     results["seconds"] = time.perf_counter() - start
     (out / "suite.json").write_text(json.dumps(results, indent=2))
     text = tables(results)

@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from . import _engine as engine
+from ._comms import ForwardingComm
 
 __all__ = ["Accumulation", "accumulate"]
 
@@ -137,18 +138,14 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
             engine.set_gradient_sync(group, sync)
 
 
-class _Counter:
+class _Counter(ForwardingComm):
     """Forwards to ``wrapped`` and counts gradient-reduction calls into ``report.collectives``."""
 
     def __init__(self, wrapped: Any, kind: str, report: Accumulation) -> None:
-        self.wrapped = wrapped
+        super().__init__(wrapped)
         self._counts = kind in _GRADIENT_COLLECTIVES
         self._report = report
 
-    def allocate(self, *args: Any, **kwargs: Any) -> Any:
-        return self.wrapped.allocate(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def seen(self, *args: Any) -> None:
         if self._counts:
             self._report.collectives += 1
-        return self.wrapped(*args, **kwargs)

@@ -125,6 +125,27 @@ def comm_type(comm: Any) -> type:
     return type(comm)
 
 
+class ForwardingComm:
+    """Forwards every call to ``wrapped`` after showing it to ``seen`` (recorders, counters).
+
+    The engine treats it as ``wrapped`` (``comm_type``): bucketing and fast paths are unchanged, and it
+    does not count as a custom collective. Subclasses override ``seen``.
+    """
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+
+    def allocate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapped.allocate(*args, **kwargs)
+
+    def seen(self, *args: Any) -> None:
+        """Called with the call's positional arguments before it is forwarded."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.seen(*args)
+        return self.wrapped(*args, **kwargs)
+
+
 class AllReduce:
     """The HSDP all-reduce across replicas (not user-replaceable, as in torch)."""
 

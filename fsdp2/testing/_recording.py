@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _engine as engine
+from .._comms import ForwardingComm
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,14 @@ def _sent(kind: str, world: int, input_bytes: int) -> int:
     return (world - 1) * input_bytes // world  # reduce-scatter, all-to-all
 
 
-class Recording:
-    """Forwards to ``wrapped`` and records each call; ``wrapped`` is what the engine treats it as."""
+class Recording(ForwardingComm):
+    """Forwards to ``wrapped`` and records each call into ``log``."""
 
     def __init__(self, wrapped: Any, kind: str, module_fqn: Callable[[], str], log: CollectiveLog) -> None:
-        self.wrapped = wrapped
+        super().__init__(wrapped)
         self._kind, self._fqn, self._log = kind, module_fqn, log
 
-    def allocate(self, *args: Any, **kwargs: Any) -> Any:
-        return self.wrapped.allocate(*args, **kwargs)
-
-    def __call__(self, first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def seen(self, first: torch.Tensor, *args: Any) -> None:
         kind = self._kind
         if kind == "all_reduce":  # (tensor, group, op)
             tensor, group = first, args[0]
@@ -99,7 +97,6 @@ class Recording:
             dtype = first.dtype
         world = dist.get_world_size(group)
         self._log.add(CollectiveCall(kind, self._fqn(), world, dtype, inp, out, _sent(kind, world, inp)))
-        return self.wrapped(first, *args, **kwargs)
 
 
 @contextlib.contextmanager
