@@ -129,7 +129,7 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
 
 # The engine's stateful classes: tools on top reach them only through ``_engine``.
 ENGINE_INTERNALS = {"_state", "_param_group", "_param", "_root", "_schedule", "_reduce", "_gather"}
-TOOLS = ["_copy", "_memory"]
+TOOLS = ["_copy", "_memory", "_accumulate", "testing/_recording"]
 # Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
 ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
 
