@@ -128,8 +128,6 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
     )
     try:
         yield report
-        for group in groups:
-            engine.set_gradient_sync(group, True)
         for group in kept:
             engine.reduce_held_grads(group)
     finally:

@@ -48,7 +48,8 @@ class OrderedReduction:
     """How one group's gradients are reduced in rank order.
 
     Attributes:
-        wire_dtype: the dtype contributions travel in; ``None``: the reduce dtype.
+        wire_dtype: the dtype contributions travel in (the reducer packs them in it; part of the
+            bucket key); ``None``: the reduce dtype.
         order: indices into the ``R * W`` received contributions (replica-major), by global rank.
     """
 
@@ -90,13 +91,11 @@ def ordered_reduce(
     """
     world = info.shard_size
     shard_numel = buffer.numel() // world
-    wire = reduction.wire_dtype or buffer.dtype
-    send = buffer if buffer.dtype == wire else buffer.to(wire)
-    if world > 1:
-        received = torch.empty_like(send)
-        comms.all_to_all(received, send, shard_group)
+    if world > 1:  # buffer: packed in the wire dtype already (GradientReducer.pack)
+        received = torch.empty_like(buffer)
+        comms.all_to_all(received, buffer, shard_group)
     else:
-        received = send
+        received = buffer
     replicas = info.replicate_size if info.replicate_group is not None else 1
     if replicas > 1:
         gathered = received.new_empty((replicas * received.numel(),))

@@ -46,9 +46,9 @@ class GradientReducer:
         self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         self._identity = False  # resolved at lazy init: one rank, nothing to cast (see resolve)
-        # The policy's wire_dtype (resolved at lazy init) and the rank order of an ordered reduction
+        # The policy's wire_dtype (resolved at lazy init) and, once used, the ordered reduction's facts
         self.wire_dtype: torch.dtype | None = None
-        self._rank_order: tuple[int, ...] | None = None
+        self._ordered: OrderedReduction | None = None
         # More than one rank: missing gradients become zeros and reductions carry a usage row (see
         # [Note: Unused parameters] in _usage.py); resolved at lazy init
         self._fill_unused = False
@@ -170,6 +170,7 @@ class GradientReducer:
         """
         info = self.mesh_info
         self.wire_dtype = wire_dtype
+        self._ordered = None  # rebuilt with this wire dtype at the next ordered reduction
         self._fill_unused = info.shard_size > 1 or (
             info.replicate_group is not None and info.replicate_size > 1
         )
@@ -301,9 +302,9 @@ class GradientReducer:
         """The rank-ordered reduction this group uses (``wire_dtype`` or deterministic), else ``None``."""
         if self.wire_dtype is None and not controls.deterministic_reduction:
             return None
-        if self._rank_order is None:
-            self._rank_order = rank_order(self.mesh_info)
-        return OrderedReduction(self.wire_dtype, self._rank_order)
+        if self._ordered is None:
+            self._ordered = OrderedReduction(self.wire_dtype, rank_order(self.mesh_info))
+        return self._ordered
 
     def finish_ordered(self, total: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         """Divide a rank-ordered sum (``total``, 1-D), run the hook, accumulate the gradients.
