@@ -2,6 +2,8 @@
 
 What it measures, per configuration (fp32, bf16 mixed precision, CPU offload with bf16):
 
+- **bitwise parity**: three steps of each with attention's math kernels (deterministic), losses and
+  parameters compared bit for bit.
 - **parity**: both implementations start from the same weights and see the same batches; the
   largest difference between their losses over the first steps (world 1: the reductions are
   identities, so the two should agree exactly).
@@ -31,12 +33,13 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fsdp2
 
@@ -115,6 +118,28 @@ def _batches(args: argparse.Namespace, n: int) -> list[torch.Tensor]:
     return [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).cuda() for _ in range(n)]
 
 
+def _bitwise_parity(base: nn.Module, options: dict[str, Any], batches: list[torch.Tensor]) -> bool:
+    """Both implementations, three steps with attention's deterministic (math) kernels: equal bit for bit?
+
+    The default attention kernels accumulate their backward with atomics, so torch differs from itself
+    between runs (the "torch vs torch" column); with the math kernels it does not, and any difference
+    left would be fsdp2's.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    finals: dict[str, tuple[list[float], list[torch.Tensor]]] = {}
+    for impl in ("torch", "fsdp2"):
+        model = _shard(base, impl, options)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        with sdpa_kernel(SDPBackend.MATH):
+            losses = [float(_step(model, opt, b)) for b in batches]
+        finals[impl] = (losses, [cast(DTensor, p).full_tensor().detach().cpu() for p in model.parameters()])
+        del model, opt
+        gc.collect()
+    (tl, tp), (fl, fp) = finals["torch"], finals["fsdp2"]
+    return tl == fl and all(torch.equal(a, b) for a, b in zip(tp, fp, strict=True))
+
+
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     options = CONFIGS[name]()
     layers = args.layers if not options.get("offload") else max(2, args.layers // 3)
@@ -148,6 +173,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         abs(a - b) for a, b in zip(losses["torch"], losses["torch_again"], strict=True)
     )
     out["peak_ratio"] = out["fsdp2_peak_MiB"] / out["torch_peak_MiB"]
+    out["math_sdpa_bit_equal"] = _bitwise_parity(base, options, batches[:3])
     torch.cuda.empty_cache()
     models = {impl: _shard(base, impl, options) for impl in ("torch", "fsdp2")}
     opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-4) for impl, m in models.items()}
@@ -211,9 +237,10 @@ def main() -> None:
     print(f"\n{results['device']}, torch {results['torch']}, one rank (NCCL)\n")
     print(
         "| config | params M | torch ms | fsdp2 ms | fsdp2/torch (range) "
-        "| torch peak MiB | fsdp2 peak MiB | ratio | max loss diff (torch vs torch) |"
+        "| torch peak MiB | fsdp2 peak MiB | ratio | max loss diff (torch vs torch) "
+        "| bit-equal, math attention |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.configs.split(","):
         r = results[name]
         lo, hi = r["time_ratio_range"]
@@ -221,7 +248,7 @@ def main() -> None:
             f"| {name} | {r['params_M']:.1f} | {r['torch_ms']:.2f} | {r['fsdp2_ms']:.2f} "
             f"| {r['time_ratio']:.3f} ({lo:.3f}-{hi:.3f}) | {r['torch_peak_MiB']:.0f} "
             f"| {r['fsdp2_peak_MiB']:.0f} | {r['peak_ratio']:.3f} | {r['max_loss_diff']:.2e} "
-            f"({r['torch_vs_torch_loss_diff']:.2e}) |"
+            f"({r['torch_vs_torch_loss_diff']:.2e}) | {'yes' if r['math_sdpa_bit_equal'] else 'NO'} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

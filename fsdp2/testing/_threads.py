@@ -9,6 +9,7 @@ duration of a run.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -96,7 +97,9 @@ def _run(
         finally:
             done[rank] = True
             if dist.is_initialized():
-                dist.destroy_process_group()
+                # torch 2.11: its thread-local world lacks the `comms` destroy reads (harmless).
+                with contextlib.suppress(AttributeError):
+                    dist.destroy_process_group()
 
     threads = [
         threading.Thread(target=worker, args=(r,), daemon=True, name=f"rank{r}") for r in range(world_size)
