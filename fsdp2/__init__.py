@@ -12,6 +12,7 @@ from ._comms import AllGather, Comm, ReduceScatter
 from ._debug import set_debug
 from ._events import Event, Span, record_events, save_chrome_trace
 from ._fully_shard import fully_shard
+from ._guard import DivergenceError
 from ._init import init_like_unsharded
 from ._lifecycle import TrainingState
 from ._local_optim import local_step
@@ -31,6 +32,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "Comm",
     "DataParallelMeshDims",
+    "DivergenceError",
     "Event",
     "FSDPMeshInfo",
     "FSDPModule",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ._guard import check_entry
 from ._mesh import mesh_device
 from ._param import chunk_rows
 
@@ -67,6 +68,7 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
         >>> fsdp2.save_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
         >>> plain.load_state_dict(safetensors.torch.load_file("model.safetensors"))  # doctest: +SKIP
     """
+    check_entry(model, "save_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
     entries = _entries(model)
     writer = dist.get_rank() == 0 if dist.is_initialized() else True
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -130,6 +132,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
         >>> fsdp2.load_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
     """
     safe_open = _safe_open()
+    check_entry(model, "load_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
     entries = _entries(model)
     is_reader = dist.get_rank() == 0 if dist.is_initialized() else True
     comm = _comm_device(entries.values())

@@ -1,11 +1,13 @@
 """Debug mode: errors instead of hangs when ranks disagree (``FSDP2_DEBUG=1`` or ``set_debug(True)``).
 
-Owns: the debug switch; the model fingerprint check run by the root's lazy init (every rank compares
-the names, shapes, dtypes and group layout of the parameters it manages with the others' through one
-small collective per process group, and all ranks raise the same error naming the first difference);
-and the collective watchdog (a collective still unfinished after ``deadline`` seconds reports the
-group, collective and training state it waits in). Does not own: what is compared (``FSDPState``
-hands the fingerprint in) or the collectives (``FSDPParamGroup``).
+Owns: the debug switch and its settings; the model fingerprint check run by the root's lazy init (every
+rank compares the names, shapes, dtypes and group layout of the parameters it manages with the others'
+through one small collective per process group, and all ranks raise the same error naming the first
+difference); the collective watchdog (a collective still unfinished after ``deadline`` seconds reports
+the group, collective and training state it waits in); and the list of what runs at a root's lazy init
+in debug mode (the divergence guard of ``_guard.py`` registers there, so the engine never imports it).
+Does not own: what is compared (``FSDPState`` hands the fingerprint in), the collectives
+(``FSDPParamGroup``) or the per-collective agreement (``_guard``).
 Invariants: with debug off, the only cost is one attribute read per check site.
 """
 
@@ -18,6 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,33 +31,67 @@ ParamFingerprint = tuple[str, tuple[int, ...], str, str]  # (name, shape, dtype,
 class _Settings:
     enabled = os.environ.get("FSDP2_DEBUG", "") not in ("", "0")
     deadline_s = float(os.environ.get("FSDP2_DEBUG_DEADLINE", "60"))
+    timeout_s = float(os.environ.get("FSDP2_DEBUG_TIMEOUT", "8"))
     report: Callable[[str], None] | None = None  # where watchdog reports go (default: stderr)
+    root_init_hooks: list[Callable[[Any, list[Any]], None]] = []  # noqa: RUF012 - one list, by design
 
 
 def set_debug(
-    enabled: bool, *, deadline: float | None = None, report: Callable[[str], None] | None = None
+    enabled: bool,
+    *,
+    deadline: float | None = None,
+    report: Callable[[str], None] | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Turn fsdp2's debug checks on or off (also ``FSDP2_DEBUG=1`` in the environment).
 
     With debug on, the root's first forward checks that every rank manages the same parameters (one
-    small collective), and a collective that has not finished after ``deadline`` seconds (default 60,
-    or ``FSDP2_DEBUG_DEADLINE``) is reported with its module group, kind and training state.
+    small collective); before each FSDP collective, the ranks of its process group agree that they are
+    about to issue the same one, and raise ``DivergenceError`` on every rank if not (or if a rank has
+    not arrived after ``timeout`` seconds); and a collective that has not finished after ``deadline``
+    seconds is reported with its module group, kind and training state. Turn it on before the root's
+    first forward: the guard is installed there. See docs/debugging.md.
 
     Args:
         enabled: on or off.
-        deadline: seconds before an unfinished collective is reported.
+        deadline: seconds before an unfinished collective is reported (default 60, or
+            ``FSDP2_DEBUG_DEADLINE``).
         report: called with each report (default: written to stderr).
+        timeout: seconds a rank waits at an FSDP collective for the other ranks to reach it before it
+            raises (default 8, or ``FSDP2_DEBUG_TIMEOUT``); raise it if a rank is legitimately that much
+            slower between two collectives (data loading, logging, checkpoint writing on one rank).
+
+    Raises:
+        ValueError: a ``deadline`` or ``timeout`` that is not positive (nothing is changed).
     """
+    for name, value in (("deadline", deadline), ("timeout", timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"set_debug({name}=...) must be a positive number of seconds, got {value!r}.")
     _Settings.enabled = bool(enabled)
     if deadline is not None:
-        if deadline <= 0:
-            raise ValueError(f"set_debug(deadline=...) must be positive, got {deadline!r}.")
         _Settings.deadline_s = float(deadline)
+    if timeout is not None:
+        _Settings.timeout_s = float(timeout)
     _Settings.report = report
 
 
 def debug_enabled() -> bool:
     return _Settings.enabled
+
+
+def guard_timeout() -> float:
+    """Seconds a rank waits for the others at an FSDP collective in debug mode."""
+    return _Settings.timeout_s
+
+
+def on_root_init(hook: Callable[[Any, list[Any]], None]) -> None:
+    """Run ``hook(root_module, states)`` at each root's lazy init while debug mode is on."""
+    _Settings.root_init_hooks.append(hook)
+
+
+def run_root_init_hooks(root_module: Any, states: list[Any]) -> None:
+    for hook in _Settings.root_init_hooks:
+        hook(root_module, states)
 
 
 def check_same_model(

@@ -16,6 +16,9 @@ The interface, by tool:
   ``before_optimizer_step`` and ``after_optimizer_step``, each on one group;
 - the memory tracker: ``unsharded_tensors(state)``;
 - the collective recorder (``fsdp2.testing.record_collectives``): ``wrap_comms``;
+- the divergence guard of debug mode (``_guard``): ``wrap_comms``, whose ``GroupFacts`` also tell
+  the phase of the step, the group's gradient sync, trainable parameters and the root's iteration, and
+  ``data_parallel_groups`` (where an export or import agrees);
 - gradient accumulation (``fsdp2.accumulate``): ``groups_under``, ``group_name``,
   ``kept_grad_bytes``, ``held_grad_bytes``, ``set_gradient_sync`` and ``reduce_held_grads``, each on one
   group (``wrap_comms`` counts its collectives).
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._autograd import in_backward_task_id
 from ._composable import pop_torch_state, restore_torch_state
 from ._debug import watch_collective
 from ._lifecycle import ShardedState, TrainingState
@@ -39,11 +43,13 @@ from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_state
 
 __all__ = [
+    "GroupFacts",
     "after_optimizer_step",
     "before_optimizer_step",
     "busy",
     "copy_prefetch_and_caps",
     "copy_state_into",
+    "data_parallel_groups",
     "detached",
     "drop_unreduced_grads",
     "extension_params",
@@ -243,13 +249,56 @@ _COMM_KINDS = (
 )
 
 
-def wrap_comms(
-    states: list[FSDPState], wrap: Callable[[str, Any, Callable[[], str]], Any]
-) -> Callable[[], None]:
-    """Replace each group's collectives by ``wrap(kind, comm, module_fqn)``; returns the undo.
+class GroupFacts:
+    """What a comm wrapper may read about its group, at call time; calling it gives the module name."""
+
+    __slots__ = ("_group",)
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self._group = group
+
+    def __call__(self) -> str:
+        """The group's module name (known from the root's first forward on)."""
+        return self._group.module_fqn
+
+    def phase(self) -> str:
+        """``"backward"`` inside autograd's backward, ``"forward"`` in the root's forward, else ``"idle"``.
+
+        The root's phase, not the group's own state: a group prefetched in backward is still idle.
+        """
+        if in_backward_task_id() != -1:
+            return "backward"
+        root = self._group.root
+        return "forward" if root is not None and root.iteration_root is not None else "idle"
+
+    def gradient_sync(self) -> bool:
+        """Whether the group reduces its gradients after backward (``set_requires_gradient_sync``)."""
+        return self._group.controls.reduce_grads
+
+    def trainable(self) -> list[tuple[str, bool]]:
+        """Each parameter's name (relative to the root) and ``requires_grad``."""
+        return [(p.fqn, p.sharded_param.requires_grad) for p in self._group.fsdp_params]
+
+    def iteration(self) -> int:
+        """How many forwards of the root have begun (0 before the first)."""
+        root = self._group.root
+        return root.iterations if root is not None else 0
+
+
+def data_parallel_groups(root: nn.Module) -> list[Any]:
+    """The process groups of the first group under ``root``: shard group, then HSDP's replicate group."""
+    for state in states_under(root):
+        for group in state.groups:
+            info = group.mesh_info
+            return [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
+    return []
+
+
+def wrap_comms(states: list[FSDPState], wrap: Callable[[str, Any, GroupFacts], Any]) -> Callable[[], None]:
+    """Replace each group's collectives by ``wrap(kind, comm, facts)``; returns the undo.
 
     ``kind`` is ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``;
-    ``module_fqn()`` names the group's module (known from the root's first forward on). A wrapper must
+    ``facts()`` names the group's module (known from the root's first forward on). A wrapper must
     forward to ``comm`` and name it in its ``wrapped`` attribute (so bucketing and fast paths see the
     original); it does not mark the group's collectives as custom. The undo puts back each original
     that is still wrapped (a setter called in between wins).
@@ -259,7 +308,7 @@ def wrap_comms(
         for group in state.groups:
             for attr, kind in _COMM_KINDS:
                 original = getattr(group.comms, attr)
-                wrapper = wrap(kind, original, _namer(group))
+                wrapper = wrap(kind, original, GroupFacts(group))
                 assert getattr(wrapper, "wrapped", None) is original, "a comm wrapper must name what it wraps"
                 setattr(group.comms, attr, wrapper)
                 swapped.append((group.comms, attr, original, wrapper))
@@ -270,10 +319,6 @@ def wrap_comms(
                 setattr(comms, kind, original)
 
     return undo
-
-
-def _namer(group: FSDPParamGroup) -> Callable[[], str]:
-    return lambda: group.module_fqn
 
 
 # ---- gradient accumulation -----------------------------------------------------------------------

@@ -73,6 +73,7 @@ class RootContext:
     - ``callback_queued``: the end-of-backward callback is queued (a backward is running).
     - ``is_last_backward``: the next backward ends the step (``set_is_last_backward``).
     - ``post_optim_event``: recorded after the optimizer step; the next all-gathers wait on it.
+    - ``iterations``: how many iterations (forwards of the root) have begun; the debug mode names them.
     """
 
     def __init__(self) -> None:
@@ -84,6 +85,7 @@ class RootContext:
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
+        self.iterations = 0
 
     def adopt(self, root: _State, states: list[Any], device: torch.device) -> None:
         """Root's lazy init, after validation: every state and group under ``root`` refers here."""
@@ -109,6 +111,7 @@ class RootContext:
         if self.iteration_root is None:
             check_late_parameters()  # before any state changes
             self.iteration_root = state
+            self.iterations += 1
             self.event_scope.capture()
             self.schedule.begin_iteration()
             self.comm_ctx.wait_for_current_stream(self.post_optim_event)

@@ -60,7 +60,7 @@ from ._autograd import (
 )
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
-from ._debug import check_same_model, debug_enabled
+from ._debug import check_same_model, debug_enabled, run_root_init_hooks
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
 from ._root import RootContext
@@ -209,6 +209,8 @@ class FSDPState(TorchStateNames):
                 group.post_forward_mesh_info = None
         device = _state_device(states)
         self.shared_context().adopt(self, states, device)
+        if debug_enabled():
+            run_root_init_hooks(root_module, states)  # the divergence guard (``_guard``)
         if device.type != "cpu":
             self._input_device = device
 

@@ -129,7 +129,7 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
 
 # The engine's stateful classes: tools on top reach them only through ``_engine``.
 ENGINE_INTERNALS = {"_state", "_param_group", "_param", "_root", "_schedule", "_reduce", "_gather"}
-TOOLS = ["_copy", "_memory", "_accumulate", "testing/_recording"]
+TOOLS = ["_copy", "_memory", "_accumulate", "_guard", "testing/_recording"]
 # Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
 ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
 
@@ -140,7 +140,7 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
     internals = _internal_imports(path) & ENGINE_INTERNALS
     if tool == "_step_guard":
         internals -= {"_param_group"}  # the groups it watches, for typing; every read goes through _engine
-    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine's interface"
+    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine instead"
     assert "_engine" in _internal_imports(path)
     reads = {
         node.attr

@@ -1,0 +1,297 @@
+"""Debug mode's divergence guard: before each FSDP collective, its ranks agree that they issue the same one.
+
+Owns: ``DivergenceError``; the agreement (``Agreement``: each rank writes a short description of the
+collective it is about to issue into the job's c10d store under the process group's next sequence
+number, reads every other rank's, and every rank raises the same error if they differ, or if a rank
+has not arrived after the debug timeout); the comm wrappers that run it, installed through
+``_engine.wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
+full-weight export and import. Does not own: the collectives (the groups' comms), the debug switch and
+its settings (``_debug``), or what the root's first forward compares once (``check_same_model``).
+Invariants: every rank of a process group numbers the FSDP collectives it issues there in the same
+order, so a sequence number pairs the collectives that c10d would pair; a rank keeps at most two of
+its own keys per process group in the store (it deletes the one of two collectives ago, which every
+rank has read before writing the one after it); a rank that gives up overwrites its key with the
+reason, so a rank arriving later raises at once instead of waiting too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from . import _engine as engine
+from ._comms import ForwardingComm
+from ._debug import debug_enabled, guard_timeout, on_root_init
+
+
+class DivergenceError(RuntimeError):
+    """Ranks were about to issue different FSDP collectives (raised in debug mode, on every rank)."""
+
+
+_PHASES = {"idle": "outside forward and backward", "forward": "forward", "backward": "backward"}
+
+
+@dataclass(frozen=True)
+class Point:
+    """What a rank is about to do: one FSDP collective, or the entry of an export or import.
+
+    ``trainable`` has one character per parameter of the group ("1": ``requires_grad``).
+    """
+
+    kind: str
+    module: str
+    iteration: int
+    phase: str
+    grad_enabled: bool
+    gradient_sync: bool
+    numel: int
+    dtype: str
+    trainable: str
+
+    def encode(self) -> str:
+        return json.dumps(list(self.__dict__.values()))
+
+    @classmethod
+    def decode(cls, text: str) -> Point:
+        return cls(*json.loads(text))
+
+    @property
+    def is_entry(self) -> bool:
+        """The entry of an export or import rather than a collective of a group."""
+        return self.numel < 0
+
+    def __str__(self) -> str:
+        if self.is_entry:
+            return f"the entry of fsdp2.{self.kind}()"
+        grad = "" if self.grad_enabled else ", gradients off"
+        sync = "on" if self.gradient_sync else "off"
+        return (
+            f"the {self.kind.replace('_', '-')} of module {self.module or '<root>'!r} ({self.numel:,} "
+            f"{self.dtype} elements) in iteration {self.iteration} ({_PHASES.get(self.phase, self.phase)}"
+            f"{grad}), gradient sync {sync}"
+        )
+
+
+_ABORT = "abort:"
+_lock = threading.Lock()
+# Per process group (each rank's own object, also when ranks are threads): the next sequence number.
+_sequences: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_clients: dict[tuple[str, int, float], Any] = {}
+
+
+def _next_sequence(group: dist.ProcessGroup) -> int:
+    with _lock:
+        seq = _sequences.get(group, 0)
+        _sequences[group] = seq + 1
+    return seq
+
+
+def _store(timeout: float) -> tuple[Any, bool]:
+    """A store client whose blocking reads give up after ``timeout``; ``True`` if it waits by itself.
+
+    A TCP store (torchrun, ``env://``) gets a client of its own with that timeout, so one read waits
+    and fetches; another store (the in-process one of thread ranks) is asked to wait first.
+    """
+    default = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the job's store has no public accessor
+    base = default
+    while isinstance(base, PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, TCPStore):
+        key = (base.host, base.port, timeout)
+        with _lock:
+            client = _clients.get(key)
+            if client is None:
+                wait = timedelta(seconds=timeout)
+                client = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
+                _clients[key] = client
+        return client, True
+    return default, False
+
+
+def agree(point: Point, group: dist.ProcessGroup) -> None:
+    """Raise ``DivergenceError`` on every rank of ``group`` unless all are about to do ``point``."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) < 2:
+        return
+    me = dist.get_rank()
+    timeout = guard_timeout()
+    store, waits = _store(timeout)
+    seq = _next_sequence(group)
+    prefix = f"fsdp2_guard/{group.group_name}/"
+    keys = [f"{prefix}{seq}/{rank}" for rank in ranks]
+    mine = point.encode()
+    store.set(f"{prefix}{seq}/{me}", mine)
+    try:
+        if not waits:
+            store.wait(keys, timedelta(seconds=timeout))
+        values = [v.decode() for v in store.multi_get(keys)]
+    except (dist.DistStoreError, RuntimeError) as exc:
+        message = _late(point, ranks, me, seq, prefix, store, timeout)
+        store.set(f"{prefix}{seq}/{me}", _ABORT + message)
+        raise DivergenceError(message) from exc
+    if seq >= 2:
+        store.delete_key(f"{prefix}{seq - 2}/{me}")
+    aborted = [v for v in values if v.startswith(_ABORT)]
+    if aborted:
+        raise DivergenceError(aborted[0][len(_ABORT) :])
+    if any(v != mine for v in values):
+        raise DivergenceError(_differ(ranks, [Point.decode(v) for v in values], point))
+
+
+def _late(point: Point, ranks: list[int], me: int, seq: int, prefix: str, store: Any, timeout: float) -> str:
+    """The error of a rank whose peers did not all arrive: who is missing and what they did last."""
+    missing = [r for r in ranks if not store.check([f"{prefix}{seq}/{r}"])]
+    lines = [
+        f"fsdp2 debug: rank {me} waited {timeout:g} s for ranks {missing} at {point}; they did not reach "
+        "it (nor any other FSDP collective)."
+    ]
+    for rank in missing:
+        previous = f"{prefix}{seq - 1}/{rank}"
+        if seq == 0 or not store.check([previous]):
+            lines.append(f"  rank {rank} has not issued an FSDP collective in this process group yet.")
+        else:
+            last = store.get(previous).decode()
+            done = last[len(_ABORT) :] if last.startswith(_ABORT) else str(Point.decode(last))
+            lines.append(f"  rank {rank}'s last FSDP collective was {done}.")
+    lines.append(
+        "The ranks that did not arrive skipped FSDP work the others do: an evaluation or export run on "
+        "some ranks only, a different number of micro-batches, or an exception on that rank. If a rank "
+        f"is only slower than {timeout:g} s between two collectives (data loading, logging, checkpoint "
+        "writing), raise the limit: fsdp2.set_debug(True, timeout=...) or FSDP2_DEBUG_TIMEOUT."
+    )
+    return "\n".join(lines)
+
+
+def _differ(ranks: list[int], points: Sequence[Point], mine: Point) -> str:
+    """The same error on every rank: what each rank is about to do, the first difference and its fix."""
+    by_point: dict[Point, list[int]] = {}
+    for rank, p in zip(ranks, points, strict=True):
+        by_point.setdefault(p, []).append(rank)
+    first, second = list(by_point)[:2]
+    lines = [
+        f"fsdp2 debug: ranks diverged: they are about to issue different FSDP collectives "
+        f"(process group of ranks {ranks})."
+    ]
+    lines += [f"  ranks {group_ranks}: {p}" for p, group_ranks in by_point.items()]
+    lines.append(_cause(first, by_point[first], second, by_point[second], mine))
+    return "\n".join(lines)
+
+
+def _cause(a: Point, ranks_a: list[int], b: Point, ranks_b: list[int], mine: Point) -> str:
+    if a.is_entry or b.is_entry:
+        entry, entry_ranks, others = (a, ranks_a, ranks_b) if a.is_entry else (b, ranks_b, ranks_a)
+        return (
+            f"Ranks {entry_ranks} called fsdp2.{entry.kind}() and ranks {others} did not: it gathers (or "
+            "broadcasts) every tensor collectively, so call it on every rank (only rank 0 touches the file)."
+        )
+    if a.trainable != b.trainable and a.kind == b.kind and a.module == b.module:
+        names = _NAMES.get((mine.module, len(mine.trainable)), [])
+        index = next(i for i, (x, y) in enumerate(zip(a.trainable, b.trainable, strict=True)) if x != y)
+        name = names[index] if index < len(names) else f"#{index}"
+        return (
+            f"Parameter {name!r} has requires_grad={a.trainable[index] == '1'} on ranks {ranks_a} and "
+            f"{b.trainable[index] == '1'} on ranks {ranks_b}: freeze or unfreeze parameters on every rank."
+        )
+    if a.gradient_sync != b.gradient_sync:
+        return (
+            "Gradient sync differs between ranks (set_requires_gradient_sync, or no_sync-style accumulation "
+            "with a different number of micro-batches per rank): set it to the same value on every rank."
+        )
+    if a.phase != b.phase and "idle" in (a.phase, b.phase):
+        idle, idle_ranks = (a, ranks_a) if a.phase == "idle" else (b, ranks_b)
+        return (
+            f"Ranks {idle_ranks} gather module {idle.module or '<root>'!r} outside forward and backward (an "
+            "explicit unshard() on some ranks only?): call it on every rank, or not at all."
+        )
+    if a.iteration != b.iteration or a.phase != b.phase:
+        return (
+            "The ranks are at different points of training: a forward or backward ran on some ranks only "
+            "(an extra micro-batch, an evaluation, a forward run twice before its backward)."
+        )
+    if a.grad_enabled != b.grad_enabled:
+        return (
+            "Some ranks run this forward without gradients (an evaluation under torch.no_grad() on some "
+            "ranks only?): run FSDP modules on every rank, or evaluate an unsharded copy."
+        )
+    if a.kind == b.kind and a.module == b.module:
+        return (
+            "The same collective has different buffers on different ranks (a parameter resized or cast on "
+            "some ranks only): every rank must hold the same parameters."
+        )
+    return (
+        "The ranks run different FSDP modules here (a module skipped or repeated on some ranks, an explicit "
+        "unshard() on some ranks only): every rank must run the same fully_shard modules in the same order."
+    )
+
+
+# Parameter names by (module, count), to name the one whose requires_grad differs; written at install.
+_NAMES: dict[tuple[str, int], list[str]] = {}
+
+
+class Guarded(ForwardingComm):
+    """A group's collective, issued only after its process group's ranks agree on it."""
+
+    def __init__(self, wrapped: Any, kind: str, facts: engine.GroupFacts) -> None:
+        super().__init__(wrapped)
+        self._kind, self._facts = kind, facts
+
+    def seen(self, first: torch.Tensor, *args: Any) -> None:
+        if not debug_enabled():
+            return
+        if self._kind == "all_reduce":  # (tensor, group, op)
+            tensor, group = first, args[0]
+        else:  # (output, input, group, ...)
+            tensor, group = args[0], args[1]
+        facts = self._facts
+        trainable = facts.trainable()
+        point = Point(
+            self._kind,
+            facts(),
+            facts.iteration(),
+            facts.phase(),
+            torch.is_grad_enabled(),
+            facts.gradient_sync(),
+            tensor.numel(),
+            str(tensor.dtype).removeprefix("torch."),
+            "".join("1" if flag else "0" for _, flag in trainable),
+        )
+        agree(point, group)
+
+
+_guarded_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def install(root: nn.Module, states: list[Any]) -> None:
+    """Guard every collective of ``root``'s groups (called at the root's lazy init in debug mode)."""
+    if root in _guarded_roots:
+        return
+    _guarded_roots.add(root)
+
+    def wrap(kind: str, comm: Any, facts: engine.GroupFacts) -> Any:
+        trainable = facts.trainable()
+        _NAMES[(facts(), len(trainable))] = [name for name, _ in trainable]
+        return comm if isinstance(comm, Guarded) else Guarded(comm, kind, facts)
+
+    engine.wrap_comms(states, wrap)
+
+
+on_root_init(install)
+
+
+def check_entry(model: nn.Module, what: str) -> None:
+    """Debug mode: every rank of ``model``'s data-parallel group enters ``what`` (an export, an import)."""
+    if not debug_enabled() or not dist.is_initialized():
+        return
+    point = Point(what, "", 0, "idle", torch.is_grad_enabled(), True, -1, "", "")
+    for group in engine.data_parallel_groups(model):
+        agree(point, group)

@@ -1,0 +1,134 @@
+"""Debug mode's divergence guard in real gloo processes (2 and 4 ranks), faults seeded per rank.
+
+Without debug mode each fault below hangs until the process group's timeout or aborts the process
+(mismatched buffer sizes in gloo). With it, every rank raises ``fsdp2.DivergenceError`` within 10 s
+of the fault, the same text on every rank, naming the module, the iteration, the phase and the ranks
+on each side; a rank that leaves training is named by the ranks that waited for it, and every process
+exits (the spawner joins them all). Each fault runs on a fresh process group, so the ranks' sequence
+numbers start equal again after the previous fault.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import fsdp2
+from tests._harness import run_multiprocess
+from tests._training import fill_deterministic_
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+Fault = Callable[[nn.Module, int, int], None]  # (model, rank, world)
+
+
+def _model(mesh: DeviceMesh) -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    fill_deterministic_(model)
+    for layer in (model[0], model[2]):
+        fsdp2.fully_shard(layer, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _step(model: nn.Module, rank: int, seed: int = 0) -> None:
+    x = torch.arange(8.0).reshape(2, 4) / (3 + rank + seed)
+    model(x).square().sum().backward()
+
+
+def _unshard_on_last(model: nn.Module, rank: int, world: int) -> None:
+    if rank == world - 1:
+        model[2].unshard()
+
+
+def _forward_twice_on_0(model: nn.Module, rank: int, world: int) -> None:
+    if rank == 0:
+        model(torch.ones(2, 4))
+
+
+def _eval_on_0(model: nn.Module, rank: int, world: int) -> None:
+    if rank == 0:
+        with torch.no_grad():
+            model(torch.ones(2, 4))
+
+
+def _export_on_0(model: nn.Module, rank: int, world: int) -> None:
+    if rank == 0:
+        fsdp2.save_full_state_dict(model, "/nonexistent/never-written.safetensors")
+
+
+def _no_sync_on_1(model: nn.Module, rank: int, world: int) -> None:
+    if rank == 1:
+        model.set_requires_gradient_sync(False)
+
+
+def _frozen_on_last(model: nn.Module, rank: int, world: int) -> None:
+    if rank == world - 1:
+        model[4].weight.requires_grad_(False)
+
+
+def _micro_batches_differ(model: nn.Module, rank: int, world: int) -> None:
+    model.set_requires_gradient_sync(False)
+    for _ in range(3 if rank == 1 else 2):
+        _step(model, rank)
+    model.set_requires_gradient_sync(True)
+
+
+# (fault, text every rank's error must contain)
+FAULTS: list[tuple[Fault, str]] = [
+    (_unshard_on_last, "gather module '2' outside forward and backward"),
+    (_forward_twice_on_0, "different points of training"),
+    (_eval_on_0, "without gradients"),
+    (_export_on_0, "ranks [0]: the entry of fsdp2.save_full_state_dict()"),
+    (_no_sync_on_1, "Gradient sync differs between ranks"),
+    (_frozen_on_last, "Parameter '4.weight' has requires_grad="),
+    (_micro_batches_differ, "gradient sync off"),
+]
+
+
+def _fault_then_step(fault: Fault, model: nn.Module, rank: int, world: int) -> None:
+    fault(model, rank, world)
+    _step(model, rank, seed=1)
+
+
+def _all_faults() -> None:
+    fsdp2.set_debug(True, timeout=4.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for fault, expected in FAULTS:
+        group = dist.new_group(backend="gloo")
+        model = _model(DeviceMesh.from_group(group, "cpu"))
+        _step(model, rank)
+        start = time.monotonic()
+        with pytest.raises(fsdp2.DivergenceError) as info:
+            _fault_then_step(fault, model, rank, world)
+        assert time.monotonic() - start < 10, fault.__name__
+        message = str(info.value)
+        assert expected in message, (fault.__name__, message)
+        everyone: list[str | None] = [None] * world
+        dist.all_gather_object(everyone, message)
+        assert len(set(everyone)) == 1, (fault.__name__, everyone)  # the same error on every rank
+
+    # The last rank leaves training (its data ran out) and waits at the end of the job.
+    group = dist.new_group(backend="gloo")
+    model = _model(DeviceMesh.from_group(group, "cpu"))
+    _step(model, rank)
+    if rank != world - 1:
+        start = time.monotonic()
+        with pytest.raises(
+            fsdp2.DivergenceError, match=rf"waited 4 s for ranks \[{world - 1}\] at the all-gather"
+        ):
+            _step(model, rank)
+        assert time.monotonic() - start < 10
+    dist.barrier()
+    fsdp2.set_debug(False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_fault_raises_on_every_rank(world: int) -> None:
+    run_multiprocess(world, _all_faults)
