@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 
-KINDS = ("ddp", "torch", "fsdp2", "fsdp2-local")
+KINDS = ("ddp", "torch", "fsdp2", "fsdp2-local", "fsdp2-debug")
 
 
 def build(kind: str, blocks: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -64,8 +64,11 @@ def build(kind: str, blocks: int, dim: int) -> tuple[nn.Module, torch.optim.Opti
     return model, optim
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> float:
-    """Seconds per step on this rank, between barriers."""
+def train(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps: int, debug: bool = False
+) -> float:
+    """Seconds per step on this rank, between barriers; ``debug``: with fsdp2's debug mode on."""
+    fsdp2.set_debug(debug)  # the divergence guard: installed at the first forward, checked per collective
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -73,6 +76,7 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps
         optim.step()
         optim.zero_grad(set_to_none=True)
     dist.barrier()
+    fsdp2.set_debug(False)
     return (time.perf_counter() - start) / steps
 
 
@@ -131,9 +135,12 @@ def _measure(rank: int, world: int, args: argparse.Namespace, out: Any) -> None:
     """Every model's step times and one step's collective bytes; rank 0 puts them on ``out``."""
     x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(rank))
     models = {kind: build(kind, args.blocks, args.dim) for kind in KINDS}
-    for model, optim in models.values():
-        train(model, optim, x, 2)  # warm-up: lazy init, allocator
-    rounds = [{kind: train(*models[kind], x, args.steps) for kind in KINDS} for _ in range(args.rounds)]
+    for kind, (model, optim) in models.items():
+        train(model, optim, x, 2, debug=kind == "fsdp2-debug")  # warm-up: lazy init, allocator
+    rounds = [
+        {kind: train(*models[kind], x, args.steps, debug=kind == "fsdp2-debug") for kind in KINDS}
+        for _ in range(args.rounds)
+    ]
     comm_bytes = {}
     for kind in ("torch", "fsdp2"):
         with _CollectiveBytes() as counter:
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "step_ms": {k: statistics.median(r[k] for r in rounds) * 1e3 for k in KINDS},
             "ratio_fsdp2_over_torch": _median_and_band([r["fsdp2"] / r["torch"] for r in rounds]),
             "ratio_fsdp2_local_over_torch": _median_and_band([r["fsdp2-local"] / r["torch"] for r in rounds]),
+            "ratio_debug_over_fsdp2": _median_and_band([r["fsdp2-debug"] / r["fsdp2"] for r in rounds]),
             "bytes": measured["bytes"],
         }
     return result
@@ -188,6 +196,12 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{world:>5} {ms['ddp']:8.1f} {ms['torch']:9.1f} {ms['fsdp2']:9.1f} "
             f"{r['median']:8.2f} ({r['p05']:.2f}-{r['p95']:.2f}) {rl['median']:7.2f}"
+        )
+    for world, row in result["worlds"].items():
+        d = row["ratio_debug_over_fsdp2"]
+        print(
+            f"world {world}: debug mode (divergence guard) / fsdp2 step "
+            f"{d['median']:.3f} ({d['p05']:.3f}-{d['p95']:.3f})"
         )
     low = result["minimum_bytes"]
     for world, row in result["worlds"].items():

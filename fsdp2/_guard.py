@@ -16,6 +16,7 @@ reason, so a rank arriving later raises at once instead of waiting too.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import weakref
@@ -86,7 +87,7 @@ _ABORT = "abort:"
 _lock = threading.Lock()
 # Per process group (each rank's own object, also when ranks are threads): the next sequence number.
 _sequences: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
-_clients: dict[tuple[str, int, float], Any] = {}
+_clients: dict[tuple[str, int, float], tuple[Any, _Janitor]] = {}
 
 
 def _next_sequence(group: dist.ProcessGroup) -> int:
@@ -96,26 +97,53 @@ def _next_sequence(group: dist.ProcessGroup) -> int:
     return seq
 
 
-def _store(timeout: float) -> tuple[Any, bool]:
-    """A store client whose blocking reads give up after ``timeout``; ``True`` if it waits by itself.
+class _Janitor:
+    """Deletes a rank's read keys off the training thread (a delete is a round trip to the store).
+
+    It owns a TCP client of its own; a daemon thread deletes the keys handed to it in batches.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._keys: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, name="fsdp2-guard-janitor", daemon=True).start()
+
+    def drop(self, key: str) -> None:
+        self._keys.append(key)
+        if len(self._keys) >= 64:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            while self._keys:
+                self._store.delete_key(self._keys.popleft())
+
+
+def _store(timeout: float) -> tuple[Any, _Janitor | None]:
+    """A store whose blocking reads give up after ``timeout``, and who deletes read keys.
 
     A TCP store (torchrun, ``env://``) gets a client of its own with that timeout, so one read waits
-    and fetches; another store (the in-process one of thread ranks) is asked to wait first.
+    and fetches, and a janitor thread with another client deletes; another store (the in-process one
+    of thread ranks) is asked to wait first, and deletes at once (``None``).
     """
     default = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the job's store has no public accessor
     base = default
     while isinstance(base, PrefixStore):
         base = base.underlying_store
-    if isinstance(base, TCPStore):
-        key = (base.host, base.port, timeout)
-        with _lock:
-            client = _clients.get(key)
-            if client is None:
-                wait = timedelta(seconds=timeout)
-                client = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
-                _clients[key] = client
-        return client, True
-    return default, False
+    if not isinstance(base, TCPStore):
+        return default, None
+    key = (base.host, base.port, timeout)
+    with _lock:
+        found = _clients.get(key)
+        if found is None:
+            wait = timedelta(seconds=timeout)
+            reader = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
+            deleter = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
+            found = _clients[key] = (reader, _Janitor(deleter))
+    return found
 
 
 def agree(point: Point, group: dist.ProcessGroup) -> None:
@@ -125,14 +153,14 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
         return
     me = dist.get_rank()
     timeout = guard_timeout()
-    store, waits = _store(timeout)
+    store, janitor = _store(timeout)
     seq = _next_sequence(group)
     prefix = f"fsdp2_guard/{group.group_name}/"
     keys = [f"{prefix}{seq}/{rank}" for rank in ranks]
     mine = point.encode()
     store.set(f"{prefix}{seq}/{me}", mine)
     try:
-        if not waits:
+        if janitor is None:
             store.wait(keys, timedelta(seconds=timeout))
         values = [v.decode() for v in store.multi_get(keys)]
     except (dist.DistStoreError, RuntimeError) as exc:
@@ -140,7 +168,11 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
         store.set(f"{prefix}{seq}/{me}", _ABORT + message)
         raise DivergenceError(message) from exc
     if seq >= 2:
-        store.delete_key(f"{prefix}{seq - 2}/{me}")
+        old = f"{prefix}{seq - 2}/{me}"
+        if janitor is not None:
+            janitor.drop(old)
+        else:
+            store.delete_key(old)
     aborted = [v for v in values if v.startswith(_ABORT)]
     if aborted:
         raise DivergenceError(aborted[0][len(_ABORT) :])
