@@ -179,6 +179,48 @@ def test_an_export_on_rank_0_only(debug: None, tmp_path: Any) -> None:
     assert not path.exists()
 
 
+class _Experts(nn.Module):
+    """Two experts, each its own fully_shard module; a rank runs only the experts its tokens chose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+        for index in chosen:
+            x = self.experts[index](x)
+        return x
+
+
+def test_a_module_skipped_on_one_rank(debug: None) -> None:
+    """A whole fully_shard module run on some ranks only (its all-gathers would pair up wrongly)."""
+
+    def body(rank: int, world_size: int) -> str | None:
+        model = _Experts()
+        fill_deterministic_(model)
+        for expert in model.experts:
+            fsdp2.fully_shard(expert)
+        fsdp2.fully_shard(model)
+        try:
+            model(torch.ones(2, 4), [0, 1] if rank == 0 else [1]).sum().backward()
+        except fsdp2.DivergenceError as exc:
+            return str(exc)
+        return None
+
+    messages = run_ranks(2, body, timeout=60)
+    assert len(set(messages)) == 1, messages
+    assert messages[0] is not None
+    assert (
+        "ranks [0]: the all-gather of module 'experts.0' (10 float32 elements) in iteration 1 (forward)"
+        in messages[0]
+    )
+    assert (
+        "ranks [1]: the all-gather of module 'experts.1' (10 float32 elements) in iteration 1 (forward)"
+        in messages[0]
+    )
+    assert "The ranks run different FSDP modules here (a module skipped or repeated" in messages[0]
+
+
 def test_a_rank_that_never_arrives_is_named(debug: None) -> None:
     def body(rank: int, world_size: int) -> str | None:
         model = _model()
