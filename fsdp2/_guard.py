@@ -85,16 +85,7 @@ class Point:
 
 _ABORT = "abort:"
 _lock = threading.Lock()
-# Per process group (each rank's own object, also when ranks are threads): the next sequence number.
-_sequences: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 _clients: dict[tuple[str, int, float], tuple[Any, _Janitor]] = {}
-
-
-def _next_sequence(group: dist.ProcessGroup) -> int:
-    with _lock:
-        seq = _sequences.get(group, 0)
-        _sequences[group] = seq + 1
-    return seq
 
 
 class _Janitor:
@@ -146,38 +137,68 @@ def _store(timeout: float) -> tuple[Any, _Janitor | None]:
     return found
 
 
+class _Channel:
+    """One rank's side of the agreement in one process group: its ranks, keys, store and next number."""
+
+    __slots__ = ("janitor", "me", "prefix", "ranks", "seq", "store", "timeout")
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
+        self.ranks = dist.get_process_group_ranks(group)
+        self.me = dist.get_rank()
+        self.prefix = f"fsdp2_guard/{group.group_name}/"
+        self.timeout = timeout
+        self.store, self.janitor = _store(timeout)
+        self.seq = 0
+
+
+# Per process group (each rank's own object, also when ranks are threads of one process).
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, _Channel] = weakref.WeakKeyDictionary()
+
+
+def _channel(group: dist.ProcessGroup) -> _Channel:
+    timeout = guard_timeout()
+    channel = _channels.get(group)
+    if channel is None:
+        channel = _Channel(group, timeout)
+        with _lock:
+            channel = _channels.setdefault(group, channel)
+    elif channel.timeout != timeout:  # set_debug(timeout=...) changed it: same numbers, new reads
+        channel.store, channel.janitor = _store(timeout)
+        channel.timeout = timeout
+    return channel
+
+
 def agree(point: Point, group: dist.ProcessGroup) -> None:
     """Raise ``DivergenceError`` on every rank of ``group`` unless all are about to do ``point``."""
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) < 2:
+    c = _channel(group)
+    if len(c.ranks) < 2:
         return
-    me = dist.get_rank()
-    timeout = guard_timeout()
-    store, janitor = _store(timeout)
-    seq = _next_sequence(group)
-    prefix = f"fsdp2_guard/{group.group_name}/"
-    keys = [f"{prefix}{seq}/{rank}" for rank in ranks]
-    mine = point.encode()
-    store.set(f"{prefix}{seq}/{me}", mine)
+    seq, prefix, store = c.seq, c.prefix, c.store
+    c.seq = seq + 1
+    keys = [f"{prefix}{seq}/{rank}" for rank in c.ranks]
+    mine = point.encode().encode()
+    store.set(f"{prefix}{seq}/{c.me}", mine)
     try:
-        if janitor is None:
-            store.wait(keys, timedelta(seconds=timeout))
-        values = [v.decode() for v in store.multi_get(keys)]
+        if c.janitor is None:
+            store.wait(keys, timedelta(seconds=c.timeout))
+        values = store.multi_get(keys)
     except (dist.DistStoreError, RuntimeError) as exc:
-        message = _late(point, ranks, me, seq, prefix, store, timeout)
-        store.set(f"{prefix}{seq}/{me}", _ABORT + message)
+        message = _late(point, c.ranks, c.me, seq, prefix, store, c.timeout)
+        store.set(f"{prefix}{seq}/{c.me}", _ABORT + message)
         raise DivergenceError(message) from exc
     if seq >= 2:
-        old = f"{prefix}{seq - 2}/{me}"
-        if janitor is not None:
-            janitor.drop(old)
+        old = f"{prefix}{seq - 2}/{c.me}"
+        if c.janitor is not None:
+            c.janitor.drop(old)
         else:
             store.delete_key(old)
-    aborted = [v for v in values if v.startswith(_ABORT)]
+    if all(v == mine for v in values):
+        return
+    texts = [v.decode() for v in values]
+    aborted = [t for t in texts if t.startswith(_ABORT)]
     if aborted:
         raise DivergenceError(aborted[0][len(_ABORT) :])
-    if any(v != mine for v in values):
-        raise DivergenceError(_differ(ranks, [Point.decode(v) for v in values], point))
+    raise DivergenceError(_differ(c.ranks, [Point.decode(t) for t in texts], point))
 
 
 def _late(point: Point, ranks: list[int], me: int, seq: int, prefix: str, store: Any, timeout: float) -> str:
