@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
 from fsdp2.testing import run_ranks
@@ -31,12 +32,12 @@ def debug() -> Iterator[None]:
         fsdp2.set_debug(False, timeout=8.0)
 
 
-def _model() -> nn.Module:
+def _model(mesh: DeviceMesh | None = None) -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     fill_deterministic_(model)
     for layer in (model[0], model[2]):
-        fsdp2.fully_shard(layer)
-    fsdp2.fully_shard(model)
+        fsdp2.fully_shard(layer, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
     return model
 
 
@@ -251,13 +252,18 @@ def test_a_rank_that_never_arrives_is_named(debug: None) -> None:
     assert "iteration 1 (backward, gradients off)" in messages[0]
 
 
-def test_training_is_unchanged(debug: None) -> None:
-    """Three AdamW steps with explicit prefetch and bucketing: bit-equal with debug mode off."""
+@pytest.mark.parametrize("layout", ["fsdp-2", "hsdp-2x2"])
+def test_training_is_unchanged(debug: None, layout: str) -> None:
+    """Three AdamW steps (bucketed with explicit prefetch; HSDP): bit-equal with debug mode off."""
 
     def body(rank: int, world_size: int) -> list[torch.Tensor]:
-        model = _model()
-        model.set_bucket_cap_mb(1, 1)
-        model[0].set_modules_to_forward_prefetch([model[2]])
+        mesh = None
+        if layout.startswith("hsdp"):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model(mesh)
+        if mesh is None:
+            model.set_bucket_cap_mb(1, 1)
+            model[0].set_modules_to_forward_prefetch([model[2]])
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         for step in range(3):
             _step(model, rank, seed=step)
@@ -265,9 +271,10 @@ def test_training_is_unchanged(debug: None) -> None:
             opt.zero_grad()
         return [p.full_tensor() for p in model.parameters()]
 
-    checked = run_ranks(2, body)
+    world = 4 if layout.startswith("hsdp") else 2
+    checked = run_ranks(world, body)
     fsdp2.set_debug(False)
-    plain = run_ranks(2, body)
+    plain = run_ranks(world, body)
     for a, b in zip(checked[0], plain[0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
