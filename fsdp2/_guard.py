@@ -60,11 +60,19 @@ class Point:
     trainable: str
 
     def encode(self) -> str:
-        return json.dumps(list(self.__dict__.values()))
+        """JSON of the fields the ranks must agree on, then ``#`` and the iteration (shown, not compared).
+
+        The iteration counts the root's forwards, including forwards that issue no collective (all
+        parameters already unsharded), which a rank may run alone without harm.
+        """
+        fields = [v for k, v in self.__dict__.items() if k != "iteration"]
+        return f"{json.dumps(fields)}#{self.iteration}"
 
     @classmethod
     def decode(cls, text: str) -> Point:
-        return cls(*json.loads(text))
+        fields, _, iteration = text.rpartition("#")
+        kind, module, *rest = json.loads(fields)
+        return cls(kind, module, int(iteration), *rest)
 
     @property
     def is_entry(self) -> bool:
@@ -192,7 +200,8 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
             c.janitor.drop(old)
         else:
             store.delete_key(old)
-    if all(v == mine for v in values):
+    core = mine.rpartition(b"#")[0]
+    if all(v.rpartition(b"#")[0] == core for v in values):
         return
     texts = [v.decode() for v in values]
     aborted = [t for t in texts if t.startswith(_ABORT)]

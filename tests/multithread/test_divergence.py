@@ -252,6 +252,28 @@ def test_a_rank_that_never_arrives_is_named(debug: None) -> None:
     assert "iteration 1 (backward, gradients off)" in messages[0]
 
 
+def test_a_forward_without_collectives_on_one_rank_is_fine(debug: None) -> None:
+    """Rank 0 evaluates on parameters every rank unsharded: no collective differs, so no error."""
+
+    def body(rank: int, world_size: int) -> list[torch.Tensor]:
+        model = _model()
+        _step(model, rank)
+        sharded = [m for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
+        for module in sharded:
+            module.unshard()  # every rank: one all-gather each
+        if rank == 0:
+            with torch.no_grad():
+                model(torch.ones(2, 4))  # an extra forward of the root, issuing no collective
+        for module in sharded:
+            module.reshard()
+        _step(model, rank, seed=1)
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    grads = run_ranks(2, body)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["fsdp-2", "hsdp-2x2"])
 def test_training_is_unchanged(debug: None, layout: str) -> None:
     """Three AdamW steps (bucketed with explicit prefetch; HSDP): bit-equal with debug mode off."""
