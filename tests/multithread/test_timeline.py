@@ -1,7 +1,8 @@
 """Timelines: spans with durations, ``save_timeline`` (JSON and PNG) and ``merge_timelines``.
 
 Two ranks (threads) record two training steps; every all-gather and reduce-scatter of every group
-becomes a span with a duration and a memory sample; the JSON is a valid trace with complete events,
+becomes a span with a duration and a memory sample, and the training thread's waits on them become
+waits; the JSON is a valid trace with complete events (collectives and waits on separate tracks),
 the PNG opens as an image, and merging keeps every rank.
 """
 
@@ -49,10 +50,15 @@ def test_timeline_files(tmp_path: Path) -> None:
         }
     )
     trace = json.loads((tmp_path / "rank1.json").read_text())["traceEvents"]
-    complete = [e for e in trace if e["ph"] == "X"]
+    complete = [e for e in trace if e["ph"] == "X" and e["cat"] == "collectives"]
     assert len(complete) == 16
     assert all(e["dur"] >= 0 and e["pid"] == 1 for e in complete)
     assert {e["args"]["module"] for e in complete} == {"0", "2", "<root>"}
+    # The waits, on tracks of their own: an all-gather's issue and its wait, a reduce-scatter's call.
+    waits = [e for e in trace if e["ph"] == "X" and e["cat"] == "waits"]
+    assert Counter(e["name"] for e in waits) == {"all-gather wait": 2 * 10, "reduce-scatter wait": 6}
+    assert {e["tid"] for e in waits}.isdisjoint({e["tid"] for e in complete})
+    assert sum(e["ph"] == "X" for e in trace) == 16 + 26
     assert any(e["ph"] == "C" and e["args"]["bytes"] > 0 for e in trace)  # the memory line
     png = (tmp_path / "rank0.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
@@ -62,7 +68,7 @@ def test_timeline_files(tmp_path: Path) -> None:
     fsdp2.merge_timelines([tmp_path / "rank0.json", tmp_path / "rank1.json"], tmp_path / "all.json")
     merged = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
     assert {e["pid"] for e in merged} == {0, 1}
-    assert sum(e["ph"] == "X" for e in merged) == 32
+    assert sum(e["ph"] == "X" for e in merged) == 2 * (16 + 26)
 
 
 def test_events_compare_like_plain_lists() -> None:

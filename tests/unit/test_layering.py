@@ -140,7 +140,9 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
     internals = _internal_imports(path) & ENGINE_INTERNALS
     if tool == "_step_guard":
         internals -= {"_param_group"}  # the groups it watches, for typing; every read goes through _engine
-    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine's interface"
+    assert not internals, (
+        f"{tool} imports the engine's internals {sorted(internals)}: use _engine's interface"
+    )
     assert "_engine" in _internal_imports(path)
     reads = {
         node.attr
@@ -148,3 +150,8 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
         if isinstance(node, ast.Attribute) and node.attr in ENGINE_FIELDS
     }
     assert not reads, f"{tool} reads engine fields {sorted(reads)}: add what it needs to _engine instead"
+
+
+def test_the_communication_report_reads_recordings_only() -> None:
+    # Pure data processing over what record_events yielded: nothing of the engine.
+    assert _graph()["_report"] == {"_events"}
