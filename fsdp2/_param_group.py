@@ -185,8 +185,8 @@ class FSDPParamGroup(BucketMember):
             and schedule.gather(self, state)
         ):
             # One all-gather with the other members of its bucket (records every unshard); its wait is
-            # this group's: the members needed later find their part there.
-            _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
+            # this group's (from its span's start): the members needed later find their part there.
+            _events.wait_end(self.gatherer.span[0], "all-gather", self.module_fqn, state, scope)
             return
         _events.record("unshard", self.module_fqn, state, scope)
         self.gatherer.span = (start, state)

@@ -123,10 +123,10 @@ def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> 
 
 
 def _wait_events(waits: Sequence[Span], rank: int) -> list[dict[str, Any]]:
-    """The waits as complete events on one track per group, below the group's own (ids from 1000).
+    """The waits as complete events on one track per group, beside the group's own (ids from 1000).
 
-    A track of their own: a wait may start a moment before its span (a bucket's all-gather is waited
-    on from the call that issues it), which would not nest on the span's track.
+    A track of their own: a wait that covers its whole span (a synchronous reduce-scatter) would
+    otherwise hide behind it, and a track of waits alone reads as "where this group held training up".
     """
     tracks: dict[str, int] = {}
     trace: list[dict[str, Any]] = []

@@ -10,7 +10,8 @@ machine (times only ever grow under load, so lower bounds are tight and upper bo
   finished by the time it is used: exposed near 0, total at least ``SLEEP``;
 - a forward prefetch on CPU runs synchronously when issued: exposed ``DELAY``, while its total also
   spans the compute before the prefetched layer's forward;
-- a bucketed reduce-scatter's wait is shared among its members in proportion to their bytes;
+- a bucketed all-gather is waited on by the group whose unshard issued it, the other members only copy
+  out their part; a bucketed reduce-scatter's wait is shared among its members by bytes;
 - the table, the total row, the timeline's waits, and the errors.
 """
 
@@ -233,6 +234,41 @@ def test_a_bucketed_reduce_scatter_shares_its_wait_by_bytes(tmp_path: Path) -> N
     in_trace = [e for e in trace if e.get("cat") == "waits" and e["name"] == "reduce-scatter wait"]
     assert sorted(e["dur"] for e in in_trace) == pytest.approx(sorted(pieces.values()))
     assert {e["tid"] for e in in_trace}.isdisjoint({e["tid"] for e in trace if e.get("cat") == "collectives"})
+
+
+def _bucketed_gather(rank: int, world_size: int) -> fsdp2.CommunicationReport:
+    torch.manual_seed(0)
+    model = nn.Sequential(Sleepy(SLEEP), Sleepy(0.0))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    model.set_bucket_cap_mb(all_gather=64)  # both layers gathered by one all-gather
+    model(_x()).sum().backward()  # learns the execution order
+    with fsdp2.record_events() as events:
+        loss = model(_x()).sum()
+    loss.backward()
+    return fsdp2.communication_report(events)
+
+
+def test_a_bucketed_all_gather_is_waited_on_by_the_group_that_issued_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = dist.all_gather_single
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(DELAY)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather_single", slow)  # fsdp2's built-in all-gather looks it up per call
+    report = run_ranks(2, _bucketed_gather)[0]
+    first, second = report.row("0", "all_gather"), report.row("1", "all_gather")
+    assert first.count == second.count == 1
+    # Layer 0's unshard issues the bucket and waits for it; layer 1 finds its part there after layer 0's
+    # forward (SLEEP) and only copies it out.
+    assert DELAY <= first.exposed_s <= first.total_s + 1e-6
+    assert first.total_s < DELAY + SLACK
+    assert second.exposed_s < DELAY / 2
+    assert second.total_s >= DELAY + SLEEP
 
 
 def test_the_table_lists_every_row_and_the_total() -> None:
