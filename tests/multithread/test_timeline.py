@@ -83,7 +83,7 @@ def test_events_compare_like_plain_lists() -> None:
 
 
 def test_nested_recorders_and_filtered_lists(tmp_path: Path) -> None:
-    def body(rank: int, world_size: int) -> tuple[int, int, int, int]:
+    def body(rank: int, world_size: int) -> tuple[int, int, int, int, int, int]:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         fsdp2.fully_shard(model[0])
         fsdp2.fully_shard(model)
@@ -95,8 +95,9 @@ def test_nested_recorders_and_filtered_lists(tmp_path: Path) -> None:
         filtered = [e for e in outer if e.kind == "unshard"]
         with pytest.warns(UserWarning, match=r"carry no spans, so the timeline shows no durations"):
             fsdp2.save_timeline(filtered, tmp_path / f"filtered{rank}.json")
-        return len(outer), len(inner), len(outer.spans), len(inner.spans)
+        return len(outer), len(inner), len(outer.spans), len(inner.spans), len(outer.waits), len(inner.waits)
 
-    n_outer, n_inner, spans_outer, spans_inner = run_ranks(2, body)[0]
+    n_outer, n_inner, spans_outer, spans_inner, waits_outer, waits_inner = run_ranks(2, body)[0]
     assert n_outer == 2 * n_inner > 0
     assert spans_outer == 2 * spans_inner > 0
+    assert waits_outer == 2 * waits_inner > 0
