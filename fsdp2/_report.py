@@ -150,31 +150,42 @@ def communication_report(events: Iterable[Event]) -> CommunicationReport:
             f"spans and waits; got {type(events).__name__}. Record with `with fsdp2.record_events() as "
             "events:` and pass `events` itself (a filtered copy, e.g. a list comprehension, drops them)."
         )
-    totals: dict[tuple[str, str], list[float]] = {}  # (fqn, name) -> [count, total_us, exposed_us]
-    first: dict[tuple[str, str], float] = {}
+    sums: dict[tuple[str, str], _Sums] = {}  # by (module_fqn, span name)
     for span in spans:
-        key = (span.module_fqn, span.name)
-        acc = totals.setdefault(key, [0, 0.0, 0.0])
-        acc[0] += 1
-        acc[1] += max(span.end_us - span.start_us, 0.0)
-        first[key] = min(first.get(key, span.start_us), span.start_us)
+        acc = sums.setdefault((span.module_fqn, span.name), _Sums(span.start_us))
+        acc.add(span.start_us, span.end_us, exposed=False)
     for wait in waits:
-        key = (wait.module_fqn, wait.name)
-        acc = totals.setdefault(key, [0, 0.0, 0.0])
-        acc[2] += max(wait.end_us - wait.start_us, 0.0)
-        first.setdefault(key, wait.start_us)
-    group_start: dict[str, float] = {}
-    for (fqn, _), start in first.items():
-        group_start[fqn] = min(group_start.get(fqn, start), start)
-    order = sorted(totals, key=lambda k: (group_start[k[0]], first[k]))
-    rows = tuple(
-        CommunicationRow(
-            fqn, _COLLECTIVES.get(name, name.replace("-", "_")), int(c), total / 1e6, exposed / 1e6
-        )
-        for fqn, name in order
-        for c, total, exposed in [totals[(fqn, name)]]
-    )
+        acc = sums.setdefault((wait.module_fqn, wait.name), _Sums(wait.start_us))
+        acc.add(wait.start_us, wait.end_us, exposed=True)
+    group_start: dict[str, float] = {}  # rows follow the order in which groups first communicated
+    for (fqn, _), acc in sums.items():
+        group_start[fqn] = min(group_start.get(fqn, acc.first_us), acc.first_us)
+    order = sorted(sums, key=lambda key: (group_start[key[0]], sums[key].first_us))
+    rows = tuple(sums[key].row(*key) for key in order)
     return CommunicationReport(rows, _steps(events))
+
+
+@dataclass
+class _Sums:
+    """What one group's collectives of one kind add up to, while reading a recording."""
+
+    first_us: float  # the earliest start seen
+    count: int = 0
+    total_us: float = 0.0
+    exposed_us: float = 0.0
+
+    def add(self, start_us: float, end_us: float, exposed: bool) -> None:
+        self.first_us = min(self.first_us, start_us)
+        if exposed:
+            self.exposed_us += max(end_us - start_us, 0.0)
+        else:
+            self.count += 1
+            self.total_us += max(end_us - start_us, 0.0)
+
+    def row(self, module_fqn: str, name: str) -> CommunicationRow:
+        collective = _COLLECTIVES.get(name, name.replace("-", "_"))
+        seconds = (self.total_us / 1e6, self.exposed_us / 1e6)
+        return CommunicationRow(module_fqn, collective, self.count, *seconds)
 
 
 def _steps(events: Iterable[Event]) -> int:
