@@ -6,8 +6,11 @@ and 4 in gloo processes and (d) bytes per collective against the unpadded minimu
 (e) a model of 64 tiny groups at world 4: collectives per step and step time, bucketed or not,
 against torch (``bucketing.py`` under ``torchrun``), (f) the gradient reductions fsdp2 adds (accumulation
 within a budget, a bf16 wire, deterministic sums) at world 2: bytes, held gradients and step time
-against the default and torch (``reductions.py`` under ``torchrun``). Each part interleaves torch's
-``fully_shard`` and fsdp2 (and an unsharded baseline where it applies) round by round in one run.
+against the default and torch (``reductions.py`` under ``torchrun``), (g) the cost of
+``record_events()`` (what ``communication_report`` reads) on the step-time model of (b) at world 2:
+step time with and without a recorder, and the recording work alone (``recording.py`` under
+``torchrun``). Each part interleaves torch's ``fully_shard`` and fsdp2 (and an unsharded baseline
+where it applies) round by round in one run; (g) interleaves recorded and plain steps.
 
 Run:  python benchmarks/suite.py [--quick]      (or: nox -s bench)
 Writes benchmarks/results/suite.json, suite.md (the tables) and suite.png (one panel per part),
@@ -156,6 +159,23 @@ def tables(results: dict[str, Any]) -> str:
                 f"| {name} | {count_text} | {sent_text} | {row['held_bytes']:.0f} | {row['step_ms']:.1f} | "
                 f"{row['over_fsdp2']:.2f} | {row['over_torch']:.2f} |"
             )
+    g = results.get("g_recording")
+    if g:
+        cfg, ratio = g["config"], g["ratio_recorded_over_plain"]
+        lines += [
+            "",
+            f"(g) record_events() on the model of (b) ({cfg['blocks']} blocks of dim {cfg['dim']}), world "
+            f"{g['world_size']}, gloo processes: {g['events_per_step']} events, {g['spans_per_step']} spans "
+            f"and {g['waits_per_step']} waits per step; building a step's communication report takes "
+            f"{g['report_ms']:.2f} ms:",
+            "",
+            "| plain step ms | recorded step ms | recorded / plain (p05-p95) | recording work µs / step "
+            "| / step |",
+            "|---:|---:|---:|---:|---:|",
+            f"| {g['plain_ms']:.1f} | {g['recorded_ms']:.1f} | {ratio['median']:.3f} "
+            f"({ratio['p05']:.3f}-{ratio['p95']:.3f}) | {g['recording_us_per_step']:.0f} "
+            f"| {100 * g['recording_fraction_of_step']:.2f}% |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--skip-bucketing", action="store_true")
     parser.add_argument("--skip-reductions", action="store_true")
+    parser.add_argument("--skip-recording", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -233,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["e_bucketing"] = run_torchrun("bucketing", 4, out, args.quick)
     if not args.skip_reductions:
         results["f_reductions"] = run_torchrun("reductions", 2, out, args.quick)
+    if not args.skip_recording:
+        results["g_recording"] = run_torchrun("recording", 2, out, args.quick)
     results["seconds"] = time.perf_counter() - start
     (out / "suite.json").write_text(json.dumps(results, indent=2))
     text = tables(results)

@@ -280,13 +280,18 @@ class Progress:
 
 
 def write_traces(events: list[fsdp2.Event], out: Path, rank: int, world_size: int) -> None:
-    """This rank's timeline (JSON and PNG), then all ranks merged into one JSON by rank 0."""
+    """This rank's timeline (JSON and PNG), then all ranks merged into one JSON by rank 0.
+
+    Rank 0 also prints its communication report: per group, how long the collectives took and how
+    long training waited on them.
+    """
     out.mkdir(parents=True, exist_ok=True)
     fsdp2.save_timeline(events, out / f"rank{rank}.json")
     fsdp2.save_timeline(events, out / f"rank{rank}.png")
     dist.barrier()
     if rank == 0:
         fsdp2.merge_timelines([out / f"rank{r}.json" for r in range(world_size)], out / "timeline.json")
+        print(f"rank 0: {fsdp2.communication_report(events)}", flush=True)
         print(f"timelines in {out}/ (open timeline.json in https://ui.perfetto.dev)", flush=True)
 
 

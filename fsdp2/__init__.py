@@ -21,6 +21,7 @@ from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._patch import TorchPatch, patch_torch_fsdp
 from ._plan import Plan, PlanError, plan
+from ._report import CommunicationReport, CommunicationRow, communication_report
 from ._timeline import merge_timelines, save_timeline
 from ._wrap import apply_fully_shard
 
@@ -31,6 +32,8 @@ __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",
+    "CommunicationReport",
+    "CommunicationRow",
     "DataParallelMeshDims",
     "DivergenceError",
     "Event",
@@ -54,6 +57,7 @@ __all__ = [
     "accumulate",
     "apply_fully_shard",
     "clip_grad_norm_",
+    "communication_report",
     "estimate_memory",
     "fully_shard",
     "init_like_unsharded",

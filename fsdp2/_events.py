@@ -32,11 +32,16 @@ _local = threading.local()
 
 
 class EventList(list["Event"]):
-    """The list ``record_events()`` yields: the events, plus ``spans`` (collectives with durations)."""
+    """The list ``record_events()`` yields: the events, plus ``spans`` and ``waits``.
+
+    ``spans`` are collectives from issue to a usable result; ``waits`` the stretches within them in
+    which the training thread was blocked on one (see :func:`communication_report`).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.spans: list[Span] = []
+        self.waits: list[Span] = []
 
 
 class _Recorder:
@@ -65,6 +70,13 @@ class _Recorder:
         while recorder is not None:
             if recorder.open:
                 recorder.events.spans.append(span)
+            recorder = recorder.outer
+
+    def add_wait(self, wait: Span) -> None:
+        recorder: _Recorder | None = self
+        while recorder is not None:
+            if recorder.open:
+                recorder.events.waits.append(wait)
             recorder = recorder.outer
 
 
@@ -124,17 +136,21 @@ class Event:
 
 @dataclass(frozen=True)
 class Span:
-    """A stretch of time of one group: a collective from issue to completion, for timelines.
+    """A stretch of time of one group: a collective from issue to completion, or a wait on one.
+
+    In ``spans`` a span runs from the collective's issue to its result being usable; in ``waits``, from
+    the training thread entering a call that blocks on the collective (the issue of a synchronous one,
+    the wait and copy-out of an asynchronous or prefetched one) to its return.
 
     Attributes:
         name: ``"all-gather"`` (issue to copy-out done) or ``"reduce-scatter"`` (packing to the
-            sharded gradients assigned).
+            sharded gradients assigned; an HSDP replica all-reduce is part of it).
         module_fqn: the group's module name (``""`` for the root).
         training_state: the group's training state when it started.
         start_us: start, in microseconds of ``time.perf_counter``.
         end_us: end, same clock.
         memory_bytes: memory in use at the end: ``torch.cuda.memory_allocated()`` on CUDA, the
-            process's resident set size on CPU (Linux), else ``None``.
+            process's resident set size on CPU (Linux), else ``None`` (always ``None`` for a wait).
     """
 
     name: str
@@ -152,19 +168,55 @@ def span_start(scope: EventScope | None) -> float | None:
     return time.perf_counter() * 1e6
 
 
+def _recorder_for(scope: EventScope | None) -> _Recorder | None:
+    recorder: _Recorder | None = getattr(_local, "recorder", None)
+    if recorder is None and scope is not None:
+        recorder = scope.backward_recorder()
+    return recorder
+
+
 def span_end(
-    start: float | None, name: str, module_fqn: str, state: TrainingState, scope: EventScope | None
+    start: float | None,
+    name: str,
+    module_fqn: str,
+    state: TrainingState,
+    scope: EventScope | None,
+    waited: float | None = None,
 ) -> None:
-    """Record the span begun at ``start`` (a no-op when ``start`` is ``None``)."""
+    """Record the span begun at ``start`` (a no-op when ``start`` is ``None``).
+
+    ``waited``: the training thread was blocked on this collective from then until now (a wait is
+    recorded too); pass ``start`` for a collective issued and finished in one blocking call.
+    """
     if start is None:
         return
-    recorder = getattr(_local, "recorder", None)
+    recorder = _recorder_for(scope)
     if recorder is None:
-        recorder = scope.backward_recorder() if scope is not None else None
-        if recorder is None:
-            return
+        return
     end = time.perf_counter() * 1e6
     recorder.add_span(Span(name, module_fqn, state, start, end, _memory_bytes()))
+    if waited is not None:
+        recorder.add_wait(Span(name, module_fqn, state, waited, end))
+
+
+def wait_end(
+    start: float | None,
+    name: str,
+    module_fqn: str,
+    state: TrainingState,
+    scope: EventScope | None,
+    end: float | None = None,
+) -> None:
+    """Record that the training thread was blocked on a collective from ``start`` until ``end`` (now).
+
+    A no-op when ``start`` is ``None`` (nobody records); ``start`` comes from :func:`span_start`.
+    """
+    if start is None:
+        return
+    recorder = _recorder_for(scope)
+    if recorder is not None:
+        stop = time.perf_counter() * 1e6 if end is None else end
+        recorder.add_wait(Span(name, module_fqn, state, start, stop))
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -191,8 +243,9 @@ def record_events() -> Iterator[EventList]:
 
     Yields:
         A list that fills with :class:`Event` objects in the order they happen; its ``spans``
-        attribute fills with :class:`Span` objects (collectives with durations) for
-        :func:`save_timeline`.
+        attribute fills with :class:`Span` objects (collectives with durations) and its ``waits``
+        with the stretches the training thread was blocked on them, for :func:`save_timeline` and
+        :func:`communication_report`.
 
     Example:
         >>> with fsdp2.record_events() as events:  # doctest: +SKIP

@@ -176,21 +176,26 @@ class FSDPParamGroup(BucketMember):
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         schedule = root.schedule if root is not None else None
+        scope = root.event_scope if root is not None else None
+        start = _events.span_start(scope)  # the thread blocks from here until the issue returns
         if (
             schedule is not None
             and schedule.bucket_gathers
             and not (async_op or post_forward)
             and schedule.gather(self, state)
         ):
-            return  # one all-gather with the other members of its bucket (records every unshard)
-        scope = root.event_scope if root is not None else None
+            # One all-gather with the other members of its bucket (records every unshard); its wait is
+            # this group's (from its span's start): the members needed later find their part there.
+            _events.wait_end(self.gatherer.span[0], "all-gather", self.module_fqn, state, scope)
+            return
         _events.record("unshard", self.module_fqn, state, scope)
-        self.gatherer.span = (_events.span_start(scope), state)
+        self.gatherer.span = (start, state)
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         ctx = root.comm_ctx if root is not None else None
         with watch_collective("all-gather", self.module_fqn, state):
             self.gatherer.issue(self.packed, info, self.comms.all_gather, ctx, async_op, state)
+        _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -198,6 +203,7 @@ class FSDPParamGroup(BucketMember):
         gatherer = self.gatherer
         if gatherer.result is None:
             return
+        waited = _events.span_start(self.event_scope)  # blocked until the copy-out is done
         with watch_collective("all-gather wait", self.module_fqn, self.training_state):
             result = gatherer.wait()
         assert result is not None, "an all-gather vanished while waiting for it"
@@ -211,7 +217,7 @@ class FSDPParamGroup(BucketMember):
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
         root = self.root
-        _events.span_end(start, "all-gather", self.module_fqn, issued_in, root.event_scope if root else None)
+        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited)
         ctx = root.comm_ctx if root is not None else None
         if ctx is not None and ctx.use_streams:
             ctx.defer_all_gather_buffers(
@@ -339,7 +345,7 @@ class FSDPParamGroup(BucketMember):
             start = _events.span_start(scope)
             with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
                 self.reducer.reduce(reduced, grads, root.comm_ctx if root else None, controls, self.comms)
-            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope)
+            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
         _events.record("post_backward", self.module_fqn, self.training_state, scope)
 
     def drop_unreduced_grads(self) -> None:

@@ -1,9 +1,10 @@
 """Timelines of recorded steps: a Perfetto/Chrome JSON with durations, a PNG, and merged ranks.
 
-Owns: ``save_timeline`` (``.json``: complete events with durations per module group, instant events
-for unshard/reshard/post-backward, a memory counter; ``.png``: one row per group, bars for the
-collectives, a memory line) and ``merge_timelines`` (several ranks' JSON files into one, a process
-per rank). Does not own: recording (``_events``).
+Owns: ``save_timeline`` (``.json``: complete events with durations per module group, the waits on
+them (category ``waits``) on a track of their own per group, instant events for
+unshard/reshard/post-backward, a memory counter; ``.png``: one row per group, bars for the
+collectives with the waits hatched red on them, a memory line) and ``merge_timelines`` (several
+ranks' JSON files into one, a process per rank). Does not own: recording (``_events``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def save_timeline(events: Iterable[Event], path: str | os.PathLike[str], *, rank
     """Write the recorded step(s) as a timeline: a PNG picture or a Perfetto/Chrome JSON trace.
 
     Args:
-        events: the list :func:`record_events` yielded (its ``spans`` give the durations).
+        events: the list :func:`record_events` yielded (its ``spans`` give the durations, its
+            ``waits`` the time the training thread was blocked on them).
         path: ends in ``.png`` (needs matplotlib) or ``.json`` (open in https://ui.perfetto.dev or
             ``chrome://tracing``).
         rank: the rank shown (default: this process's rank, or 0).
@@ -48,11 +50,13 @@ def save_timeline(events: Iterable[Event], path: str | os.PathLike[str], *, rank
         )
     events = list(events) if not isinstance(events, list) else events
     spans: list[Span] = list(getattr(events, "spans", []))
+    waits: list[Span] = list(getattr(events, "waits", []))
     if path.endswith(".json"):
+        trace = _trace_events(events, spans, rank) + _wait_events(waits, rank)
         with open(path, "w") as f:
-            json.dump({"traceEvents": _trace_events(events, spans, rank), "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
     else:
-        _save_png(events, spans, path, rank)
+        _save_png(events, spans, waits, path, rank)
 
 
 def merge_timelines(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> None:
@@ -79,6 +83,7 @@ def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> 
         trace.append(
             {
                 "name": span.name,
+                "cat": "collectives",
                 "ph": "X",
                 "ts": span.start_us,
                 "dur": max(span.end_us - span.start_us, 0.0),
@@ -117,7 +122,39 @@ def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> 
     return process + names + trace
 
 
-def _save_png(events: Sequence[Event], spans: Sequence[Span], path: str, rank: int) -> None:
+def _wait_events(waits: Sequence[Span], rank: int) -> list[dict[str, Any]]:
+    """The waits as complete events on one track per group, beside the group's own (ids from 1000).
+
+    A track of their own: a wait that covers its whole span (a synchronous reduce-scatter) would
+    otherwise hide behind it, and a track of waits alone reads as "where this group held training up".
+    """
+    tracks: dict[str, int] = {}
+    trace: list[dict[str, Any]] = []
+    for wait in waits:
+        module = wait.module_fqn or "<root>"
+        tid = tracks.setdefault(module, 1000 + len(tracks))
+        trace.append(
+            {
+                "name": f"{wait.name} wait",
+                "cat": "waits",
+                "ph": "X",
+                "ts": wait.start_us,
+                "dur": max(wait.end_us - wait.start_us, 0.0),
+                "pid": rank,
+                "tid": tid,
+                "args": {"module": module, "training_state": wait.training_state.name},
+            }
+        )
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": t, "args": {"name": f"{module} (waits)"}}
+        for module, t in tracks.items()
+    ]
+    return names + trace
+
+
+def _save_png(
+    events: Sequence[Event], spans: Sequence[Span], waits: Sequence[Span], path: str, rank: int
+) -> None:
     try:
         import matplotlib
 
@@ -135,6 +172,11 @@ def _save_png(events: Sequence[Event], spans: Sequence[Span], path: str, rank: i
         row = rows[span.module_fqn or "<root>"]
         start, width = (span.start_us - origin) / 1e3, max(span.end_us - span.start_us, 1.0) / 1e3
         ax.broken_barh([(start, width)], (row - 0.35, 0.7), color=_COLORS.get(span.name, "tab:gray"))
+    for wait in waits:  # the blocked part, over the lower half of its group's bar
+        row = rows.setdefault(wait.module_fqn or "<root>", len(rows))
+        start, width = (wait.start_us - origin) / 1e3, max(wait.end_us - wait.start_us, 1.0) / 1e3
+        box = (row - 0.35, 0.35)
+        ax.broken_barh([(start, width)], box, facecolor="none", edgecolor="tab:red", hatch="///")
     for event in events:
         row = rows[event.module_fqn or "<root>"]
         marker = {"unshard": "v", "reshard": "^", "post_backward": "o"}[event.kind]
@@ -142,7 +184,8 @@ def _save_png(events: Sequence[Event], spans: Sequence[Span], path: str, rank: i
     ax.set_yticks(list(rows.values()), list(rows))
     ax.set_xlabel("time (ms)")
     ax.set_title(
-        f"rank {rank}: all-gathers (blue), reduce-scatters (orange); v unshard, ^ reshard, o post-backward"
+        f"rank {rank}: all-gathers (blue), reduce-scatters (orange), waited on (red hatch); "
+        "v unshard, ^ reshard, o post-backward"
     )
     memory = [(s.end_us, s.memory_bytes) for s in spans if s.memory_bytes is not None]
     if memory:

@@ -108,6 +108,23 @@ def test_torchrun_command_line(tmp_path: Path) -> None:
     ]
     merged = json.loads((trace / "timeline.json").read_text())["traceEvents"]
     assert {e["pid"] for e in merged if e["ph"] == "X"} == {0, 1}
+    # --trace prints rank 0's communication report of the traced steps (1 and 2): a row per block and
+    # collective, and a total row whose count is the sum of the rows'.
+    lines = result.stdout[result.stdout.index("rank 0: Communication per group") :].splitlines()
+    assert lines[0] == "rank 0: Communication per group over 2 steps"
+    assert lines[1].split()[:3] == ["module", "collective", "count"]
+    end = lines.index(lines[2], 3)  # the rule under the header, repeated above the total row
+    rows = [line.split() for line in lines[3:end]]
+    collectives = {(cells[0], cells[1]) for cells in rows}
+    assert {c for _, c in collectives} == {"all_gather", "reduce_scatter"}
+    assert len(collectives) == len(rows) >= 4
+    total = lines[end + 1].split()
+    assert total[:2] == ["total", "all"]
+    assert int(total[2]) == sum(int(cells[2]) for cells in rows)
+    for cells in [*rows, total]:
+        count, total_ms, exposed_ms = int(cells[2]), float(cells[3]), float(cells[4])
+        assert count > 0
+        assert 0 <= exposed_ms <= total_ms + 0.01 * count  # printed to 0.01 ms per row
 
 
 def test_tensor_parallel_example_command_line() -> None:

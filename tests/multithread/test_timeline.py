@@ -1,7 +1,8 @@
 """Timelines: spans with durations, ``save_timeline`` (JSON and PNG) and ``merge_timelines``.
 
 Two ranks (threads) record two training steps; every all-gather and reduce-scatter of every group
-becomes a span with a duration and a memory sample; the JSON is a valid trace with complete events,
+becomes a span with a duration and a memory sample, and the training thread's waits on them become
+waits; the JSON is a valid trace with complete events (collectives and waits on separate tracks),
 the PNG opens as an image, and merging keeps every rank.
 """
 
@@ -49,10 +50,15 @@ def test_timeline_files(tmp_path: Path) -> None:
         }
     )
     trace = json.loads((tmp_path / "rank1.json").read_text())["traceEvents"]
-    complete = [e for e in trace if e["ph"] == "X"]
+    complete = [e for e in trace if e["ph"] == "X" and e["cat"] == "collectives"]
     assert len(complete) == 16
     assert all(e["dur"] >= 0 and e["pid"] == 1 for e in complete)
     assert {e["args"]["module"] for e in complete} == {"0", "2", "<root>"}
+    # The waits, on tracks of their own: an all-gather's issue and its wait, a reduce-scatter's call.
+    waits = [e for e in trace if e["ph"] == "X" and e["cat"] == "waits"]
+    assert Counter(e["name"] for e in waits) == {"all-gather wait": 2 * 10, "reduce-scatter wait": 6}
+    assert {e["tid"] for e in waits}.isdisjoint({e["tid"] for e in complete})
+    assert sum(e["ph"] == "X" for e in trace) == 16 + 26
     assert any(e["ph"] == "C" and e["args"]["bytes"] > 0 for e in trace)  # the memory line
     png = (tmp_path / "rank0.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
@@ -62,7 +68,7 @@ def test_timeline_files(tmp_path: Path) -> None:
     fsdp2.merge_timelines([tmp_path / "rank0.json", tmp_path / "rank1.json"], tmp_path / "all.json")
     merged = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
     assert {e["pid"] for e in merged} == {0, 1}
-    assert sum(e["ph"] == "X" for e in merged) == 32
+    assert sum(e["ph"] == "X" for e in merged) == 2 * (16 + 26)
 
 
 def test_events_compare_like_plain_lists() -> None:
@@ -77,7 +83,7 @@ def test_events_compare_like_plain_lists() -> None:
 
 
 def test_nested_recorders_and_filtered_lists(tmp_path: Path) -> None:
-    def body(rank: int, world_size: int) -> tuple[int, int, int, int]:
+    def body(rank: int, world_size: int) -> tuple[int, int, int, int, int, int]:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         fsdp2.fully_shard(model[0])
         fsdp2.fully_shard(model)
@@ -89,8 +95,9 @@ def test_nested_recorders_and_filtered_lists(tmp_path: Path) -> None:
         filtered = [e for e in outer if e.kind == "unshard"]
         with pytest.warns(UserWarning, match=r"carry no spans, so the timeline shows no durations"):
             fsdp2.save_timeline(filtered, tmp_path / f"filtered{rank}.json")
-        return len(outer), len(inner), len(outer.spans), len(inner.spans)
+        return len(outer), len(inner), len(outer.spans), len(inner.spans), len(outer.waits), len(inner.waits)
 
-    n_outer, n_inner, spans_outer, spans_inner = run_ranks(2, body)[0]
+    n_outer, n_inner, spans_outer, spans_inner, waits_outer, waits_inner = run_ranks(2, body)[0]
     assert n_outer == 2 * n_inner > 0
     assert spans_outer == 2 * spans_inner > 0
+    assert waits_outer == 2 * waits_inner > 0

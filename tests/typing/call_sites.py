@@ -29,4 +29,8 @@ def shard_transformer_like(blocks: list[nn.Module], root: nn.Module) -> fsdp2.FS
         pass
     kinds: list[str] = [event.kind for event in events]
     del kinds
+    report: fsdp2.CommunicationReport = fsdp2.communication_report(events)
+    rows: tuple[fsdp2.CommunicationRow, ...] = report.rows
+    exposed: float = report.total.exposed_s + sum(row.exposed_s for row in rows)
+    del exposed
     return sharded

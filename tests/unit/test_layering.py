@@ -148,3 +148,8 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
         if isinstance(node, ast.Attribute) and node.attr in ENGINE_FIELDS
     }
     assert not reads, f"{tool} reads engine fields {sorted(reads)}: add what it needs to _engine instead"
+
+
+def test_the_communication_report_reads_recordings_only() -> None:
+    # Pure data processing over what record_events yielded: nothing of the engine.
+    assert _graph()["_report"] == {"_events"}
