@@ -134,6 +134,9 @@ class Event:
         return (self.kind, self.module_fqn, self.training_state.name)
 
 
+_Stall = tuple[torch.cuda.Event, torch.cuda.Event]  # compute-stream timing events around a wait
+
+
 @dataclass(frozen=True)
 class Span:
     """A stretch of time of one group: a collective from issue to completion, or a wait on one.
@@ -151,6 +154,8 @@ class Span:
         end_us: end, same clock.
         memory_bytes: memory in use at the end: ``torch.cuda.memory_allocated()`` on CUDA, the
             process's resident set size on CPU (Linux), else ``None`` (always ``None`` for a wait).
+        gpu_stall: for a wait on CUDA side streams, timing events recorded on the compute stream
+            just before and after its wait for the all-gather (see ``exposed_us``), else ``None``.
     """
 
     name: str
@@ -159,6 +164,19 @@ class Span:
     start_us: float
     end_us: float
     memory_bytes: int | None = None
+    gpu_stall: _Stall | None = field(default=None, compare=False, repr=False)
+
+    def exposed_us(self) -> float:
+        """A wait's exposed time, in µs: the host's blocked time ``end_us - start_us``.
+
+        On CUDA side streams, the compute stream's stall between the two ``gpu_stall`` events instead
+        (this synchronizes with them).
+        """
+        if self.gpu_stall is None:
+            return max(self.end_us - self.start_us, 0.0)
+        before, after = self.gpu_stall
+        after.synchronize()
+        return float(before.elapsed_time(after)) * 1e3
 
 
 def span_start(scope: EventScope | None) -> float | None:
@@ -182,11 +200,13 @@ def span_end(
     state: TrainingState,
     scope: EventScope | None,
     waited: float | None = None,
+    stall: _Stall | None = None,
 ) -> None:
     """Record the span begun at ``start`` (a no-op when ``start`` is ``None``).
 
     ``waited``: the training thread was blocked on this collective from then until now (a wait is
     recorded too); pass ``start`` for a collective issued and finished in one blocking call.
+    ``stall``: CUDA, the compute stream's timing events around its wait (the wait's exposed time).
     """
     if start is None:
         return
@@ -196,7 +216,7 @@ def span_end(
     end = time.perf_counter() * 1e6
     recorder.add_span(Span(name, module_fqn, state, start, end, _memory_bytes()))
     if waited is not None:
-        recorder.add_wait(Span(name, module_fqn, state, waited, end))
+        recorder.add_wait(Span(name, module_fqn, state, waited, end, gpu_stall=stall))
 
 
 def wait_end(

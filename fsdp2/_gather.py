@@ -51,6 +51,8 @@ class AllGatherer:
       init; for extensions, by what their pre-all-gather hooks return at each unshard.
     - ``extension``: some parameter gathers through ``fsdp_pre_all_gather``.
     - ``span``: (issue time, phase) of the pending all-gather, for the timeline.
+    - ``stall``: CUDA, while recording: timing events on the compute stream just before and after
+      its wait for the last all-gather waited; their gap is how long compute stalled on it.
     - ``post_forward_event``: CUDA: recorded after the slices kept for an int
       ``reshard_after_forward`` were written; the next copy-in waits on it.
     """
@@ -62,6 +64,7 @@ class AllGatherer:
         self.as_bytes = False
         self.extension = False
         self.span: tuple[float | None, TrainingState] = (None, TrainingState.IDLE)
+        self.stall: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.post_forward_event: torch.Event | None = None
         self._mesh_info = mesh_info
         self._device = device
@@ -211,9 +214,20 @@ class AllGatherer:
     def wait(self) -> AllGatherResult | None:
         """Wait for the pending all-gather (CPU: its work; CUDA: its event) and hand it over."""
         result = self.result
-        if result is not None:
+        self.stall = None
+        if result is None:
+            return None
+        if result.event is not None and self.span[0] is not None:  # CUDA side streams, recorded
+            stream = torch.cuda.current_stream(result.output.device)
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
             wait_all_gather(result)
-            self.result = None
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self.stall = (before, after)
+        else:
+            wait_all_gather(result)
+        self.result = None
         return result
 
 

@@ -12,9 +12,11 @@ within those spans during which the training thread was blocked on the collectiv
 that issued it (a synchronous collective runs there), and inside the wait and copy-out before its
 result was used. ``total_s - exposed_s`` is the time the collective was in flight, or its result
 ready, while the thread did other work: what prefetching hid. A collective issued and finished in one
-blocking call is exposed for its whole span. On CUDA the host does not block on the side streams, so
-there ``exposed_s`` is host time only (launches, copy-in, stream waits), not the time the GPU's compute
-stream stalled; use the profiler for that.
+blocking call is exposed for its whole span. On CUDA the host does not block on the side streams: there
+an all-gather's wait counts the time the compute stream stalled on it (two timing events recorded on
+the compute stream around its wait for the all-gather's event, read when the report is made), while
+the issuing call and a reduce-scatter count host time (launches, copy-in); the compute stream's wait
+for the reductions at the end of backward is not measured.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def communication_report(events: Iterable[Event]) -> CommunicationReport:
         acc.add(span.start_us, span.end_us, exposed=False)
     for wait in waits:
         acc = sums.setdefault((wait.module_fqn, wait.name), _Sums(wait.start_us))
-        acc.add(wait.start_us, wait.end_us, exposed=True)
+        acc.add(wait.start_us, wait.start_us + wait.exposed_us(), exposed=True)
     group_start: dict[str, float] = {}  # rows follow the order in which groups first communicated
     for (fqn, _), acc in sums.items():
         group_start[fqn] = min(group_start.get(fqn, acc.first_us), acc.first_us)
@@ -184,7 +186,9 @@ class _Sums:
 
     def row(self, module_fqn: str, name: str) -> CommunicationRow:
         collective = _COLLECTIVES.get(name, name.replace("-", "_"))
-        seconds = (self.total_us / 1e6, self.exposed_us / 1e6)
+        # On CUDA a span is host time (issue to copy-out launched) while a wait is the compute stream's
+        # stall, which can outlast it: the collective took at least as long as compute waited for it.
+        seconds = (max(self.total_us, self.exposed_us) / 1e6, self.exposed_us / 1e6)
         return CommunicationRow(module_fqn, collective, self.count, *seconds)
 
 

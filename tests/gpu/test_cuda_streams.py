@@ -152,3 +152,50 @@ def _hook_on_a_side_stream() -> None:
 
 def test_cuda_all_reduce_hook_on_its_stream() -> None:
     run_threaded(1, _hook_on_a_side_stream)
+
+
+_SLOW_CYCLES = 60_000_000  # about 30-35 ms of a GPU clocked near 2 GHz
+
+
+class _SlowAllGather(fsdp2.AllGather):
+    """The default all-gather after a GPU sleep on the stream it runs on (the all-gather stream)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        torch.cuda._sleep(_SLOW_CYCLES)  # on the all-gather stream: a known delay
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _gpu_stall() -> tuple[float, float, float]:
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = torch.nn.Linear(64, 64).cuda()
+    fsdp2.fully_shard(model, mesh=mesh)
+    model.set_custom_all_gather(_SlowAllGather())
+    x = torch.randn(4, 64, device="cuda")
+    model(x).sum().backward()  # lazy init
+    torch.cuda.synchronize()
+    with fsdp2.record_events() as events:
+        model(x).sum().backward()
+    torch.cuda.synchronize()
+    row = fsdp2.communication_report(events).row("", "all_gather")
+    host = sum(w.end_us - w.start_us for w in events.waits if w.name == "all-gather") / 1e6
+    return row.exposed_s, row.total_s, host
+
+
+def test_cuda_exposed_time_is_the_compute_streams_stall() -> None:
+    """Nothing overlaps the slow all-gathers (forward, and backward's re-gather), so compute stalls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(_SLOW_CYCLES)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1e3
+    for exposed, total, host in run_threaded(2, _gpu_stall):
+        assert exposed >= 2 * 0.7 * sleep_s, (exposed, sleep_s)  # two all-gathers, each stalled
+        assert exposed <= total
+        assert host < exposed / 2  # the host did not block: the stall was measured on the GPU
