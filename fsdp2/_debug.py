@@ -14,9 +14,11 @@ Invariants: with debug off, the only cost is one attribute read per check site.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
@@ -189,28 +191,68 @@ def _default_group_timeout() -> float | None:
         return None
 
 
+class _Watchdog:
+    """One daemon thread per process that reports each watched collective older than its deadline, once.
+
+    Entering and leaving a watch is a dict insertion and removal (no thread per collective); the
+    thread wakes every ``_POLL_S`` seconds, so a report comes at most that late.
+    """
+
+    _POLL_S = 0.1
+
+    def __init__(self) -> None:
+        self._active: dict[int, tuple[float, float, str, int]] = {}  # token -> (start, deadline, what, rank)
+        self._reported: set[int] = set()
+        self._tokens = itertools.count()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def enter(self, what: str, rank: int, deadline: float) -> int:
+        token = next(self._tokens)
+        self._active[token] = (time.monotonic(), deadline, what, rank)
+        if not self._started:
+            with self._lock:
+                if not self._started:
+                    threading.Thread(target=self._run, name="fsdp2-watchdog", daemon=True).start()
+                    self._started = True
+        return token
+
+    def leave(self, token: int) -> None:
+        self._active.pop(token, None)
+        self._reported.discard(token)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._POLL_S)
+            now = time.monotonic()
+            for token, (start, deadline, what, rank) in list(self._active.items()):
+                if now - start >= deadline and token not in self._reported:
+                    self._reported.add(token)
+                    _report(
+                        f"fsdp2 debug: rank {rank} has waited {deadline:g} s in {what}. The other ranks of "
+                        "its process group probably never issued the matching collective (a different model, "
+                        "a skipped module, or an exception on another rank)."
+                    )
+
+
+def _report(message: str) -> None:
+    sink = _Settings.report
+    if sink is not None:
+        sink(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+_watchdog = _Watchdog()
+
+
 @contextlib.contextmanager
 def _watch(what: str) -> Iterator[None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     deadline = _Settings.deadline_s
     _check_deadline(deadline)
-
-    def report() -> None:
-        message = (
-            f"fsdp2 debug: rank {rank} has waited {deadline:g} s in {what}. The other ranks of its process "
-            "group probably never issued the matching collective (a different model, a skipped module, or "
-            "an exception on another rank)."
-        )
-        sink = _Settings.report
-        if sink is not None:
-            sink(message)
-        else:
-            print(message, file=sys.stderr, flush=True)
-
-    timer = threading.Timer(deadline, report)
-    timer.daemon = True
-    timer.start()
+    token = _watchdog.enter(what, rank, deadline)
     try:
         yield
     finally:
-        timer.cancel()
+        _watchdog.leave(token)
