@@ -16,7 +16,6 @@ reason, so a rank arriving later raises at once instead of waiting too.
 
 from __future__ import annotations
 
-import collections
 import json
 import threading
 import weakref
@@ -93,69 +92,42 @@ class Point:
 
 _ABORT = "abort:"
 _lock = threading.Lock()
-_clients: dict[tuple[str, int, float], tuple[Any, _Janitor]] = {}
+_clients: dict[tuple[str, int, float], Any] = {}
 
 
-class _Janitor:
-    """Deletes a rank's read keys off the training thread (a delete is a round trip to the store).
-
-    It owns a TCP client of its own; a daemon thread deletes the keys handed to it in batches.
-    """
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._keys: collections.deque[str] = collections.deque()
-        self._wake = threading.Event()
-        threading.Thread(target=self._run, name="fsdp2-guard-janitor", daemon=True).start()
-
-    def drop(self, key: str) -> None:
-        self._keys.append(key)
-        if len(self._keys) >= 64:
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(0.5)
-            self._wake.clear()
-            while self._keys:
-                self._store.delete_key(self._keys.popleft())
-
-
-def _store(timeout: float) -> tuple[Any, _Janitor | None]:
-    """A store whose blocking reads give up after ``timeout``, and who deletes read keys.
+def _store(timeout: float) -> tuple[Any, bool]:
+    """A store whose blocking reads give up after ``timeout``; ``True`` if it waits by itself.
 
     A TCP store (torchrun, ``env://``) gets a client of its own with that timeout, so one read waits
-    and fetches, and a janitor thread with another client deletes; another store (the in-process one
-    of thread ranks) is asked to wait first, and deletes at once (``None``).
+    and fetches; another store (the in-process one of thread ranks) is asked to wait first.
     """
     default = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the job's store has no public accessor
     base = default
     while isinstance(base, PrefixStore):
         base = base.underlying_store
     if not isinstance(base, TCPStore):
-        return default, None
+        return default, False
     key = (base.host, base.port, timeout)
     with _lock:
-        found = _clients.get(key)
-        if found is None:
+        client = _clients.get(key)
+        if client is None:
             wait = timedelta(seconds=timeout)
-            reader = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
-            deleter = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
-            found = _clients[key] = (reader, _Janitor(deleter))
-    return found
+            client = TCPStore(base.host, base.port, None, False, timeout=wait, wait_for_workers=False)
+            _clients[key] = client
+    return client, True
 
 
 class _Channel:
     """One rank's side of the agreement in one process group: its ranks, keys, store and next number."""
 
-    __slots__ = ("janitor", "me", "prefix", "ranks", "seq", "store", "timeout")
+    __slots__ = ("me", "prefix", "ranks", "seq", "store", "timeout", "waits")
 
     def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
         self.ranks = dist.get_process_group_ranks(group)
         self.me = dist.get_rank()
         self.prefix = f"fsdp2_guard/{group.group_name}/"
         self.timeout = timeout
-        self.store, self.janitor = _store(timeout)
+        self.store, self.waits = _store(timeout)
         self.seq = 0
 
 
@@ -171,7 +143,7 @@ def _channel(group: dist.ProcessGroup) -> _Channel:
         with _lock:
             channel = _channels.setdefault(group, channel)
     elif channel.timeout != timeout:  # set_debug(timeout=...) changed it: same numbers, new reads
-        channel.store, channel.janitor = _store(timeout)
+        channel.store, channel.waits = _store(timeout)
         channel.timeout = timeout
     return channel
 
@@ -187,7 +159,7 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
     mine = point.encode().encode()
     store.set(f"{prefix}{seq}/{c.me}", mine)
     try:
-        if c.janitor is None:
+        if not c.waits:
             store.wait(keys, timedelta(seconds=c.timeout))
         values = store.multi_get(keys)
     except (dist.DistStoreError, RuntimeError) as exc:
@@ -195,11 +167,7 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
         store.set(f"{prefix}{seq}/{c.me}", _ABORT + message)
         raise DivergenceError(message) from exc
     if seq >= 2:
-        old = f"{prefix}{seq - 2}/{c.me}"
-        if c.janitor is not None:
-            c.janitor.drop(old)
-        else:
-            store.delete_key(old)
+        store.delete_key(f"{prefix}{seq - 2}/{c.me}")
     core = mine.rpartition(b"#")[0]
     if all(v.rpartition(b"#")[0] == core for v in values):
         return
