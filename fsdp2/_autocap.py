@@ -84,8 +84,8 @@ class CollectiveFit:
 
     def cap(self) -> int:
         """Bytes whose transfer takes ``CAP_LATENCIES`` latencies, clamped (see [Note: Automatic caps])."""
-        ideal = CAP_LATENCIES * self.latency_s * self.bytes_per_second
-        return int(min(max(ideal, MIN_CAP), MAX_CAP))
+        ideal = CAP_LATENCIES * self.latency_s / max(self.seconds_per_byte, _MIN_SECONDS_PER_BYTE)
+        return round(min(max(ideal, MIN_CAP), MAX_CAP))
 
 
 @dataclass(frozen=True)
