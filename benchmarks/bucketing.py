@@ -7,7 +7,8 @@ bucketing, and fsdp2 with ``set_bucket_cap_mb(cap, cap)`` for each ``--cap`` (a 
 ``auto``: caps chosen from a measurement of the process group, whose fit and time are printed). The
 targets of the automatic caps are checked against the figures: at least 4x fewer collectives per step
 than torch, and a step within 5% of the best fixed cap's. Each round runs
-``--steps`` timed steps of each model (forward + backward, then the optimizer step, timed apart).
+``--steps`` timed steps of each model (forward + backward, then the optimizer step, timed apart)
+after one untimed step, the models in a new random order each round.
 Collectives are counted in one extra step per model (``fsdp2.testing.count_collectives``, which is
 torch's ``CommDebugMode`` on gloo), outside the timed ones. Reported on rank 0: collectives per step
 and the median over rounds of the mean step times.
@@ -22,6 +23,7 @@ import copy
 import gc
 import json
 import platform
+import random
 import statistics
 import time
 import warnings
@@ -143,9 +145,15 @@ def main() -> None:
             _step(model, optims[name], x)
         counts[name] = dict(counter)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
-    for _ in range(args.rounds):
-        for name, model in models.items():
+    names = list(models)
+    for index in range(args.rounds):
+        # A new order each round (the same on every rank), and one untimed step first: no model
+        # always runs after the same one, whose after-effects (a heavy unbucketed run's) it would pay.
+        order = random.Random(index).sample(names, len(names))
+        for name in order:
+            model = models[name]
             dist.barrier()
+            _step(model, optims[name], x)
             samples = [_step(model, optims[name], x) for _ in range(args.steps)]
             times[name].append(
                 (statistics.mean(s[0] for s in samples), statistics.mean(s[1] for s in samples))

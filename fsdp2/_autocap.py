@@ -13,11 +13,12 @@ A bucket of ``B`` bytes costs ``L + B * s`` (``L``: the collective's fixed cost,
 byte). The cap ``B = k * L / s`` makes the fixed cost ``1 / (1 + k)`` of a full bucket's time: with
 ``k = CAP_LATENCIES = 4``, a full bucket moves bytes at 80% of the link's rate, and a larger bucket
 would gain at most the remaining 20% while holding more memory and delaying the first member's
-compute longer. Measured fits (docs/performance.md, "Bucketing small groups"): gloo between 4
-processes on 2 CPU cores, ``L`` about 1-3 ms at about 1 GB/s: caps of a few MiB; NCCL on one node,
-tens of microseconds at 100+ GB/s: caps of tens of MiB, the range of DDP's 25 MiB default. The lower
-clamp (1 MiB) keeps a noisy fit from undoing bucketing where a collective is surely latency-bound;
-the upper one (256 MiB) bounds the memory of one bucket when the bandwidth term is lost in noise.
+compute longer. Measured fits (docs/performance.md, "Automatic caps"): gloo between 4 processes on
+a shared 2-core VM, ``L`` 1.4-12 ms at 0.04-0.8 GB/s, caps of 1-16 MiB. For NCCL on one node (tens of
+microseconds at 100+ GB/s; not measured by this project yet) the same rule gives tens of MiB, the
+range of DDP's 25 MiB default. The lower clamp (1 MiB) keeps a noisy fit from undoing bucketing
+where a collective is latency-bound; the upper one (256 MiB) bounds the memory of one bucket when
+the per-byte term is lost in noise.
 Every rank computes the cap from the same agreed numbers, so every rank buckets alike: caps that
 differed between ranks would pair collectives of different buckets and hang.
 """

@@ -29,4 +29,10 @@ def shard_transformer_like(blocks: list[nn.Module], root: nn.Module) -> fsdp2.FS
         pass
     kinds: list[str] = [event.kind for event in events]
     del kinds
+    sharded.set_bucket_cap_mb(25, 25)
+    sharded.set_bucket_cap_mb(all_gather="auto", reduce_scatter=None)
+    caps: fsdp2.BucketCaps = sharded.set_bucket_cap_mb("auto")
+    fit: fsdp2.CollectiveFit | None = caps.all_gather_fit
+    cap_mb: float | None = caps.reduce_scatter_mb
+    del fit, cap_mb
     return sharded
