@@ -2,16 +2,16 @@
 
 A stack of ``--layers`` ``Linear(dim, dim) + ReLU`` blocks, each its own ``fully_shard`` group, plus
 the root's input and output layers, ``reshard_after_forward=True``, trained with SGD on gloo
-processes. The models run round by round in turn: torch's ``fully_shard``, fsdp2 without
-bucketing, and fsdp2 with ``set_bucket_cap_mb(cap, cap)`` for each ``--cap`` (a number of MiB, or
-``auto``: caps chosen from a measurement of the process group, whose fit and time are printed). The
-targets of the automatic caps are checked against the figures: at least 4x fewer collectives per step
-than torch, and a step within 5% of the best fixed cap's. Each round runs
-``--steps`` timed steps of each model (forward + backward, then the optimizer step, timed apart)
-after one untimed step, the models in a new random order each round.
+processes. The models: torch's ``fully_shard``, fsdp2 without bucketing, and fsdp2 with
+``set_bucket_cap_mb(cap, cap)`` for each ``--cap`` (a number of MiB, or ``auto``: caps chosen from a
+measurement of the process group, whose fit and time are printed). The targets of the automatic caps
+are checked against the figures: at least 4x fewer collectives per step than torch, and a step within
+5% of the best fixed cap's. Each model runs ``--rounds`` x ``--steps`` timed steps (forward +
+backward, then the optimizer step, timed apart), the models taking turns step by step in a new
+random order each time.
 Collectives are counted in one extra step per model (``fsdp2.testing.count_collectives``, which is
 torch's ``CommDebugMode`` on gloo), outside the timed ones. Reported on rank 0: collectives per step
-and the median over rounds of the mean step times.
+and the median step times.
 
 Run:  torchrun --nproc-per-node 4 benchmarks/bucketing.py [--layers 64 --dim 32 --cap 25 1 0.05 auto]
 """
@@ -146,18 +146,14 @@ def main() -> None:
         counts[name] = dict(counter)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     names = list(models)
-    for index in range(args.rounds):
-        # A new order each round (the same on every rank), and one untimed step first: no model
-        # always runs after the same one, whose after-effects (a heavy unbucketed run's) it would pay.
-        order = random.Random(index).sample(names, len(names))
-        for name in order:
-            model = models[name]
+    rng = random.Random(0)  # the same orders on every rank
+    # The models take turns step by step, in a new order each time: load that comes and goes on a
+    # shared machine falls on all of them alike, and none always follows the same model. Medians over
+    # every step: a step that pays for its neighbour's after-effects moves no figure.
+    for _ in range(args.rounds * args.steps):
+        for name in rng.sample(names, len(names)):
             dist.barrier()
-            _step(model, optims[name], x)
-            samples = [_step(model, optims[name], x) for _ in range(args.steps)]
-            times[name].append(
-                (statistics.mean(s[0] for s in samples), statistics.mean(s[1] for s in samples))
-            )
+            times[name].append(_step(models[name], optims[name], x))
     if rank == 0:
         world = dist.get_world_size()
         print(

@@ -14,7 +14,7 @@ byte). The cap ``B = k * L / s`` makes the fixed cost ``1 / (1 + k)`` of a full 
 ``k = CAP_LATENCIES = 4``, a full bucket moves bytes at 80% of the link's rate, and a larger bucket
 would gain at most the remaining 20% while holding more memory and delaying the first member's
 compute longer. Measured fits (docs/performance.md, "Automatic caps"): gloo between 4 processes on
-a shared 2-core VM, ``L`` 1.4-12 ms at 0.04-0.8 GB/s, caps of 1-16 MiB. For NCCL on one node (tens of
+a shared 2-core VM, ``L`` 1.4-12 ms at 0.04-2.3 GB/s, caps of 1-40 MiB. For NCCL on one node (tens of
 microseconds at 100+ GB/s; not measured by this project yet) the same rule gives tens of MiB, the
 range of DDP's 25 MiB default. The lower clamp (1 MiB) keeps a noisy fit from undoing bucketing
 where a collective is latency-bound; the upper one (256 MiB) bounds the memory of one bucket when
