@@ -137,6 +137,7 @@ def tables(results: dict[str, Any]) -> str:
                 f"| {name} | {row['all_gather']:.0f} | {row['reduce_scatter']:.0f} | {row['step_ms']:.1f} | "
                 f"{row['step_ms'] / torch_ms:.2f} |"
             )
+        lines += _auto_lines(e.get("auto"))
     f = results.get("f_reductions")
     if f:
         cfg = f["config"]
@@ -177,6 +178,31 @@ def tables(results: dict[str, Any]) -> str:
             f"| {100 * g['recording_fraction_of_step']:.2f}% |",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _auto_lines(auto: dict[str, Any] | None) -> list[str]:
+    """The automatic caps of (e): what was measured and chosen, against the two targets."""
+    if not auto or "targets" not in auto:
+        return []
+    parts = []
+    for kind, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter")):
+        row = auto[kind]
+        if row["latency_us"] is None:
+            parts.append(f"{label} cap {row['cap_mb']}")
+        else:
+            parts.append(
+                f"{label} cap {row['cap_mb']:.2f} MiB (latency {row['latency_us']:.0f} µs, "
+                f"{row['gb_per_s']:.2f} GB/s)"
+            )
+    targets = auto["targets"]
+    over_best = targets.get("step_over_best_fixed")
+    best = "" if over_best is None else f", step {over_best:.2f}x the best fixed cap's (target at most 1.05)"
+    return [
+        "",
+        f"Automatic caps (measured in {auto['measure_s']:.2f} s): {'; '.join(parts)}; "
+        f"{targets['fewer_collectives_than_torch']:.0f}x fewer collectives than torch (target at least 4)"
+        f"{best}.",
+    ]
 
 
 def _peak_mib(row: dict[str, Any], kind: str) -> float:

@@ -6,6 +6,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceM
 from . import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
 from ._accumulate import Accumulation, accumulate
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._autocap import BucketCaps, CollectiveFit
 from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
 from ._comms import AllGather, Comm, ReduceScatter
@@ -30,7 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Accumulation",
     "AllGather",
+    "BucketCaps",
     "CPUOffloadPolicy",
+    "CollectiveFit",
     "Comm",
     "CommunicationReport",
     "CommunicationRow",

@@ -50,13 +50,16 @@ MIB = 1024 * 1024
 
 
 def cap_bytes(value: object, name: str) -> int | None:
-    """Validate one ``set_bucket_cap_mb`` argument (MiB, or ``None``) and return it in bytes."""
+    """Validate one numeric ``set_bucket_cap_mb`` argument (MiB, or ``None``) and return it in bytes.
+
+    ``"auto"`` is read before, by ``_autocap.read_caps``.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(
-            f"set_bucket_cap_mb: {name} must be a number of MiB or None (one collective per group), got "
-            f"{type(value).__name__} {value!r}."
+            f"set_bucket_cap_mb: {name} must be a number of MiB, None (one collective per group) or "
+            f"'auto' (measure the process group), got {type(value).__name__} {value!r}."
         )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from ._autocap import BucketCaps, CapMB, CapMBOrUnset, choose_caps, read_caps
 from ._autograd import eager
-from ._bucket import cap_bytes
 from ._comms import (
     AllGather,
     DefaultAllGather,
@@ -469,7 +469,7 @@ class FSDPModule(_ModuleBase):
                     created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
                 group.comms.reduce_scatter_group = created[ranks]
 
-    def set_bucket_cap_mb(self, all_gather: float | None = None, reduce_scatter: float | None = None) -> None:
+    def set_bucket_cap_mb(self, all_gather: CapMB = None, reduce_scatter: CapMBOrUnset = ...) -> BucketCaps:
         """Root only: let consecutive small groups share one all-gather / one reduce-scatter.
 
         Applies to every ``fully_shard`` group under this root; ``None`` (the default) keeps one
@@ -483,16 +483,26 @@ class FSDPModule(_ModuleBase):
         HSDP for reduce-scatters, custom collectives, all-gather extensions, tensor parallelism, an int
         ``reshard_after_forward``) keep their own. See docs/performance.md, "Bucketing small groups".
 
+        ``"auto"`` measures the process group the groups all-gather and reduce-scatter on (the shard
+        group) with their own collectives, fits ``seconds = latency + bytes / bandwidth``, takes the
+        slowest rank's fit and sets the cap to 4 latencies' worth of bytes, within [1, 256] MiB. The
+        measurement is collective: with ``"auto"``, call this on every rank of the mesh at the same
+        point, as ``fully_shard`` itself. See docs/performance.md, "Automatic caps".
+
         Args:
-            all_gather: cap in MiB of one bucketed all-gather's output, or ``None``.
-            reduce_scatter: cap in MiB of one bucketed reduce-scatter's input, or ``None``.
+            all_gather: cap in MiB of one bucketed all-gather's output, ``None`` or ``"auto"``.
+            reduce_scatter: cap in MiB of one bucketed reduce-scatter's input, ``None`` or ``"auto"``.
+                Not given: ``"auto"`` if ``all_gather`` is ``"auto"`` (``set_bucket_cap_mb("auto")``
+                sets both), else ``None``.
+
+        Returns:
+            The caps now in effect, in bytes, with the measurement each ``"auto"`` cap came from.
 
         Raises:
-            ValueError: a cap that is not ``None`` or a positive finite number.
+            ValueError: a cap that is not ``None``, ``"auto"`` or a positive finite number.
             RuntimeError: called on a module that is not the root, or during a forward or backward.
         """
-        ag_bytes = cap_bytes(all_gather, "all_gather")
-        rs_bytes = cap_bytes(reduce_scatter, "reduce_scatter")
+        requests = read_caps(all_gather, reduce_scatter)
         state = self._get_fsdp_state()
         if state.is_root is False or len(state.modules) > 1:
             raise RuntimeError(
@@ -506,7 +516,9 @@ class FSDPModule(_ModuleBase):
                 "set_bucket_cap_mb cannot change the caps during a forward or backward; call it between "
                 "training steps (e.g. after optimizer.step())."
             )
-        ctx.schedule.set_caps(ag_bytes, rs_bytes)
+        caps = choose_caps(requests, [g for m in self._fsdp_modules(True) for g in _require_state(m).groups])
+        ctx.schedule.set_caps(caps.all_gather, caps.reduce_scatter)
+        return caps
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Skip this module's all-gather in backward when its parameters are not needed there."""

@@ -6,7 +6,10 @@
   may round the last bit differently: close, not equal (measured: at most ~6e-8 on these grads).
   With 2 ranks (one addition per element) it is exact;
 - collective counts per step from torch's ``CommDebugMode``: 2 all-gathers and 1 reduce-scatter
-  once the order is known.
+  once the order is known;
+- ``set_bucket_cap_mb("auto")``: every process holds the same caps and fits (the measurement's
+  times differ between processes; the agreement makes them equal), at least 1 MiB, which holds this
+  model: the same buckets as 25 MiB, so bit-identical to that run.
 """
 
 from __future__ import annotations
@@ -28,11 +31,18 @@ DIMS = [16, 19, 23, 17, 31, 21, 18, 29, 22, 25, 32, 32]
 STEPS = 3
 
 
-def _shard(model: Blocks, caps: tuple[float | None, float | None]) -> Blocks:
+def _shard(model: Blocks, caps: tuple[float | str | None, ...]) -> Blocks:
     for block in model.blocks:
         fsdp2.fully_shard(block, reshard_after_forward=True)
     fsdp2.fully_shard(model, reshard_after_forward=True)
-    model.set_bucket_cap_mb(*caps)
+    chosen = model.set_bucket_cap_mb(*caps)  # type: ignore[arg-type]
+    if caps == ("auto",):
+        everyone: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, chosen)
+        assert all(c == chosen for c in everyone), everyone
+        assert chosen.all_gather_fit is not None
+        assert chosen.reduce_scatter_fit is not None
+        assert min(chosen.all_gather or 0, chosen.reduce_scatter or 0) >= 1024 * 1024, chosen
     return model
 
 
@@ -73,6 +83,10 @@ def _all_cases() -> None:
     plain, plain_counts = _train(_shard(copy.deepcopy(base), (None, None)))
     gathered, gathered_counts = _train(_shard(copy.deepcopy(base), (25, None)))
     both, both_counts = _train(_shard(copy.deepcopy(base), (25, 25)))
+    auto, auto_counts = _train(_shard(copy.deepcopy(base), ("auto",)))
+    for a, b in zip(both, auto, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert auto_counts == both_counts
     for a, b in zip(plain, gathered, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     torch.testing.assert_close(both[0], plain[0], rtol=0, atol=0)  # first loss: nothing reduced yet

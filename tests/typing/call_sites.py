@@ -33,4 +33,10 @@ def shard_transformer_like(blocks: list[nn.Module], root: nn.Module) -> fsdp2.FS
     rows: tuple[fsdp2.CommunicationRow, ...] = report.rows
     exposed: float = report.total.exposed_s + sum(row.exposed_s for row in rows)
     del exposed
+    sharded.set_bucket_cap_mb(25, 25)
+    sharded.set_bucket_cap_mb(all_gather="auto", reduce_scatter=None)
+    caps: fsdp2.BucketCaps = sharded.set_bucket_cap_mb("auto")
+    fit: fsdp2.CollectiveFit | None = caps.all_gather_fit
+    cap_mb: float | None = caps.reduce_scatter_mb
+    del fit, cap_mb
     return sharded
