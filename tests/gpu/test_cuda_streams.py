@@ -170,7 +170,7 @@ class _SlowAllGather(fsdp2.AllGather):
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _gpu_stall() -> tuple[float, float, float]:
+def _gpu_stall() -> tuple[float, float, float, int]:
     torch.cuda.set_device(0)
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     model = torch.nn.Linear(64, 64).cuda()
@@ -184,18 +184,19 @@ def _gpu_stall() -> tuple[float, float, float]:
     torch.cuda.synchronize()
     row = fsdp2.communication_report(events).row("", "all_gather")
     host = sum(w.end_us - w.start_us for w in events.waits if w.name == "all-gather") / 1e6
-    return row.exposed_s, row.total_s, host
+    return row.exposed_s, row.total_s, host, row.count
 
 
 def test_cuda_exposed_time_is_the_compute_streams_stall() -> None:
-    """Nothing overlaps the slow all-gathers (forward, and backward's re-gather), so compute stalls."""
+    """Nothing overlaps the slow all-gather (the root's, in forward), so compute stalls on it."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(_SLOW_CYCLES)
     end.record()
     end.synchronize()
     sleep_s = start.elapsed_time(end) / 1e3
-    for exposed, total, host in run_threaded(2, _gpu_stall):
-        assert exposed >= 2 * 0.7 * sleep_s, (exposed, sleep_s)  # two all-gathers, each stalled
+    for exposed, total, host, count in run_threaded(2, _gpu_stall):
+        assert count == 1  # the root keeps its parameters for backward
+        assert exposed >= 0.7 * sleep_s, (exposed, sleep_s)
         assert exposed <= total
         assert host < exposed / 2  # the host did not block: the stall was measured on the GPU
