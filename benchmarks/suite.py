@@ -1,7 +1,7 @@
 """The benchmark suite: every figure of docs/performance.md in one run (about 3 minutes on 2 cores).
 
 (a) overhead per group per step by phase at world 1 (``step_overhead.py``), (b) step time at world 2
-and 4 in gloo processes and (d) bytes per collective against the unpadded minimum (``scale.py``),
+and 4 in gloo processes (also with debug mode's divergence guard on) and (d) bytes per collective against the unpadded minimum (``scale.py``),
 (c) peak memory per rank at world 4 and 8 against torch and the floor (``memory_floor.py``),
 (e) a model of 64 tiny groups at world 4: collectives per step and step time, bucketed or not,
 against torch (``bucketing.py`` under ``torchrun``), (f) the gradient reductions fsdp2 adds (accumulation
@@ -78,14 +78,17 @@ def tables(results: dict[str, Any]) -> str:
         "(b) Step time, gloo processes, slowest rank, median over rounds "
         f"({b['config']['blocks']} blocks of dim {b['config']['dim']}, AdamW):",
         "",
-        "| world | DDP ms | torch ms | fsdp2 ms | fsdp2 / torch (p05-p95) | fsdp2 + local_step / torch |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| world | DDP ms | torch ms | fsdp2 ms | fsdp2 / torch (p05-p95) | fsdp2 + local_step / torch "
+        "| debug mode / fsdp2 (p05-p95) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world, row in b["worlds"].items():
         ms, r, rl = row["step_ms"], row["ratio_fsdp2_over_torch"], row["ratio_fsdp2_local_over_torch"]
+        d = row["ratio_debug_over_fsdp2"]  # FSDP2_DEBUG's divergence guard and watchdog
         lines.append(
             f"| {world} | {ms['ddp']:.1f} | {ms['torch']:.1f} | {ms['fsdp2']:.1f} | {r['median']:.2f} "
-            f"({r['p05']:.2f}-{r['p95']:.2f}) | {rl['median']:.2f} |"
+            f"({r['p05']:.2f}-{r['p95']:.2f}) | {rl['median']:.2f} | {d['median']:.2f} "
+            f"({d['p05']:.2f}-{d['p95']:.2f}) |"
         )
     low = b["minimum_bytes"]
     lines += [
