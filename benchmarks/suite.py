@@ -1,7 +1,8 @@
 """The benchmark suite: every figure of docs/performance.md in one run (about 3 minutes on 2 cores).
 
 (a) overhead per group per step by phase at world 1 (``step_overhead.py``), (b) step time at world 2
-and 4 in gloo processes (also with debug mode's divergence guard on) and (d) bytes per collective against the unpadded minimum (``scale.py``),
+and 4 in gloo processes (also with debug mode's divergence guard on) and (d) bytes per collective
+against the unpadded minimum (``scale.py``),
 (c) peak memory per rank at world 4 and 8 against torch and the floor (``memory_floor.py``),
 (e) a model of 64 tiny groups at world 4: collectives per step and step time, bucketed or not,
 against torch (``bucketing.py`` under ``torchrun``), (f) the gradient reductions fsdp2 adds (accumulation
