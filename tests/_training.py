@@ -110,3 +110,21 @@ def train_in_lockstep(
         losses.append(loss.item())
     assert_parity(ref, model, grads=False)
     return losses
+
+
+def small_sharded_mlp(mesh: Any = None) -> nn.Module:
+    """``Linear(4, 8) ReLU Linear(8, 8) ReLU Linear(8, 2)``, modules 0 and 2 and the root sharded."""
+    import fsdp2
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    fill_deterministic_(model)
+    for layer in (model[0], model[2]):
+        fsdp2.fully_shard(layer, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def mlp_step(model: nn.Module, rank: int, seed: int = 0) -> None:
+    """Forward and backward of a rank-dependent batch of 2 x 4 (a different batch per ``seed``)."""
+    x = torch.arange(8.0).reshape(2, 4) / (3 + rank + seed)
+    model(x).square().sum().backward()

@@ -21,25 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
 from tests._harness import run_multiprocess
-from tests._training import fill_deterministic_
+from tests._training import mlp_step, small_sharded_mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 Fault = Callable[[nn.Module, int, int], None]  # (model, rank, world)
-
-
-def _model(mesh: DeviceMesh) -> nn.Module:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    fill_deterministic_(model)
-    for layer in (model[0], model[2]):
-        fsdp2.fully_shard(layer, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
-    return model
-
-
-def _step(model: nn.Module, rank: int, seed: int = 0) -> None:
-    x = torch.arange(8.0).reshape(2, 4) / (3 + rank + seed)
-    model(x).square().sum().backward()
 
 
 def _unshard_on_last(model: nn.Module, rank: int, world: int) -> None:
@@ -76,7 +62,7 @@ def _frozen_on_last(model: nn.Module, rank: int, world: int) -> None:
 def _micro_batches_differ(model: nn.Module, rank: int, world: int) -> None:
     model.set_requires_gradient_sync(False)
     for _ in range(3 if rank == 1 else 2):
-        _step(model, rank)
+        mlp_step(model, rank)
     model.set_requires_gradient_sync(True)
 
 
@@ -94,7 +80,7 @@ FAULTS: list[tuple[Fault, str]] = [
 
 def _fault_then_step(fault: Fault, model: nn.Module, rank: int, world: int) -> None:
     fault(model, rank, world)
-    _step(model, rank, seed=1)
+    mlp_step(model, rank, seed=1)
 
 
 def _all_faults() -> None:
@@ -102,8 +88,8 @@ def _all_faults() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for fault, expected in FAULTS:
         group = dist.new_group(backend="gloo")
-        model = _model(DeviceMesh.from_group(group, "cpu"))
-        _step(model, rank)
+        model = small_sharded_mlp(DeviceMesh.from_group(group, "cpu"))
+        mlp_step(model, rank)
         start = time.monotonic()
         with pytest.raises(fsdp2.DivergenceError) as info:
             _fault_then_step(fault, model, rank, world)
@@ -116,14 +102,14 @@ def _all_faults() -> None:
 
     # The last rank leaves training (its data ran out) and waits at the end of the job.
     group = dist.new_group(backend="gloo")
-    model = _model(DeviceMesh.from_group(group, "cpu"))
-    _step(model, rank)
+    model = small_sharded_mlp(DeviceMesh.from_group(group, "cpu"))
+    mlp_step(model, rank)
     if rank != world - 1:
         start = time.monotonic()
         with pytest.raises(
             fsdp2.DivergenceError, match=rf"waited 4 s for ranks \[{world - 1}\] at the all-gather"
         ):
-            _step(model, rank)
+            mlp_step(model, rank)
         assert time.monotonic() - start < 10
     dist.barrier()
     fsdp2.set_debug(False)

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2.testing import run_ranks
-from tests._training import fill_deterministic_
+from tests._training import fill_deterministic_, mlp_step, small_sharded_mlp
 
 
 @pytest.fixture
@@ -32,29 +32,15 @@ def debug() -> Iterator[None]:
         fsdp2.set_debug(False, timeout=8.0)
 
 
-def _model(mesh: DeviceMesh | None = None) -> nn.Module:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    fill_deterministic_(model)
-    for layer in (model[0], model[2]):
-        fsdp2.fully_shard(layer, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
-    return model
-
-
-def _step(model: nn.Module, rank: int, seed: int = 0) -> None:
-    x = torch.arange(8.0).reshape(2, 4) / (3 + rank + seed)
-    model(x).square().sum().backward()
-
-
 def _faulty(fault: Callable[[nn.Module, int], None]) -> Callable[[int, int], str | None]:
     """A rank body: one clean step, then ``fault``; returns the DivergenceError's text (None if none)."""
 
     def body(rank: int, world_size: int) -> str | None:
-        model = _model()
-        _step(model, rank)
+        model = small_sharded_mlp()
+        mlp_step(model, rank)
         try:
             fault(model, rank)
-            _step(model, rank, seed=1)
+            mlp_step(model, rank, seed=1)
         except fsdp2.DivergenceError as exc:
             return str(exc)
         return None
@@ -100,7 +86,7 @@ def _frozen_on_rank_1(model: nn.Module, rank: int) -> None:
 def _extra_micro_batch_on_rank_0(model: nn.Module, rank: int) -> None:
     model.set_requires_gradient_sync(False)
     for _ in range(2 if rank == 0 else 1):
-        _step(model, rank)
+        mlp_step(model, rank)
     model.set_requires_gradient_sync(True)
 
 
@@ -224,12 +210,12 @@ def test_a_module_skipped_on_one_rank(debug: None) -> None:
 
 def test_a_rank_that_never_arrives_is_named(debug: None) -> None:
     def body(rank: int, world_size: int) -> str | None:
-        model = _model()
-        _step(model, rank)
+        model = small_sharded_mlp()
+        mlp_step(model, rank)
         if rank == 1:
             return None  # leaves training (e.g. its data ran out)
         try:
-            _step(model, rank)
+            mlp_step(model, rank)
         except fsdp2.DivergenceError as exc:
             return str(exc)
         return None
@@ -256,8 +242,8 @@ def test_a_forward_without_collectives_on_one_rank_is_fine(debug: None) -> None:
     """Rank 0 evaluates on parameters every rank unsharded: no collective differs, so no error."""
 
     def body(rank: int, world_size: int) -> list[torch.Tensor]:
-        model = _model()
-        _step(model, rank)
+        model = small_sharded_mlp()
+        mlp_step(model, rank)
         sharded = [m for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
         for module in sharded:
             module.unshard()  # every rank: one all-gather each
@@ -266,7 +252,7 @@ def test_a_forward_without_collectives_on_one_rank_is_fine(debug: None) -> None:
                 model(torch.ones(2, 4))  # an extra forward of the root, issuing no collective
         for module in sharded:
             module.reshard()
-        _step(model, rank, seed=1)
+        mlp_step(model, rank, seed=1)
         return [p.grad.full_tensor() for p in model.parameters()]
 
     grads = run_ranks(2, body)
@@ -282,13 +268,13 @@ def test_training_is_unchanged(debug: None, layout: str) -> None:
         mesh = None
         if layout.startswith("hsdp"):
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _model(mesh)
+        model = small_sharded_mlp(mesh)
         if mesh is None:
             model.set_bucket_cap_mb(1, 1)
             model[0].set_modules_to_forward_prefetch([model[2]])
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         for step in range(3):
-            _step(model, rank, seed=step)
+            mlp_step(model, rank, seed=step)
             opt.step()
             opt.zero_grad()
         return [p.full_tensor() for p in model.parameters()]
