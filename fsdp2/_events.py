@@ -134,7 +134,34 @@ class Event:
         return (self.kind, self.module_fqn, self.training_state.name)
 
 
-_Stall = tuple[torch.cuda.Event, torch.cuda.Event]  # compute-stream timing events around a wait
+class GpuTiming:
+    """CUDA timing events of one all-gather on the side streams, recorded only while recording.
+
+    ``began``/``ended``: on the all-gather stream around the collective (``None`` for a bucket's
+    all-gather, issued elsewhere); ``before``/``after``: on the compute stream around its wait for the
+    all-gather. Read lazily, after synchronizing with the event read last.
+    """
+
+    __slots__ = ("after", "before", "began", "ended")
+
+    def __init__(self, began: torch.cuda.Event | None, ended: torch.cuda.Event | None) -> None:
+        self.began, self.ended = began, ended
+        self.before: torch.cuda.Event | None = None
+        self.after: torch.cuda.Event | None = None
+
+    def collective_us(self) -> float | None:
+        """µs the collective ran on its stream (``None`` if not timed)."""
+        if self.began is None or self.ended is None:
+            return None
+        self.ended.synchronize()
+        return float(self.began.elapsed_time(self.ended)) * 1e3
+
+    def stall_us(self) -> float | None:
+        """µs the compute stream stalled waiting for the all-gather (``None`` if not timed)."""
+        if self.before is None or self.after is None:
+            return None
+        self.after.synchronize()
+        return float(self.before.elapsed_time(self.after)) * 1e3
 
 
 @dataclass(frozen=True)
@@ -154,8 +181,8 @@ class Span:
         end_us: end, same clock.
         memory_bytes: memory in use at the end: ``torch.cuda.memory_allocated()`` on CUDA, the
             process's resident set size on CPU (Linux), else ``None`` (always ``None`` for a wait).
-        gpu_stall: for a wait on CUDA side streams, timing events recorded on the compute stream
-            just before and after its wait for the all-gather (see ``exposed_us``), else ``None``.
+        gpu: for an all-gather on CUDA side streams while recording, its timing events (see
+            ``duration_us`` and ``exposed_us``), else ``None``.
     """
 
     name: str
@@ -164,19 +191,25 @@ class Span:
     start_us: float
     end_us: float
     memory_bytes: int | None = None
-    gpu_stall: _Stall | None = field(default=None, compare=False, repr=False)
+    gpu: GpuTiming | None = field(default=None, compare=False, repr=False)
+
+    def duration_us(self) -> float:
+        """A span's duration in µs: ``end_us - start_us`` on the host.
+
+        On CUDA side streams, the collective's own time on its stream where it was timed (this
+        synchronizes with its events).
+        """
+        timed = self.gpu.collective_us() if self.gpu is not None else None
+        return max(self.end_us - self.start_us, 0.0) if timed is None else timed
 
     def exposed_us(self) -> float:
-        """A wait's exposed time, in µs: the host's blocked time ``end_us - start_us``.
+        """A wait's exposed time in µs: the host's blocked time ``end_us - start_us``.
 
-        On CUDA side streams, the compute stream's stall between the two ``gpu_stall`` events instead
-        (this synchronizes with them).
+        On CUDA side streams, the compute stream's stall on the all-gather (this synchronizes with its
+        events).
         """
-        if self.gpu_stall is None:
-            return max(self.end_us - self.start_us, 0.0)
-        before, after = self.gpu_stall
-        after.synchronize()
-        return float(before.elapsed_time(after)) * 1e3
+        timed = self.gpu.stall_us() if self.gpu is not None else None
+        return max(self.end_us - self.start_us, 0.0) if timed is None else timed
 
 
 def span_start(scope: EventScope | None) -> float | None:
@@ -200,13 +233,13 @@ def span_end(
     state: TrainingState,
     scope: EventScope | None,
     waited: float | None = None,
-    stall: _Stall | None = None,
+    gpu: GpuTiming | None = None,
 ) -> None:
     """Record the span begun at ``start`` (a no-op when ``start`` is ``None``).
 
     ``waited``: the training thread was blocked on this collective from then until now (a wait is
     recorded too); pass ``start`` for a collective issued and finished in one blocking call.
-    ``stall``: CUDA, the compute stream's timing events around its wait (the wait's exposed time).
+    ``gpu``: CUDA, the all-gather's timing events (its time on its stream, the compute stream's stall).
     """
     if start is None:
         return
@@ -214,9 +247,9 @@ def span_end(
     if recorder is None:
         return
     end = time.perf_counter() * 1e6
-    recorder.add_span(Span(name, module_fqn, state, start, end, _memory_bytes()))
+    recorder.add_span(Span(name, module_fqn, state, start, end, _memory_bytes(), gpu))
     if waited is not None:
-        recorder.add_wait(Span(name, module_fqn, state, waited, end, gpu_stall=stall))
+        recorder.add_wait(Span(name, module_fqn, state, waited, end, gpu=gpu))
 
 
 def wait_end(

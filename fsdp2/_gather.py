@@ -25,6 +25,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from ._comms import comm_type
+from ._events import GpuTiming
 from ._extension import padded_rule_error
 from ._lifecycle import TrainingState
 
@@ -51,8 +52,8 @@ class AllGatherer:
       init; for extensions, by what their pre-all-gather hooks return at each unshard.
     - ``extension``: some parameter gathers through ``fsdp_pre_all_gather``.
     - ``span``: (issue time, phase) of the pending all-gather, for the timeline.
-    - ``stall``: CUDA, while recording: timing events on the compute stream just before and after
-      its wait for the last all-gather waited; their gap is how long compute stalled on it.
+    - ``gpu``: CUDA side streams, while recording: the timing events of the last all-gather issued
+      or waited (``_events.GpuTiming``: the collective on its stream, the compute stream's wait).
     - ``post_forward_event``: CUDA: recorded after the slices kept for an int
       ``reshard_after_forward`` were written; the next copy-in waits on it.
     """
@@ -64,7 +65,7 @@ class AllGatherer:
         self.as_bytes = False
         self.extension = False
         self.span: tuple[float | None, TrainingState] = (None, TrainingState.IDLE)
-        self.stall: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.gpu: GpuTiming | None = None
         self.post_forward_event: torch.Event | None = None
         self._mesh_info = mesh_info
         self._device = device
@@ -195,8 +196,14 @@ class AllGatherer:
         def copy_in() -> CopyIn:
             return self._copy_in(packed, post_forward, info, comm)
 
+        timing = self.gpu = _timing() if self.span[0] is not None else None  # recording
+
         def issue(staged: CopyIn) -> None:
+            if timing is not None and timing.began is not None:
+                timing.began.record()  # on the all-gather stream
             issue_all_gather(staged[0], staged[1], info.shard_group, info.shard_size, False, comm)
+            if timing is not None and timing.ended is not None:
+                timing.ended.record()
 
         (output, local, splits), event = ctx.all_gather_on_streams(copy_in, issue, after)
         self.result = AllGatherResult(output, splits, info.shard_size, event, None, input=local)
@@ -214,21 +221,30 @@ class AllGatherer:
     def wait(self) -> AllGatherResult | None:
         """Wait for the pending all-gather (CPU: its work; CUDA: its event) and hand it over."""
         result = self.result
-        self.stall = None
         if result is None:
+            self.gpu = None
             return None
         if result.event is not None and self.span[0] is not None:  # CUDA side streams, recorded
+            # Timing from this group's own issue, not yet waited; a bucket's all-gather (issued by the
+            # schedule) has none: only its wait is timed.
+            fresh = self.gpu is not None and self.gpu.before is None
+            timing = self.gpu if fresh and self.gpu is not None else GpuTiming(None, None)
             stream = torch.cuda.current_stream(result.output.device)
-            before = torch.cuda.Event(enable_timing=True)
-            before.record(stream)
+            timing.before = torch.cuda.Event(enable_timing=True)
+            timing.before.record(stream)
             wait_all_gather(result)
-            after = torch.cuda.Event(enable_timing=True)
-            after.record(stream)
-            self.stall = (before, after)
+            timing.after = torch.cuda.Event(enable_timing=True)
+            timing.after.record(stream)
+            self.gpu = timing
         else:
             wait_all_gather(result)
+            self.gpu = None
         self.result = None
         return result
+
+
+def _timing() -> GpuTiming:
+    return GpuTiming(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
 
 def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

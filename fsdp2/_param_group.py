@@ -217,8 +217,8 @@ class FSDPParamGroup(BucketMember):
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
         root = self.root
-        stall = gatherer.stall  # CUDA, recorded: the compute stream's stall at the wait
-        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, stall)
+        gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
+        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
         ctx = root.comm_ctx if root is not None else None
         if ctx is not None and ctx.use_streams:
             ctx.defer_all_gather_buffers(

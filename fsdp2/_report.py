@@ -13,10 +13,11 @@ that issued it (a synchronous collective runs there), and inside the wait and co
 result was used. ``total_s - exposed_s`` is the time the collective was in flight, or its result
 ready, while the thread did other work: what prefetching hid. A collective issued and finished in one
 blocking call is exposed for its whole span. On CUDA the host does not block on the side streams: there
-an all-gather's wait counts the time the compute stream stalled on it (two timing events recorded on
-the compute stream around its wait for the all-gather's event, read when the report is made), while
-the issuing call and a reduce-scatter count host time (launches, copy-in); the compute stream's wait
-for the reductions at the end of backward is not measured.
+an all-gather's total is its time on the all-gather stream and its wait counts the time the compute
+stream stalled on it (timing events around the collective and around the compute stream's wait for
+it, read when the report is made); a bucket's all-gather keeps the host span, and the issuing call
+and the reduce-scatters count host time (launches, copy-in). The compute stream's wait for the
+reductions at the end of backward is not measured.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def communication_report(events: Iterable[Event]) -> CommunicationReport:
     sums: dict[tuple[str, str], _Sums] = {}  # by (module_fqn, span name)
     for span in spans:
         acc = sums.setdefault((span.module_fqn, span.name), _Sums(span.start_us))
-        acc.add(span.start_us, span.end_us, exposed=False)
+        acc.add(span.start_us, span.start_us + span.duration_us(), exposed=False)
     for wait in waits:
         acc = sums.setdefault((wait.module_fqn, wait.name), _Sums(wait.start_us))
         acc.add(wait.start_us, wait.start_us + wait.exposed_us(), exposed=True)
@@ -186,8 +187,8 @@ class _Sums:
 
     def row(self, module_fqn: str, name: str) -> CommunicationRow:
         collective = _COLLECTIVES.get(name, name.replace("-", "_"))
-        # On CUDA a span is host time (issue to copy-out launched) while a wait is the compute stream's
-        # stall, which can outlast it: the collective took at least as long as compute waited for it.
+        # On CUDA the compute stream's stall can outlast the collective's own time on its stream (it
+        # also waits for work queued on that stream before it); count the collective as long as that.
         seconds = (max(self.total_us, self.exposed_us) / 1e6, self.exposed_us / 1e6)
         return CommunicationRow(module_fqn, collective, self.count, *seconds)
 
