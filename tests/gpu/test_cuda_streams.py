@@ -179,8 +179,17 @@ class _SpinThenLinear(torch.nn.Linear):
 
 
 def _gpu_times() -> dict[str, tuple[float, float, float, int]]:
-    """(exposed_s, total_s, host wait s, count) of each group's all-gathers in one recorded step."""
+    """(exposed_s, total_s, host wait s, count) of each group's all-gathers in one recorded step.
+
+    Thread ranks share the device's default stream: each computes on a stream of its own, so the
+    stalls measured on one rank's compute stream are its own.
+    """
     torch.cuda.set_device(0)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _gpu_times_on_current_stream()
+
+
+def _gpu_times_on_current_stream() -> dict[str, tuple[float, float, float, int]]:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     layers = (_SpinThenLinear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     model = torch.nn.Sequential(*layers).cuda()  # model[2] stays with the root's group
