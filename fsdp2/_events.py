@@ -58,26 +58,25 @@ class _Recorder:
         self.open = True
         self.outer = outer
 
-    def add_event(self, event: Event) -> None:
+    def _open(self) -> Iterator[_Recorder]:
+        """This recorder and the ones it is nested in that are still open."""
         recorder: _Recorder | None = self
         while recorder is not None:
             if recorder.open:
-                recorder.events.append(event)
+                yield recorder
             recorder = recorder.outer
+
+    def add_event(self, event: Event) -> None:
+        for recorder in self._open():
+            recorder.events.append(event)
 
     def add_span(self, span: Span) -> None:
-        recorder: _Recorder | None = self
-        while recorder is not None:
-            if recorder.open:
-                recorder.events.spans.append(span)
-            recorder = recorder.outer
+        for recorder in self._open():
+            recorder.events.spans.append(span)
 
     def add_wait(self, wait: Span) -> None:
-        recorder: _Recorder | None = self
-        while recorder is not None:
-            if recorder.open:
-                recorder.events.waits.append(wait)
-            recorder = recorder.outer
+        for recorder in self._open():
+            recorder.events.waits.append(wait)
 
 
 def _thread_recorder() -> _Recorder | None:

@@ -227,8 +227,7 @@ class AllGatherer:
         if result.event is not None and self.span[0] is not None:  # CUDA side streams, recorded
             # Timing from this group's own issue, not yet waited; a bucket's all-gather (issued by the
             # schedule) has none: only its wait is timed.
-            fresh = self.gpu is not None and self.gpu.before is None
-            timing = self.gpu if fresh and self.gpu is not None else GpuTiming(None, None)
+            timing = self.gpu if self.gpu is not None and self.gpu.before is None else GpuTiming(None, None)
             stream = torch.cuda.current_stream(result.output.device)
             timing.before = torch.cuda.Event(enable_timing=True)
             timing.before.record(stream)
