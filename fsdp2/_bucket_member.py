@@ -27,7 +27,7 @@ from ._gather import AllGatherer
 from ._lifecycle import ShardedState, TrainingState
 from ._mesh import MeshInfo
 from ._param import FSDPParam
-from ._reduce import GradientReducer
+from ._reduce import GradientReducer, bucket_key
 
 if TYPE_CHECKING:
     from ._root import RootContext
@@ -101,8 +101,8 @@ class BucketMember:
         self, params: list[FSDPParam], grads: list[torch.Tensor]
     ) -> Hashable | None:
         """What groups sharing one reduce-scatter must agree on; ``None``: this group reduces alone."""
-        return self.reducer.bucket_key(
-            params, grads, self.controls, self.comms, self.tensor_parallel, self.device
+        return bucket_key(
+            self.reducer, params, grads, self.controls, self.comms, self.tensor_parallel, self.device
         )
 
     def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter:

@@ -234,7 +234,13 @@ def after_optimizer_step(group: FSDPParamGroup) -> None:
 
 def unsharded_tensors(state: FSDPState) -> list[torch.Tensor]:
     """Tensors holding unsharded data of ``state``'s groups (in-flight all-gathers included)."""
-    return [t for group in state.groups for t in group.unsharded_tensors()]
+    tensors: list[torch.Tensor] = []
+    for group in state.groups:
+        tensors.extend(t for p in group.fsdp_params for t in p.unsharded_tensors())
+        result = group.gatherer.result  # an all-gather in flight (not the packed shards themselves)
+        if result is not None and result.output is not group.packed.flat:
+            tensors.append(result.output)
+    return tensors
 
 
 # ---- the collective recorder ---------------------------------------------------------------------

@@ -333,11 +333,14 @@ class FSDPParamGroup(BucketMember):
             _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
             return
         self.unreduced_grads = False
-        reduced, grads = self.reducer.take_grads(self.fsdp_params, controls.reduce_scatter_unused_params)
+        root = self.root
+        unused = root.use_agreement.unused(self) if root is not None else frozenset()  # see _skip.py
+        reduced, grads = self.reducer.take_grads(
+            self.fsdp_params, controls.reduce_scatter_unused_params, unused=unused
+        )
         if controls.reshard_after_backward:
             self.reshard()
         # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
-        root = self.root
         scope = root.event_scope if root is not None else None
         schedule = root.schedule if root is not None else None
         if grads and not (
@@ -366,20 +369,18 @@ class FSDPParamGroup(BucketMember):
             self.finalize_backward()
 
     def finalize_backward(self) -> None:
-        """Drain a mis-targeted prefetch and wait for this group's reductions."""
-        self.gatherer.wait()
-        self.reducer.finalize(self.device)
+        """Drain a mis-targeted prefetch and wait for this group's reductions.
 
-    def unsharded_tensors(self) -> list[torch.Tensor]:
-        """Tensors that hold this group's unsharded data (for memory tools; some may be size 0 now).
-
-        The in-flight all-gather output, the unsharded parameters' storages and post-forward slices.
+        Parameters left out of a reduction although some rank held a gradient for one (see
+        ``_skip.py``) are reduced here, on every rank (the decision is read from reduced values).
         """
-        tensors = [t for p in self.fsdp_params for t in p.unsharded_tensors()]
-        result = self.gatherer.result
-        if result is not None and result.output is not self.packed.flat:
-            tensors.append(result.output)
-        return tensors
+        self.gatherer.wait()
+        late = self.reducer.finalize(self.device)
+        if late:
+            reduced, grads = self.reducer.take_grads(late, unused_too=True)
+            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+                self.reducer.reduce(reduced, grads, self.comm_ctx, self.controls, self.comms)
+            self.reducer.finalize(self.device)
 
     def reset(self) -> None:
         """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``.

@@ -1,6 +1,7 @@
 """Gradient reduction of one parameter group.
 
-Owns: ``GradientReducer``: packing a group's unsharded gradients (one buffer per reduce dtype), the
+Owns: ``GradientReducer`` (and ``bucket_key``, what its group must share with others to join a
+bucketed reduce-scatter): packing a group's unsharded gradients (one buffer per reduce dtype), the
 reduce-scatter (and HSDP all-reduce, with partial accumulation while all-reduce is off), divisions,
 the user's all-reduce hook, and assigning the sharded DTensor gradients (also from a slice of a
 bucketed reduce-scatter's output); the one-rank identity (each unsharded gradient handed over as its
@@ -65,7 +66,11 @@ class GradientReducer:
         return factors
 
     def take_grads(
-        self, params: list[FSDPParam], unused_too: bool, reducing: bool = True
+        self,
+        params: list[FSDPParam],
+        unused_too: bool,
+        reducing: bool = True,
+        unused: frozenset[int] = frozenset(),
     ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
         """Take the unsharded gradients autograd left: ``(parameters, gradients)`` to reduce.
 
@@ -74,10 +79,15 @@ class GradientReducer:
         parameters] in ``_usage.py``). A group with no gradient at all is not reduced, as in torch (a
         backward that did not reach it, e.g. one chunk's of a chunked loss). With ``unused_too``
         (``set_reduce_scatter_unused_params``) every trainable parameter gets zeros, as in torch.
-        ``reducing=False``: the gradients are being dropped.
+        ``reducing=False``: the gradients are being dropped. ``unused``: ids of parameters no rank used
+        (agreed by every rank, see ``_skip.py``): left out, a gradient held for one stays held.
         """
+        skipped: list[FSDPParam] = []
+        if unused and reducing and self._fill_unused:
+            params, skipped = self.usage.leave_out(params, unused)
         taken = [(p, p.take_unsharded_grad()) for p in params]
-        some = any(g is not None for _, g in taken)
+        # A gradient held for a parameter left out (a wrong prediction) must reach the others too
+        some = any(g is not None for _, g in taken) or any(p.holds_unsharded_grad() for p in skipped)
         fill = reducing and (unused_too or (self._fill_unused and some))
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
@@ -90,7 +100,7 @@ class GradientReducer:
                 reduced.append(fsdp_param)
                 grads.append(grad)
         if reducing and self._fill_unused:
-            self.usage.note_taken(reduced, zero_filled)
+            self.usage.note_taken(reduced, zero_filled, skipped)
         return reduced, grads
 
     @staticmethod
@@ -99,45 +109,6 @@ class GradientReducer:
         for fsdp_param in params:
             fsdp_param.stash_unsharded_grad()
         return any(p.holds_unsharded_grad() for p in params)
-
-    def bucket_key(
-        self,
-        params: list[FSDPParam],
-        grads: list[torch.Tensor],
-        controls: GroupControls,
-        comms: GroupComms,
-        tensor_parallel: bool,
-        device: torch.device,
-    ) -> Hashable | None:
-        """What groups sharing one reduce-scatter must agree on; ``None``: reduce alone.
-
-        Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
-        collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
-        """
-        info = self.mesh_info
-        if (
-            info.shard_size == 1
-            or info.replicate_group is not None
-            or controls.all_reduce_hook is not None
-            or comms.custom
-            or tensor_parallel
-        ):
-            return None
-        dtypes = {
-            p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel
-        }
-        if len(dtypes) != 1:
-            return None
-        dtype = dtypes.pop()
-        group = comms.reduce_scatter_group or info.shard_group
-        return (
-            id(group),
-            dtype,
-            self.divide_factors(dtype, controls),
-            device,
-            comm_type(comms.reduce_scatter),
-            self.ordered(controls),
-        )
 
     def reduce(
         self,
@@ -209,7 +180,7 @@ class GradientReducer:
             if self._fill_unused:  # each row ends with the usage row ([Note: Unused parameters])
                 first = bucket_grads[0]  # the copy-in casts every input (one dtype) to packed_dtype
                 bucket_grads.append(self.usage.row(bucket_params, first.dtype, first.device, world))
-                shard_numel += len(bucket_params)
+                shard_numel += self.usage.width(bucket_params)
             buffer = reduce_scatter_copy_in(bucket_grads, world, packed_dtype, shard_numel, comm)
             bucket_grads.clear()
             packed.append((dtype, bucket_params, buffer))
@@ -294,7 +265,7 @@ class GradientReducer:
             if info.replicate_size > 1:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
-            grad_part = _without_usage_row(output, params, self._fill_unused)
+            grad_part = _without_usage_row(output, self.usage.width(params) if self._fill_unused else 0)
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
@@ -313,7 +284,7 @@ class GradientReducer:
         all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
         """
         info = self.mesh_info
-        grad_part = _without_usage_row(total, params, self._fill_unused)
+        grad_part = _without_usage_row(total, self.usage.width(params) if self._fill_unused else 0)
         divide_and_hook(total, grad_part, controls, info.shard_size * info.replicate_size)
         self._assign_views(total, params, controls)
 
@@ -326,7 +297,8 @@ class GradientReducer:
 
     def _assign_views(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         if self._fill_unused:
-            tail = output.narrow(0, output.numel() - len(params), len(params))
+            width = self.usage.width(params)
+            tail = output.narrow(0, output.numel() - width, width)
             self.usage.note_assigned(params, tail, controls.reduce_scatter_unused_params)
         views = view_out_shards(
             output,
@@ -342,8 +314,11 @@ class GradientReducer:
         if event is not None:
             self._post_reduce_event = event
 
-    def finalize(self, device: torch.device) -> None:
-        """End of the last backward: make ``device``'s current stream (and, for offload, the CPU) wait."""
+    def finalize(self, device: torch.device) -> list[FSDPParam]:
+        """End of the last backward: make ``device``'s current stream (and, for offload, the CPU) wait.
+
+        Returns the parameters to reduce once more (left out, but some rank held a gradient for one).
+        """
         event = self._post_reduce_event
         if event is not None:
             if self._offload_copies_in_flight:
@@ -352,16 +327,54 @@ class GradientReducer:
             torch.cuda.current_stream(device).wait_event(event)
             self._post_reduce_event = None
         self._offload_copies_in_flight = False
-        if self.usage.watched:
-            self.usage.finish()  # reads the usage rows: after the reductions (the stream waits above)
+        # Reads the usage rows: after the reductions (the stream waits above)
+        return self.usage.finish() if self.usage.pending() else []
 
     def reset(self, device: torch.device) -> None:
         """Forget the reductions of an aborted iteration, HSDP partial sums included."""
-        self.usage.watched.clear()
+        self.usage.forget()
         self.finalize(device)
         self._partial_outputs.clear()
 
 
-def _without_usage_row(output: torch.Tensor, params: list[FSDPParam], has_row: bool) -> torch.Tensor:
-    """``output`` without its usage row (what the all-reduce hook sees; see ``_usage.py``)."""
-    return output.narrow(0, 0, output.numel() - len(params)) if has_row else output
+def _without_usage_row(output: torch.Tensor, width: int) -> torch.Tensor:
+    """``output`` without its usage row of ``width`` elements (what the all-reduce hook sees)."""
+    return output.narrow(0, 0, output.numel() - width) if width else output
+
+
+def bucket_key(
+    reducer: GradientReducer,
+    params: list[FSDPParam],
+    grads: list[torch.Tensor],
+    controls: GroupControls,
+    comms: GroupComms,
+    tensor_parallel: bool,
+    device: torch.device,
+) -> Hashable | None:
+    """The key under which ``reducer``'s gradients may share a reduce-scatter; ``None``: alone.
+
+    Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
+    collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
+    """
+    info = reducer.mesh_info
+    if (
+        info.shard_size == 1
+        or info.replicate_group is not None
+        or controls.all_reduce_hook is not None
+        or comms.custom
+        or tensor_parallel
+    ):
+        return None
+    dtypes = {p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    group = comms.reduce_scatter_group or info.shard_group
+    return (
+        id(group),
+        dtype,
+        reducer.divide_factors(dtype, controls),
+        device,
+        comm_type(comms.reduce_scatter),
+        reducer.ordered(controls),
+    )

@@ -25,6 +25,7 @@ from ._events import EventScope
 from ._late_params import check_late_parameters
 from ._lifecycle import TrainingState
 from ._schedule import Schedule
+from ._skip import UseAgreement
 
 __all__ = ["RootContext"]
 
@@ -74,6 +75,7 @@ class RootContext:
     - ``is_last_backward``: the next backward ends the step (``set_is_last_backward``).
     - ``post_optim_event``: recorded after the optimizer step; the next all-gathers wait on it.
     - ``iterations``: how many iterations (forwards of the root) have begun; the debug mode names them.
+    - ``use_agreement``: which parameters no rank used, agreed once per backward (``_skip.py``).
     """
 
     def __init__(self) -> None:
@@ -86,6 +88,7 @@ class RootContext:
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
         self.iterations = 0
+        self.use_agreement = UseAgreement([])  # built at adoption (see _skip.py)
 
     def adopt(self, root: _State, states: list[Any], device: torch.device) -> None:
         """Root's lazy init, after validation: every state and group under ``root`` refers here."""
@@ -96,6 +99,7 @@ class RootContext:
                 group.attach(self)
         self.comm_ctx.lazy_init(device)
         self.all_states = states
+        self.use_agreement = UseAgreement([group for state in states for group in state.groups])
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class RootContext:
             self.callback_queued = True
             root = self.all_states[0] if self.all_states else fallback
             queue_end_of_backward_callback(root.eager_finish_backward)
+            self.use_agreement.begin_backward()
 
     def finish_backward(self) -> None:
         """End of backward: post-backward for groups autograd never reached, then end the iteration."""
@@ -177,5 +182,6 @@ class RootContext:
                 group.reset()
         self.comm_ctx.reset()
         self.schedule.reset()
+        self.use_agreement.reset()
         self.iteration_root = None
         self.callback_queued = False

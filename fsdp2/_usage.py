@@ -44,34 +44,80 @@ class UsageTail:
         watched: per parameter id, ``[param, tails]``: parameters whose sharded gradient was ``None``
             when a zero-filled gradient was first assigned to them, with each reduction's usage value
             (0-d views of reduce-scatter outputs); a real local gradient drops the parameter from it.
+        skipped: the parameters left out of the current reduction (no rank used them, see
+            ``_skip.py``); each usage row ends with one more element per parameter left out, 1 where
+            this rank holds a gradient for it anyway (a wrong prediction).
+        flags: per parameter left out since the last end of backward, ``(param, values)``: those
+            elements after each reduction (positive: some rank held a gradient).
+        never_skip: ids of parameters a rank held a gradient for while left out: always reduced now.
     """
 
     def __init__(self) -> None:
         self.zero_filled: set[int] = set()
         self.watched: dict[int, tuple[FSDPParam, list[torch.Tensor]]] = {}
+        self.skipped: list[FSDPParam] = []
+        self.flags: dict[int, tuple[FSDPParam, list[torch.Tensor]]] = {}
+        self.never_skip: set[int] = set()
 
-    def note_taken(self, params: list[FSDPParam], zero_filled: list[FSDPParam]) -> None:
+    def leave_out(
+        self, params: list[FSDPParam], unused: frozenset[int]
+    ) -> tuple[list[FSDPParam], list[FSDPParam]]:
+        """Split ``params`` into ``(reduced, left out)``: trainable, unused on every rank, not pinned.
+
+        Nothing is left out when that would leave nothing to reduce (the row needs a reduction to
+        carry it). The split depends only on agreed facts, so every rank makes the same one.
+        """
+        kept: list[FSDPParam] = []
+        skipped: list[FSDPParam] = []
+        for fsdp_param in params:
+            key = id(fsdp_param)
+            if (
+                key in unused
+                and key not in self.never_skip
+                and fsdp_param.sharded_param.requires_grad
+                and fsdp_param.padded_shard_numel
+            ):
+                skipped.append(fsdp_param)
+            else:
+                kept.append(fsdp_param)
+        if not any(p.padded_shard_numel and p.sharded_param.requires_grad for p in kept):
+            return params, []
+        return kept, skipped
+
+    def note_taken(
+        self, params: list[FSDPParam], zero_filled: list[FSDPParam], skipped: list[FSDPParam]
+    ) -> None:
         """The gradients of one reduction were taken: ``zero_filled`` had none on this rank."""
         self.zero_filled = {id(p) for p in zero_filled}
+        self.skipped = skipped
         if self.watched:
             for fsdp_param in params:
                 if id(fsdp_param) not in self.zero_filled:
                     self.watched.pop(id(fsdp_param), None)  # used here: it keeps its gradient
 
+    def width(self, params: list[FSDPParam]) -> int:
+        """Elements of the usage row after ``params``' gradients in the current reduction."""
+        return len(params) + len(self.skipped)
+
     def row(
         self, params: list[FSDPParam], dtype: torch.dtype, device: torch.device, world: int
     ) -> torch.Tensor:
-        """The ``(W, P)`` usage rows to pack after ``params``' gradients (1: used on this rank)."""
+        """The ``(W, width)`` usage rows to pack after ``params``' gradients (1: used on this rank)."""
         # Built on the device (no host-to-device copy, which would wait for the stream on CUDA)
-        row = torch.ones(len(params), dtype=dtype, device=device)
+        row = torch.ones(self.width(params), dtype=dtype, device=device)
         if self.zero_filled:
             for index, fsdp_param in enumerate(params):
                 if id(fsdp_param) in self.zero_filled:
                     row[index] = 0
-        return row.expand(world, len(params))
+        for index, fsdp_param in enumerate(self.skipped, start=len(params)):
+            if not fsdp_param.holds_unsharded_grad():
+                row[index] = 0
+        return row.expand(world, row.numel())
 
     def note_assigned(self, params: list[FSDPParam], tail: torch.Tensor, keep_zeros: bool) -> None:
         """Before assigning a reduction's shards: watch the zero-filled parameters (``tail``: usage)."""
+        for index, fsdp_param in enumerate(self.skipped, start=len(params)):
+            self.flags.setdefault(id(fsdp_param), (fsdp_param, []))[1].append(tail[index])
         if not self.zero_filled or keep_zeros:
             return
         for index, fsdp_param in enumerate(params):
@@ -85,10 +131,27 @@ class UsageTail:
                 entry = self.watched[key] = (fsdp_param, [])
             entry[1].append(tail[index])
 
-    def finish(self) -> None:
-        """End of backward, reductions done: ``None`` again for the parameters no rank used."""
+    def pending(self) -> bool:
+        """Whether ``finish`` has anything to read."""
+        return bool(self.watched or self.flags)
+
+    def finish(self) -> list[FSDPParam]:
+        """End of backward, reductions done: ``None`` again for the parameters no rank used.
+
+        Returns the parameters left out that must be reduced after all (some rank held a gradient for
+        them); they are never left out again. Every rank reads the same sums, so all agree.
+        """
         for fsdp_param, tails in self.watched.values():
             if all(float(value) == 0.0 for value in tails):
                 fsdp_param.sharded_param.grad = None
+        late = [p for p, values in self.flags.values() if any(float(v) > 0.0 for v in values)]
+        self.never_skip.update(id(p) for p in late)
+        self.forget()
+        return late
+
+    def forget(self) -> None:
+        """Drop what the reductions since the last end of backward noted (also after an abort)."""
         self.watched.clear()
         self.zero_filled = set()
+        self.skipped = []
+        self.flags.clear()

@@ -134,3 +134,135 @@ def test_experts_idle_on_some_ranks_train_like_the_reference(world: int, option:
     results = run_threaded(world, _train, option)
     # The case is the one the test is about: some expert was idle on this rank but used on another.
     assert all(r["idle_somewhere"] > 0 for r in results)
+
+
+# ---- parameters no rank used are not sent -----------------------------------------------------------
+
+
+# torch >= 2.10 names it reduce_scatter_single (fsdp2 looks it up at each call)
+_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+class _Sizes:
+    """Records each reduce-scatter's input size, per rank (the threads share one patched function)."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, list[int]] = {}
+        self.original = getattr(dist, _RS_NAME)
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.by_rank.setdefault(dist.get_rank(), []).append(input.numel())
+        return self.original(output, input, *args, **kwargs)
+
+
+def _shard(param: torch.Tensor, world: int) -> int:
+    """Elements of one rank's padded dim-0 shard of ``param``."""
+    rows = -(-param.size(0) // world)
+    return rows * (param.numel() // param.size(0))
+
+
+def _moe_row(moe: MoE, world: int, unused: set[str]) -> int:
+    """One rank's row of the MoE group's reduce-scatter input with ``unused`` parameters left out.
+
+    Each packed parameter's shard, then one usage element per parameter, packed or left out.
+    """
+    packed = [p for name, p in moe.named_parameters() if name not in unused]
+    return sum(_shard(p, world) for p in packed) + len(packed) + len(unused)
+
+
+class _ReadsAnExpert(MoE):
+    """Reads the never-routed expert's weight directly, outside that expert's forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.1 * self.experts[UNUSED].weight.sum()
+
+
+def _train_counting(sizes: _Sizes, read_outside: bool) -> dict[str, Any]:
+    """Three steps; the MoE group's reduce-scatter sizes against the parameters no rank used.
+
+    ``read_outside``: rank 0 also reads the never-routed expert's weight in the MoE's own forward
+    (outside the expert's forward), so fsdp2's prediction is wrong for it in the first step.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    if read_outside and rank == 0:
+        model.moe.__class__ = _ReadsAnExpert
+    ref = copy.deepcopy(model)
+    fsdp2.fully_shard(model.moe)
+    fsdp2.fully_shard(model)
+    expected_rows, sent_rows, agreements, unused_sets = [], [], [], []
+    for step in range(3):
+        x = _batch(step)
+        before = len(sizes.by_rank.get(rank, []))
+        with fsdp2.testing.count_collectives() as counts:
+            model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        expected = _reference_grads(ref)
+        for (name, param), want in zip(model.named_parameters(), expected, strict=True):
+            if want is None:
+                assert param.grad is None, f"step {step}: {name} was used by no rank but got a gradient"
+            else:
+                torch.testing.assert_close(param.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        unused = {
+            name.removeprefix("moe.")
+            for (name, _), want in zip(model.named_parameters(), expected, strict=True)
+            if want is None and name.startswith("moe.experts")
+        }
+        # The MoE group's reduce-scatter, the root group's, then any reduction after the fact.
+        sent_rows.append([n // world for n in sizes.by_rank[rank][before:]])
+        unused_sets.append(unused)
+        expected_rows.append(_moe_row(ref.moe, world, unused))
+        agreements.append(counts["all_reduce"])
+        model.zero_grad()
+        ref.zero_grad()
+    return {"sent": sent_rows, "expected": expected_rows, "agreements": agreements, "unused": unused_sets}
+
+
+def test_parameters_no_rank_used_are_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = _Sizes()
+    monkeypatch.setattr(dist, _RS_NAME, sizes)
+    for result in run_threaded(2, _train_counting, sizes, False):
+        # One reduce-scatter for the MoE group per step, without the experts no rank routed to.
+        assert [rows[0] for rows in result["sent"]] == result["expected"]
+        assert all(len(rows) == 2 for rows in result["sent"])  # then the root group's
+        assert all(row < _moe_row(MoE(), 2, set()) for row in result["expected"])
+        assert result["agreements"] == [1, 1, 1]  # the one small all-reduce per backward
+
+
+def test_a_weight_read_outside_its_module_still_reaches_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes = _Sizes()
+    monkeypatch.setattr(dist, _RS_NAME, sizes)
+    for result in run_threaded(2, _train_counting, sizes, True):
+        sent, expected = result["sent"], result["expected"]
+        # Step 0: the never-routed expert's weight is left out too (its module never ran), but rank 0
+        # holds a gradient for it: after the root group's reduction, every rank reduces that weight
+        # alone (gradients checked above against the reference).
+        weight = f"experts.{UNUSED}.weight"
+        assert sent[0][0] == _moe_row(MoE(), 2, result["unused"][0] | {weight})
+        assert len(sent[0]) == 3
+        assert sent[0][2] == _shard(MoE().experts[UNUSED].weight, 2) + 1
+        # From then on that weight is always sent, and exactly what no rank used is left out: no more
+        # reductions after the fact.
+        assert all(len(rows) == 2 for rows in sent[1:])
+        assert [rows[0] for rows in sent[1:]] == expected[1:]
+
+
+def _dense_agreements(steps: int) -> list[int]:
+    """Per backward, the all-reduces of a model whose submodules all run on every rank."""
+    model = fill_deterministic_(nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Linear(DIM, DIM))))
+    fsdp2.fully_shard(model[1])
+    fsdp2.fully_shard(model)
+    agreements = []
+    for step in range(steps):
+        with fsdp2.testing.count_collectives() as counts:
+            model(_batch(step)).sum().backward()
+        agreements.append(counts["all_reduce"])
+    return agreements
+
+
+def test_agreements_are_spaced_out_while_every_submodule_runs_everywhere() -> None:
+    # After 1, 2, 4, ... backwards (up to 64); the MoE case above agrees in every backward.
+    for agreements in run_threaded(2, _dense_agreements, 12):
+        assert agreements == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0]
