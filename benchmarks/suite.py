@@ -10,7 +10,8 @@ within a budget, a bf16 wire, deterministic sums) at world 2: bytes, held gradie
 against the default and torch (``reductions.py`` under ``torchrun``), (g) the cost of
 ``record_events()`` (what ``communication_report`` reads) on the step-time model of (b) at world 2:
 step time with and without a recorder, and the recording work alone (``recording.py`` under
-``torchrun``). Each part interleaves torch's ``fully_shard`` and fsdp2 (and an unsharded baseline
+``torchrun``); (h) the reduce-scatter bytes of a mixture-of-experts model (``moe_bytes.py``).
+Each part interleaves torch's ``fully_shard`` and fsdp2 (and an unsharded baseline
 where it applies) round by round in one run; (g) interleaves recorded and plain steps.
 
 Run:  python benchmarks/suite.py [--quick]      (or: nox -s bench)
@@ -181,6 +182,26 @@ def tables(results: dict[str, Any]) -> str:
             f"({ratio['p05']:.3f}-{ratio['p95']:.3f}) | {g['recording_us_per_step']:.0f} "
             f"| {100 * g['recording_fraction_of_step']:.2f}% |",
         ]
+    h = results.get("h_moe_bytes")
+    if h:
+        lines += [
+            "",
+            f"(h) Reduce-scatter MB per step and rank, mixture of experts (2 layers of 8 experts, top-1, "
+            f"dim {h['dim']}, world {h['world']}; torch and 'fsdp2 all' with "
+            "set_reduce_scatter_unused_params):",
+            "",
+            "| routing | tokens / rank | experts idle everywhere / layer | torch | fsdp2 all | fsdp2 "
+            "| fsdp2 / torch | agreements / step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in h["rows"]:
+            mb = {v: row[v]["bytes_per_step"] / 2**20 for v in ("torch", "fsdp2 all", "fsdp2")}
+            lines.append(
+                f"| {row['routing']} | {row['tokens_per_rank']} "
+                f"| {row['fsdp2']['idle_experts_per_layer_step']:.2f} | {mb['torch']:.3f} "
+                f"| {mb['fsdp2 all']:.3f} | {mb['fsdp2']:.3f} | {mb['fsdp2'] / mb['torch']:.3f} "
+                f"| {row['fsdp2']['agreements_per_step']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -268,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-bucketing", action="store_true")
     parser.add_argument("--skip-reductions", action="store_true")
     parser.add_argument("--skip-recording", action="store_true")
+    parser.add_argument("--skip-moe", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -286,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["f_reductions"] = run_torchrun("reductions", 2, out, args.quick)
     if not args.skip_recording:
         results["g_recording"] = run_torchrun("recording", 2, out, args.quick)
+    if not args.skip_moe:
+        results["h_moe_bytes"] = run_torchrun("moe_bytes", 2, out, args.quick)
     results["seconds"] = time.perf_counter() - start
     (out / "suite.json").write_text(json.dumps(results, indent=2))
     text = tables(results)

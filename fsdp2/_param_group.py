@@ -334,9 +334,9 @@ class FSDPParamGroup(BucketMember):
             return
         self.unreduced_grads = False
         root = self.root
-        unused = root.use_agreement.unused(self) if root is not None else frozenset()  # see _skip.py
+        skip = root.use_agreement.skip(self) if root is not None else None  # see _skip.py
         reduced, grads = self.reducer.take_grads(
-            self.fsdp_params, controls.reduce_scatter_unused_params, unused=unused
+            self.fsdp_params, controls.reduce_scatter_unused_params, skip=skip
         )
         if controls.reshard_after_backward:
             self.reshard()

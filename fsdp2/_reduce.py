@@ -33,6 +33,7 @@ from ._config import GroupControls
 from ._mesh import MeshInfo
 from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
 from ._param import FSDPParam
+from ._skip import Skip
 from ._usage import UsageTail
 
 
@@ -70,7 +71,7 @@ class GradientReducer:
         params: list[FSDPParam],
         unused_too: bool,
         reducing: bool = True,
-        unused: frozenset[int] = frozenset(),
+        skip: Skip | None = None,
     ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
         """Take the unsharded gradients autograd left: ``(parameters, gradients)`` to reduce.
 
@@ -79,12 +80,12 @@ class GradientReducer:
         parameters] in ``_usage.py``). A group with no gradient at all is not reduced, as in torch (a
         backward that did not reach it, e.g. one chunk's of a chunked loss). With ``unused_too``
         (``set_reduce_scatter_unused_params``) every trainable parameter gets zeros, as in torch.
-        ``reducing=False``: the gradients are being dropped. ``unused``: ids of parameters no rank used
-        (agreed by every rank, see ``_skip.py``): left out, a gradient held for one stays held.
+        ``reducing=False``: the gradients are being dropped. ``skip``: for a group ``_skip.py`` tracks,
+        the parameters no rank used (agreed by every rank): left out, a gradient held for one stays held.
         """
         skipped: list[FSDPParam] = []
-        if unused and reducing and self._fill_unused:
-            params, skipped = self.usage.leave_out(params, unused)
+        if skip is not None and skip.unused and reducing and self._fill_unused:
+            params, skipped = self.usage.leave_out(params, skip.unused)
         taken = [(p, p.take_unsharded_grad()) for p in params]
         # A gradient held for a parameter left out (a wrong prediction) must reach the others too
         some = any(g is not None for _, g in taken) or any(p.holds_unsharded_grad() for p in skipped)
@@ -100,7 +101,7 @@ class GradientReducer:
                 reduced.append(fsdp_param)
                 grads.append(grad)
         if reducing and self._fill_unused:
-            self.usage.note_taken(reduced, zero_filled, skipped)
+            self.usage.note_taken(reduced, zero_filled, skipped, skip)
         return reduced, grads
 
     @staticmethod

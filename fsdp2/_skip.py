@@ -1,10 +1,11 @@
 """Leaving parameters that no rank used out of the reduce-scatter (conditional compute).
 
 Owns: ``UseTracker`` (one per group: which of the group's submodules ran forward on this rank since
-the group's last reduction, from forward pre-hooks) and ``UseAgreement`` (one per root: the one small
-all-reduce per backward that tells every rank which submodules ran on some rank, and the parameters
-each group may leave out). See [Note: Skipping parameters no rank used].
-Does not own: taking and packing the gradients, the usage row and the recovery reduction
+the group's last reduction, from forward pre-hooks, and the idle signal its reductions carry back),
+``UseAgreement`` (one per root: the small all-reduce of a backward that tells every rank which
+submodules ran on some rank, and the parameters each group may leave out) and ``Skip`` (what a
+group's reduction is told). See [Note: Skipping parameters no rank used].
+Does not own: taking and packing the gradients, the usage row and the reduction after the fact
 (``GradientReducer`` and ``UsageTail``).
 
 [Note: Skipping parameters no rank used]
@@ -16,17 +17,19 @@ owned (registered) by a submodule of the group whose forward ran on no rank sinc
 reduction cannot have a gradient, unless it is read outside that forward (a weight read directly by
 its parent, a tie). Parameters of the group's own module are never left out.
 
-The facts are agreed once per backward that reduces: the first pre-backward issues one all-reduce
-(MAX over the groups' common shard group, int32: per tracked submodule of every group, whether it ran
-on some rank, then whether it was idle on some rank), and the first reduction waits for it. A model
-whose submodules all ran on every rank has nothing to leave out, so after such a result the next
-agreements are spaced out (after 1, 2, 4, ... up to 64 backwards); one that shows a submodule idle on
-some rank brings back one per backward. The decision reads only agreed facts, so every rank issues
-the same agreements. (MAX, not a sum: simulated ranks, whose collectives return their input, then
-agree as identical ranks would.)
+Which submodules ran on some rank is agreed by one all-reduce (MAX over the groups' common shard
+group, one int32 per tracked submodule of every group: whether it ran), issued at the first
+pre-backward and waited for by the first reduction. It is needed only when some submodule is idle on
+some rank, and a dense model should not pay for it, so each group's usage row carries one more
+element: 1 where a tracked submodule of the group was idle on this rank. Every rank reads the same
+reduced value (on CUDA through a pinned copy, read at the next backward), and the next backward
+agrees only if some group saw an idle submodule somewhere. A model whose submodules all run on every
+rank issues exactly the collectives it issues without this; a mixture of experts starts leaving
+parameters out from its second backward. (MAX, not a sum: simulated ranks, whose collectives return
+their input, then agree as identical ranks would.)
 
 A wrong prediction is caught, not trusted: a rank that holds a gradient for a parameter left out keeps
-it and says so in its usage row, which ends with one element per parameter left out. Every rank reads
+it and says so in its usage row, which has one element per parameter left out. Every rank reads
 those sums at the end of backward; where some rank held a gradient, every rank reduces that parameter
 once more (zeros where it has none), so the result is exact, and it is never left out again.
 
@@ -39,16 +42,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._mesh import MeshInfo
 from ._param import FSDPParam
 
-__all__ = ["UseAgreement", "UseTracker"]
+__all__ = ["IdleSignal", "Skip", "UseAgreement", "UseTracker"]
 
 
 class _Controls(Protocol):
@@ -74,6 +78,7 @@ class UseTracker:
         slots: per parameter of the group, the indices in ``owners`` of the modules that own it;
             empty for a parameter of the group's own module (never left out).
         ran: per owner, whether its forward ran since the group's last reduction (set by its hook).
+        signal: what the group's reductions said of idle submodules (``IdleSignal``).
     """
 
     def __init__(self, group: _Group) -> None:
@@ -92,11 +97,8 @@ class UseTracker:
                     self.owners.append(module)
             self.slots.append(tuple(index[id(m)] for m in modules))
         self.ran = [False] * len(self.owners)
+        self.signal = IdleSignal()
         self._handles = [m.register_forward_pre_hook(_marker(self.ran, i)) for i, m in enumerate(self.owners)]
-
-    def take(self) -> list[int]:
-        """This rank's bits (1: ran) for the agreement; they keep counting until the group reduces."""
-        return [int(flag) for flag in self.ran]
 
     def unused(self, fsdp_params: Sequence[FSDPParam], ran: Sequence[int]) -> frozenset[int]:
         """Ids of the parameters whose owners ran on no rank (``ran``: 1 where an owner ran on some)."""
@@ -119,21 +121,68 @@ def _marker(ran: list[bool], index: int) -> Any:
     return mark
 
 
-_MAX_GAP = 64  # backwards between agreements while nothing is idle anywhere
-
 # One tracker per group, whichever root adopts it (a later root reuses the hooks of an earlier one).
 _TRACKERS: weakref.WeakKeyDictionary[Any, UseTracker] = weakref.WeakKeyDictionary()
 
 
+class Skip(NamedTuple):
+    """What a member group's reduction is told: which parameters to leave out, and the idle signal.
+
+    ``idle``: a tracked submodule of the group did not run on this rank since its last reduction
+    (the usage row's last element); ``signal`` receives that element's reduced value.
+    """
+
+    unused: frozenset[int]
+    idle: bool
+    signal: IdleSignal
+
+
+class IdleSignal:
+    """The reduced idle elements of one group's reductions, read at the next backward.
+
+    On CUDA each value is copied to pinned memory on the stream that produced it (the reduce-scatter
+    stream, where the output was allocated, so the output may be freed at once), with an event, so
+    reading it later waits for nothing but that copy. No reference to the output is kept: it holds the
+    sharded gradients, which ``zero_grad`` frees.
+    """
+
+    def __init__(self) -> None:
+        self._values: list[tuple[torch.Tensor, Any]] = []  # (copy, event on CUDA)
+
+    def note(self, value: torch.Tensor) -> None:
+        """One reduction's reduced idle element (a 1-element view of its output).
+
+        Not kept under ``estimate_memory``'s simulation (no values): simulated ranks never agree.
+        """
+        if isinstance(value, FakeTensor):
+            return
+        if value.is_cuda:
+            host = torch.empty(1, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            event = torch.cuda.current_stream(value.device).record_event()
+            self._values.append((host, event))
+        else:
+            self._values.append((value.clone(), None))
+
+    def read(self) -> bool:
+        """Whether some rank saw an idle submodule in the reductions since the last read."""
+        idle = False
+        for host, event in self._values:
+            if event is not None:
+                event.synchronize()
+            idle = idle or float(host) > 0.0
+        self._values.clear()
+        return idle
+
+
 class UseAgreement:
-    """The once-per-backward agreement on which submodules ran on some rank, for one root's groups.
+    """The agreement on which submodules ran on some rank, for one root's groups (see the note).
 
     Fields:
         members: ``(group, tracker)`` for each group that may leave parameters out, in module order.
         process_group / device: the members' common shard group and the tensor device it reduces on.
         _pending: the issued all-reduce (``_Pending``) of the running backward, until a group reads it.
         _unused: per member group (by id), the parameter ids it may leave out in this backward.
-        _backwards / _next / _gap: backwards begun, the next one that agrees, the current spacing.
     """
 
     def __init__(self, groups: Sequence[_Group]) -> None:
@@ -154,50 +203,42 @@ class UseAgreement:
                 tracker = _TRACKERS[group] = UseTracker(group)
             if tracker.owners:
                 self.members.append((group, tracker))
+        self._trackers = {id(group): tracker for group, tracker in self.members}
         self._pending: _Pending | None = None
         self._unused: dict[int, frozenset[int]] | None = None
-        self._backwards = self._next = self._gap = 0
 
     def begin_backward(self) -> None:
-        """The first pre-backward: issue the agreement if some member group reduces in this backward."""
+        """The first pre-backward: agree if the last reductions saw an idle submodule on some rank."""
         self._pending, self._unused = None, None
-        if not any(g.controls.reduce_grads for g, _ in self.members):
+        seen = [tracker.signal.read() for _, tracker in self.members]  # every signal is read
+        if not any(seen) or not any(g.controls.reduce_grads for g, _ in self.members):
             return
-        self._backwards += 1
-        if self._backwards < self._next:
-            return  # everything ran everywhere last time: not this backward
-        bits = [bit for _, tracker in self.members for bit in tracker.take()]
-        self._pending = self._issue(torch.tensor(bits + [1 - bit for bit in bits], dtype=torch.int32))
+        bits = [int(ran) for _, tracker in self.members for ran in tracker.ran]
+        self._pending = self._issue(torch.tensor(bits, dtype=torch.int32))
 
-    def unused(self, group: Any) -> frozenset[int]:
-        """Ids of ``group``'s parameters that no rank used in this backward (empty when unknown).
+    def skip(self, group: Any) -> Skip | None:
+        """What ``group``'s reduction in this backward leaves out (``None``: not a member).
 
         Called once per reduction of the group; the group's counting starts again.
         """
-        if self._unused is None:
-            if self._pending is None:
-                return frozenset()
-            agreed = self._pending.result()
+        if self._unused is None and self._pending is not None:
+            ran = self._pending.result()
             self._pending = None
-            ran, idle = agreed[: len(agreed) // 2], agreed[len(agreed) // 2 :]
-            self._space_out(any(idle))
             self._unused = {}
             offset = 0
-            for member, tracker in self.members:
-                width = len(tracker.owners)
-                self._unused[id(member)] = tracker.unused(member.fsdp_params, ran[offset : offset + width])
+            for member, counted in self.members:
+                width = len(counted.owners)
+                self._unused[id(member)] = counted.unused(member.fsdp_params, ran[offset : offset + width])
                 offset += width
-        counting = _TRACKERS.get(group)
-        if counting is not None:
-            counting.reduced()
-        if group.controls.reduce_scatter_unused_params:
-            return frozenset()
-        return self._unused.get(id(group), frozenset())
-
-    def _space_out(self, idle_somewhere: bool) -> None:
-        """Agree less often while every tracked submodule runs on every rank, each backward otherwise."""
-        self._gap = 0 if idle_somewhere else min(2 * self._gap or 1, _MAX_GAP)
-        self._next = self._backwards + self._gap + 1 if self._gap else 0
+        tracker = self._trackers.get(id(group))
+        if tracker is None:
+            return None
+        idle = not all(tracker.ran)
+        tracker.reduced()
+        unused: frozenset[int] = frozenset()
+        if self._unused is not None and not group.controls.reduce_scatter_unused_params:
+            unused = self._unused.get(id(group), frozenset())
+        return Skip(unused, idle, tracker.signal)
 
     def reset(self) -> None:
         """An aborted iteration: forget the agreement in flight (its collective finishes on its own)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._param import FSDPParam
+from ._skip import IdleSignal, Skip
 
 __all__ = ["UsageTail"]
 
@@ -45,8 +46,11 @@ class UsageTail:
             when a zero-filled gradient was first assigned to them, with each reduction's usage value
             (0-d views of reduce-scatter outputs); a real local gradient drops the parameter from it.
         skipped: the parameters left out of the current reduction (no rank used them, see
-            ``_skip.py``); each usage row ends with one more element per parameter left out, 1 where
-            this rank holds a gradient for it anyway (a wrong prediction).
+            ``_skip.py``); the usage row has one more element per parameter left out, 1 where this
+            rank holds a gradient for it anyway (a wrong prediction).
+        idle / signal: for a group ``_skip`` tracks, whether one of its submodules was idle on this
+            rank (the usage row's last element) and where that element's reduced value goes;
+            ``None`` for other groups (no such element).
         flags: per parameter left out since the last end of backward, ``(param, values)``: those
             elements after each reduction (positive: some rank held a gradient).
         never_skip: ids of parameters a rank held a gradient for while left out: always reduced now.
@@ -56,6 +60,8 @@ class UsageTail:
         self.zero_filled: set[int] = set()
         self.watched: dict[int, tuple[FSDPParam, list[torch.Tensor]]] = {}
         self.skipped: list[FSDPParam] = []
+        self.idle: bool | None = None
+        self.signal: IdleSignal | None = None
         self.flags: dict[int, tuple[FSDPParam, list[torch.Tensor]]] = {}
         self.never_skip: set[int] = set()
 
@@ -85,11 +91,16 @@ class UsageTail:
         return kept, skipped
 
     def note_taken(
-        self, params: list[FSDPParam], zero_filled: list[FSDPParam], skipped: list[FSDPParam]
+        self,
+        params: list[FSDPParam],
+        zero_filled: list[FSDPParam],
+        skipped: list[FSDPParam],
+        skip: Skip | None,
     ) -> None:
         """The gradients of one reduction were taken: ``zero_filled`` had none on this rank."""
         self.zero_filled = {id(p) for p in zero_filled}
         self.skipped = skipped
+        self.idle, self.signal = (None, None) if skip is None else (skip.idle, skip.signal)
         if self.watched:
             for fsdp_param in params:
                 if id(fsdp_param) not in self.zero_filled:
@@ -97,7 +108,7 @@ class UsageTail:
 
     def width(self, params: list[FSDPParam]) -> int:
         """Elements of the usage row after ``params``' gradients in the current reduction."""
-        return len(params) + len(self.skipped)
+        return len(params) + len(self.skipped) + (0 if self.idle is None else 1)
 
     def row(
         self, params: list[FSDPParam], dtype: torch.dtype, device: torch.device, world: int
@@ -112,12 +123,16 @@ class UsageTail:
         for index, fsdp_param in enumerate(self.skipped, start=len(params)):
             if not fsdp_param.holds_unsharded_grad():
                 row[index] = 0
+        if self.idle is False:
+            row[-1] = 0
         return row.expand(world, row.numel())
 
     def note_assigned(self, params: list[FSDPParam], tail: torch.Tensor, keep_zeros: bool) -> None:
         """Before assigning a reduction's shards: watch the zero-filled parameters (``tail``: usage)."""
         for index, fsdp_param in enumerate(self.skipped, start=len(params)):
             self.flags.setdefault(id(fsdp_param), (fsdp_param, []))[1].append(tail[index])
+        if self.signal is not None:
+            self.signal.note(tail[-1:])
         if not self.zero_filled or keep_zeros:
             return
         for index, fsdp_param in enumerate(params):

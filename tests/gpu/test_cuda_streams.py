@@ -22,6 +22,13 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
 from tests.models import ModelArgs, Transformer, make_tokens
+from tests.multithread.test_conditional_compute import (
+    RS_NAME,
+    Sizes,
+    check_left_out,
+    check_wrong_prediction,
+    train_counting,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -234,3 +241,14 @@ def test_cuda_report_times_all_gathers_on_the_gpu() -> None:
         assert times[""][0] >= 0.7 * spin_s
         assert times["0"][0] >= 0.7 * spin_s
         assert times["1"][0] < 0.3 * spin_s, times["1"]  # hidden behind model[0]'s compute
+
+
+@pytest.mark.parametrize("read_outside", [False, True], ids=["predicted", "wrong-prediction"])
+def test_cuda_parameters_no_rank_used_are_not_sent(
+    monkeypatch: pytest.MonkeyPatch, read_outside: bool
+) -> None:
+    """The agreement on a side stream (pinned copies, an event), and the reduction after the fact."""
+    sizes = Sizes()
+    monkeypatch.setattr(dist, RS_NAME, sizes)
+    for result in run_threaded(2, train_counting, sizes, read_outside, "cuda"):
+        (check_wrong_prediction if read_outside else check_left_out)(result)

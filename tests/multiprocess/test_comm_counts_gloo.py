@@ -1,7 +1,6 @@
 """Collective counts per forward and backward in real gloo processes, measured with CommDebugMode.
 
-The expected counts are torch 2.13's ``fully_shard``'s, and both implementations must give them (fsdp2
-adds the small all-reduce of its first backward that agrees which submodules ran).
+The expected counts are torch 2.13's ``fully_shard``'s, and both implementations must give them.
 One spawn of 2 processes runs every (implementation, reshard_after_forward) subcase, because a
 spawn costs ~10 s and the subcases are milliseconds each. With W = 2 the int case ``2`` equals
 the world size and behaves like ``True``. Both implementations always run: an import error of
@@ -35,11 +34,7 @@ H_TABLE: list[tuple[bool | int | None, bool, tuple[int, int, int]]] = [
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
     c10d = torch.ops.c10d
-    names = {
-        c10d._allgather_base_: "all_gather",
-        c10d._reduce_scatter_base_: "reduce_scatter",
-        c10d.allreduce_: "all_reduce",
-    }
+    names = {c10d._allgather_base_: "all_gather", c10d._reduce_scatter_base_: "reduce_scatter"}
     counts = mode.get_comm_counts()
     unexpected = {op: n for op, n in counts.items() if op not in names and n}
     assert not unexpected, f"unexpected collectives: {unexpected}"
@@ -67,13 +62,7 @@ def _one_subcase(
         f"[rank {dist.get_rank()}] {impl.name} reshard_after_forward={raf} manual_reshard={manual_reshard}"
     )
     assert _counts(forward_mode) == {"all_gather": fwd_all_gathers}, where
-    # fsdp2's first backward also agrees which submodules ran on some rank (docs/collectives.md)
-    agreements = 1 if impl.name == "fsdp2" else 0
-    want_bwd = {
-        "all_gather": bwd_all_gathers,
-        "reduce_scatter": bwd_reduce_scatters,
-        "all_reduce": agreements,
-    }
+    want_bwd = {"all_gather": bwd_all_gathers, "reduce_scatter": bwd_reduce_scatters}
     assert _counts(backward_mode) == {k: v for k, v in want_bwd.items() if v}, where
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
+import fsdp2.testing
 from tests._harness import run_threaded
 from tests._training import fill_deterministic_
 
@@ -140,15 +141,15 @@ def test_experts_idle_on_some_ranks_train_like_the_reference(world: int, option:
 
 
 # torch >= 2.10 names it reduce_scatter_single (fsdp2 looks it up at each call)
-_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
-class _Sizes:
+class Sizes:
     """Records each reduce-scatter's input size, per rank (the threads share one patched function)."""
 
     def __init__(self) -> None:
         self.by_rank: dict[int, list[int]] = {}
-        self.original = getattr(dist, _RS_NAME)
+        self.original = getattr(dist, RS_NAME)
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.by_rank.setdefault(dist.get_rank(), []).append(input.numel())
@@ -164,10 +165,11 @@ def _shard(param: torch.Tensor, world: int) -> int:
 def _moe_row(moe: MoE, world: int, unused: set[str]) -> int:
     """One rank's row of the MoE group's reduce-scatter input with ``unused`` parameters left out.
 
-    Each packed parameter's shard, then one usage element per parameter, packed or left out.
+    Each packed parameter's shard, then one usage element per parameter, packed or left out, and one
+    saying whether an expert was idle on the rank.
     """
     packed = [p for name, p in moe.named_parameters() if name not in unused]
-    return sum(_shard(p, world) for p in packed) + len(packed) + len(unused)
+    return sum(_shard(p, world) for p in packed) + len(packed) + len(unused) + 1
 
 
 class _ReadsAnExpert(MoE):
@@ -177,22 +179,26 @@ class _ReadsAnExpert(MoE):
         return super().forward(x) + 0.1 * self.experts[UNUSED].weight.sum()
 
 
-def _train_counting(sizes: _Sizes, read_outside: bool) -> dict[str, Any]:
+def train_counting(sizes: Sizes, read_outside: bool, device: str = "cpu") -> dict[str, Any]:
     """Three steps; the MoE group's reduce-scatter sizes against the parameters no rank used.
 
     ``read_outside``: rank 0 also reads the never-routed expert's weight in the MoE's own forward
     (outside the expert's forward), so fsdp2's prediction is wrong for it in the first step.
+    ``device="cuda"``: the same on the GPU (``tests/gpu``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = _model()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = _model().to(device)
     if read_outside and rank == 0:
         model.moe.__class__ = _ReadsAnExpert
     ref = copy.deepcopy(model)
-    fsdp2.fully_shard(model.moe)
-    fsdp2.fully_shard(model)
+    mesh = init_device_mesh(device, (world,))
+    fsdp2.fully_shard(model.moe, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
     expected_rows, sent_rows, agreements, unused_sets = [], [], [], []
     for step in range(3):
-        x = _batch(step)
+        x = _batch(step).to(device)
         before = len(sizes.by_rank.get(rank, []))
         with fsdp2.testing.count_collectives() as counts:
             model(x).square().sum().backward()
@@ -211,42 +217,54 @@ def _train_counting(sizes: _Sizes, read_outside: bool) -> dict[str, Any]:
         # The MoE group's reduce-scatter, the root group's, then any reduction after the fact.
         sent_rows.append([n // world for n in sizes.by_rank[rank][before:]])
         unused_sets.append(unused)
-        expected_rows.append(_moe_row(ref.moe, world, unused))
+        # From the second backward on (the first one's rows said experts were idle somewhere)
+        expected_rows.append(_moe_row(ref.moe, world, unused if step else set()))
         agreements.append(counts["all_reduce"])
         model.zero_grad()
         ref.zero_grad()
     return {"sent": sent_rows, "expected": expected_rows, "agreements": agreements, "unused": unused_sets}
 
 
+def check_left_out(result: dict[str, Any]) -> None:
+    """One reduce-scatter for the MoE group per step, from the second without exactly the experts no
+    rank routed to (the first backward's usage rows showed experts idle somewhere)."""
+    assert [rows[0] for rows in result["sent"]] == result["expected"]
+    assert all(len(rows) == 2 for rows in result["sent"])  # then the root group's
+    assert all(row < _moe_row(MoE(), 2, set()) for row in result["expected"][1:])
+    assert result["agreements"] == [0, 1, 1]  # then one small all-reduce per backward
+
+
+def check_wrong_prediction(result: dict[str, Any]) -> None:
+    """A weight read outside its expert's forward on rank 0: one reduction after the fact, once."""
+    sent, expected = result["sent"], result["expected"]
+    assert sent[0] == [expected[0], sent[0][1]]  # the first backward leaves nothing out
+    # Step 1: the never-routed expert's weight is left out too (its module never ran), but rank 0
+    # holds a gradient for it: after the root group's reduction, every rank reduces that weight
+    # alone (gradients checked in train_counting against the reference).
+    weight = f"experts.{UNUSED}.weight"
+    assert sent[1][0] == _moe_row(MoE(), 2, result["unused"][1] | {weight})
+    assert len(sent[1]) == 3
+    assert sent[1][2] == _shard(MoE().experts[UNUSED].weight, 2) + 1
+    # From then on that weight is always sent, and exactly what no rank used is left out: no more
+    # reductions after the fact.
+    assert len(sent[2]) == 2
+    assert sent[2][0] == expected[2]
+
+
 def test_parameters_no_rank_used_are_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
-    sizes = _Sizes()
-    monkeypatch.setattr(dist, _RS_NAME, sizes)
-    for result in run_threaded(2, _train_counting, sizes, False):
-        # One reduce-scatter for the MoE group per step, without the experts no rank routed to.
-        assert [rows[0] for rows in result["sent"]] == result["expected"]
-        assert all(len(rows) == 2 for rows in result["sent"])  # then the root group's
-        assert all(row < _moe_row(MoE(), 2, set()) for row in result["expected"])
-        assert result["agreements"] == [1, 1, 1]  # the one small all-reduce per backward
+    sizes = Sizes()
+    monkeypatch.setattr(dist, RS_NAME, sizes)
+    for result in run_threaded(2, train_counting, sizes, False):
+        check_left_out(result)
 
 
 def test_a_weight_read_outside_its_module_still_reaches_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sizes = _Sizes()
-    monkeypatch.setattr(dist, _RS_NAME, sizes)
-    for result in run_threaded(2, _train_counting, sizes, True):
-        sent, expected = result["sent"], result["expected"]
-        # Step 0: the never-routed expert's weight is left out too (its module never ran), but rank 0
-        # holds a gradient for it: after the root group's reduction, every rank reduces that weight
-        # alone (gradients checked above against the reference).
-        weight = f"experts.{UNUSED}.weight"
-        assert sent[0][0] == _moe_row(MoE(), 2, result["unused"][0] | {weight})
-        assert len(sent[0]) == 3
-        assert sent[0][2] == _shard(MoE().experts[UNUSED].weight, 2) + 1
-        # From then on that weight is always sent, and exactly what no rank used is left out: no more
-        # reductions after the fact.
-        assert all(len(rows) == 2 for rows in sent[1:])
-        assert [rows[0] for rows in sent[1:]] == expected[1:]
+    sizes = Sizes()
+    monkeypatch.setattr(dist, RS_NAME, sizes)
+    for result in run_threaded(2, train_counting, sizes, True):
+        check_wrong_prediction(result)
 
 
 def _dense_agreements(steps: int) -> list[int]:
@@ -262,7 +280,7 @@ def _dense_agreements(steps: int) -> list[int]:
     return agreements
 
 
-def test_agreements_are_spaced_out_while_every_submodule_runs_everywhere() -> None:
-    # After 1, 2, 4, ... backwards (up to 64); the MoE case above agrees in every backward.
-    for agreements in run_threaded(2, _dense_agreements, 12):
-        assert agreements == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+def test_a_model_whose_submodules_all_run_everywhere_issues_no_agreement() -> None:
+    # Its usage rows never show an idle submodule: the collectives are exactly torch's.
+    for agreements in run_threaded(2, _dense_agreements, 4):
+        assert agreements == [0, 0, 0, 0]
