@@ -210,8 +210,10 @@ class UseAgreement:
     def begin_backward(self) -> None:
         """The first pre-backward: agree if the last reductions saw an idle submodule on some rank."""
         self._pending, self._unused = None, None
+        if not any(g.controls.reduce_grads for g, _ in self.members):
+            return  # a no-sync backward: the signals wait for the backward that reduces
         seen = [tracker.signal.read() for _, tracker in self.members]  # every signal is read
-        if not any(seen) or not any(g.controls.reduce_grads for g, _ in self.members):
+        if not any(seen):
             return
         bits = [int(ran) for _, tracker in self.members for ran in tracker.ran]
         self._pending = self._issue(torch.tensor(bits, dtype=torch.int32))

@@ -179,12 +179,15 @@ class _ReadsAnExpert(MoE):
         return super().forward(x) + 0.1 * self.experts[UNUSED].weight.sum()
 
 
-def train_counting(sizes: Sizes, read_outside: bool, device: str = "cpu") -> dict[str, Any]:
+def train_counting(
+    sizes: Sizes, read_outside: bool, device: str = "cpu", bucketed: bool = False
+) -> dict[str, Any]:
     """Three steps; the MoE group's reduce-scatter sizes against the parameters no rank used.
 
     ``read_outside``: rank 0 also reads the never-routed expert's weight in the MoE's own forward
     (outside the expert's forward), so fsdp2's prediction is wrong for it in the first step.
-    ``device="cuda"``: the same on the GPU (``tests/gpu``).
+    ``device="cuda"``: the same on the GPU (``tests/gpu``). ``bucketed``: one reduce-scatter for both
+    groups (``set_bucket_cap_mb``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
@@ -196,6 +199,8 @@ def train_counting(sizes: Sizes, read_outside: bool, device: str = "cpu") -> dic
     mesh = init_device_mesh(device, (world,))
     fsdp2.fully_shard(model.moe, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
+    if bucketed:
+        model.set_bucket_cap_mb(all_gather=1.0, reduce_scatter=1.0)
     expected_rows, sent_rows, agreements, unused_sets = [], [], [], []
     for step in range(3):
         x = _batch(step).to(device)
@@ -284,3 +289,54 @@ def test_a_model_whose_submodules_all_run_everywhere_issues_no_agreement() -> No
     # Its usage rows never show an idle submodule: the collectives are exactly torch's.
     for agreements in run_threaded(2, _dense_agreements, 4):
         assert agreements == [0, 0, 0, 0]
+
+
+def _accumulate(sizes: Sizes) -> list[list[int]]:
+    """Two micro-batches per step, gradient sync on the second only; gradients against the reference.
+
+    An expert used in either micro-batch on any rank must be reduced; one used in neither is left out.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    ref = copy.deepcopy(model)
+    fsdp2.fully_shard(model.moe)
+    fsdp2.fully_shard(model)
+    rows = []
+    for step in range(3):
+        before = len(sizes.by_rank.get(rank, []))
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x = _batch(10 * step + micro)
+            model(x).square().sum().backward()
+            ref(x).square().sum().backward()
+        expected = _reference_grads(ref)
+        for (name, param), want in zip(model.named_parameters(), expected, strict=True):
+            if want is None:
+                assert param.grad is None, f"step {step}: {name} was used by no rank but got a gradient"
+            else:
+                torch.testing.assert_close(param.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        rows.append([n // world for n in sizes.by_rank[rank][before:]])
+        model.zero_grad()
+        ref.zero_grad()
+    return rows
+
+
+def test_accumulation_leaves_out_only_what_no_micro_batch_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = Sizes()
+    monkeypatch.setattr(dist, RS_NAME, sizes)
+    full = _moe_row(MoE(), 2, set())
+    for rows in run_threaded(2, _accumulate, sizes):
+        # The no-sync backwards reduce nothing; the synced one sends the MoE group, then the root's.
+        assert all(len(step_rows) == 2 for step_rows in rows)
+        assert rows[0][0] == full  # the first backward that reduces leaves nothing out
+        assert all(step_rows[0] < full for step_rows in rows[1:])  # the never-routed expert at least
+
+
+def test_a_wrong_prediction_is_exact_with_bucketing(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = Sizes()
+    monkeypatch.setattr(dist, RS_NAME, sizes)
+    # train_counting checks every gradient against the reference
+    for result in run_threaded(2, train_counting, sizes, True, "cpu", True):
+        # One bucketed reduce-scatter per step (MoE and root groups), and in step 1 the weight read
+        # outside its expert reduced after the fact
+        assert [len(rows) for rows in result["sent"]] == [1, 2, 1]
