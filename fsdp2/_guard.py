@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from . import _engine as engine
+from ._board import Board, Outcome, board_key, digest, open_board
 from ._comms import ForwardingComm
 from ._debug import debug_enabled, guard_timeout, on_root_init
 
@@ -118,9 +119,14 @@ def _store(timeout: float) -> tuple[Any, bool]:
 
 
 class _Channel:
-    """One rank's side of the agreement in one process group: its ranks, keys, store and next number."""
+    """One rank's side of the agreement in one process group: its ranks, keys, store and next number.
 
-    __slots__ = ("me", "prefix", "ranks", "seq", "store", "timeout", "waits")
+    ``board``: the ranks' shared-memory board when they share a host (``_board.py``), set up at the
+    first agreement; ``None`` before, ``False`` where the store carries every agreement. ``last``: the
+    point of the last agreement passed (every rank passed it too).
+    """
+
+    __slots__ = ("board", "last", "me", "prefix", "ranks", "seq", "store", "timeout", "waits")
 
     def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
         self.ranks = dist.get_process_group_ranks(group)
@@ -129,6 +135,8 @@ class _Channel:
         self.timeout = timeout
         self.store, self.waits = _store(timeout)
         self.seq = 0
+        self.board: Board | bool | None = None
+        self.last: Point | None = None
 
 
 # Per process group (each rank's own object, also when ranks are threads of one process).
@@ -149,14 +157,54 @@ def _channel(group: dist.ProcessGroup) -> _Channel:
 
 
 def agree(point: Point, group: dist.ProcessGroup) -> None:
-    """Raise ``DivergenceError`` on every rank of ``group`` unless all are about to do ``point``."""
+    """Raise ``DivergenceError`` on every rank of ``group`` unless all are about to do ``point``.
+
+    Ranks on one host meet on a shared-memory board (a digest of the point each), and go to the store
+    only to explain a difference; ranks on several hosts exchange the points through the store.
+    """
     c = _channel(group)
     if len(c.ranks) < 2:
         return
-    seq, prefix, store = c.seq, c.prefix, c.store
+    seq = c.seq
     c.seq = seq + 1
-    keys = [f"{prefix}{seq}/{rank}" for rank in c.ranks]
+    if c.board is None:
+        c.board = _open_board(c, point)
     mine = point.encode().encode()
+    if isinstance(c.board, Board):
+        _agree_on_board(c, c.board, seq, point, mine)
+    else:
+        _agree_by_store(c, seq, point, mine)
+    c.last = point
+
+
+def _open_board(c: _Channel, point: Point) -> Board | bool:
+    """The ranks' board if every one could map it, else ``False``; raises if a rank never comes."""
+    try:
+        return open_board(c.store, c.prefix, c.ranks, c.me, c.timeout, c.waits) or False
+    except (dist.DistStoreError, RuntimeError) as exc:  # a rank did not come to its first agreement
+        missing = [r for r in c.ranks if not c.store.check([board_key(c.prefix, r)])]
+        message = _missing(point, c.me, c.timeout, missing, None)
+        raise DivergenceError(message) from exc
+
+
+def _agree_on_board(c: _Channel, board: Board, seq: int, point: Point, mine: bytes) -> None:
+    outcome = board.meet(seq, digest(mine.rpartition(b"#")[0]), c.timeout)
+    if outcome is Outcome.SAME:
+        return
+    if outcome is Outcome.ABORTED:
+        raise DivergenceError(c.store.get(f"{c.prefix}abort").decode())
+    if outcome is Outcome.LATE:
+        message = _missing(point, c.me, c.timeout, board.missing(seq), c.last)
+        c.store.set(f"{c.prefix}abort", message.encode())
+        board.abort()
+        raise DivergenceError(message)
+    # The digests differ: every rank is here, so the points come through the store at once (it raises).
+    _agree_by_store(c, seq, point, mine)
+
+
+def _agree_by_store(c: _Channel, seq: int, point: Point, mine: bytes) -> None:
+    prefix, store = c.prefix, c.store
+    keys = [f"{prefix}{seq}/{rank}" for rank in c.ranks]
     store.set(f"{prefix}{seq}/{c.me}", mine)
     try:
         if not c.waits:
@@ -179,20 +227,37 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
 
 
 def _late(point: Point, ranks: list[int], me: int, seq: int, prefix: str, store: Any, timeout: float) -> str:
-    """The error of a rank whose peers did not all arrive: who is missing and what they did last."""
+    """The error of a rank whose peers did not all arrive (store path): who is missing, their last point."""
     missing = [r for r in ranks if not store.check([f"{prefix}{seq}/{r}"])]
+    last: dict[int, str | None] = {}
+    for rank in missing:
+        previous = f"{prefix}{seq - 1}/{rank}"
+        if seq == 0 or not store.check([previous]):
+            last[rank] = None
+        else:
+            text = store.get(previous).decode()
+            last[rank] = text[len(_ABORT) :] if text.startswith(_ABORT) else str(Point.decode(text))
+    return _missing_text(point, me, timeout, missing, last)
+
+
+def _missing(point: Point, me: int, timeout: float, missing: list[int], last: Point | None) -> str:
+    """The same for the board, where every rank passed the same last point (``None``: none yet)."""
+    done = None if last is None else str(last)
+    return _missing_text(point, me, timeout, missing, dict.fromkeys(missing, done))
+
+
+def _missing_text(
+    point: Point, me: int, timeout: float, missing: list[int], last: dict[int, str | None]
+) -> str:
     lines = [
         f"fsdp2 debug: rank {me} waited {timeout:g} s for ranks {missing} at {point}; they did not reach "
         "it (nor any other FSDP collective)."
     ]
     for rank in missing:
-        previous = f"{prefix}{seq - 1}/{rank}"
-        if seq == 0 or not store.check([previous]):
+        if last[rank] is None:
             lines.append(f"  rank {rank} has not issued an FSDP collective in this process group yet.")
         else:
-            last = store.get(previous).decode()
-            done = last[len(_ABORT) :] if last.startswith(_ABORT) else str(Point.decode(last))
-            lines.append(f"  rank {rank}'s last FSDP collective was {done}.")
+            lines.append(f"  rank {rank}'s last FSDP collective was {last[rank]}.")
     lines.append(
         "The ranks that did not arrive skipped FSDP work the others do: an evaluation or export run on "
         "some ranks only, a different number of micro-batches, or an exception on that rank. If a rank "

@@ -19,8 +19,18 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
+from fsdp2 import _board as fsdp2_board
+from fsdp2 import _guard as fsdp2_guard
 from fsdp2.testing import run_ranks
 from tests._training import fill_deterministic_, mlp_step, small_sharded_mlp
+
+
+@pytest.fixture(params=["board", "store"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where ranks meet: the shared-memory board (same host), or the store (as across hosts)."""
+    if request.param == "store":
+        monkeypatch.setattr(fsdp2_board, "_map", lambda path, size, token: None)  # no rank maps it
+    return str(request.param)
 
 
 @pytest.fixture
@@ -135,7 +145,7 @@ def test_gradient_sync_off_on_one_rank(debug: None) -> None:
     assert "Gradient sync differs between ranks" in message
 
 
-def test_requires_grad_differs(debug: None) -> None:
+def test_requires_grad_differs(debug: None, transport: str) -> None:
     message = _raised_everywhere(_frozen_on_rank_1)
     assert "Parameter '2.weight' has requires_grad=True on ranks [0] and False on ranks [1]" in message
 
@@ -208,7 +218,7 @@ def test_a_module_skipped_on_one_rank(debug: None) -> None:
     assert "The ranks run different FSDP modules here (a module skipped or repeated" in messages[0]
 
 
-def test_a_rank_that_never_arrives_is_named(debug: None) -> None:
+def test_a_rank_that_never_arrives_is_named(debug: None, transport: str) -> None:
     def body(rank: int, world_size: int) -> str | None:
         model = small_sharded_mlp()
         mlp_step(model, rank)
@@ -261,7 +271,7 @@ def test_a_forward_without_collectives_on_one_rank_is_fine(debug: None) -> None:
 
 
 @pytest.mark.parametrize("layout", ["fsdp-2", "hsdp-2x2"])
-def test_training_is_unchanged(debug: None, layout: str) -> None:
+def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None:
     """Three AdamW steps (bucketed with explicit prefetch; HSDP): bit-equal with debug mode off."""
 
     def body(rank: int, world_size: int) -> list[torch.Tensor]:
@@ -277,6 +287,10 @@ def test_training_is_unchanged(debug: None, layout: str) -> None:
             mlp_step(model, rank, seed=step)
             opt.step()
             opt.zero_grad()
+        if fsdp2._debug.debug_enabled():  # the ranks met where the transport says
+            boards = [fsdp2_guard._channel(g).board for g in fsdp2._engine.data_parallel_groups(model)]
+            want = fsdp2_board.Board if transport == "board" else bool
+            assert all(isinstance(b, want) for b in boards), boards
         return [p.full_tensor() for p in model.parameters()]
 
     world = 4 if layout.startswith("hsdp") else 2
