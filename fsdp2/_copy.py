@@ -9,7 +9,8 @@ meshes (and so the process groups) with the original and nothing else. Does not 
 (``fully_shard``) or the engine's state: it reaches the states, groups and shards only through the
 engine's interface for tools (``_engine.py``).
 Invariants: the original is unchanged except for being resharded first; a copy taken mid-iteration is
-refused.
+refused. Importing this module also makes DTensors over packed shards deep-copyable
+(``_dtensor.install_deepcopy``), so ``copy.deepcopy(model.state_dict())`` works as with torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from . import _engine as engine
+from ._dtensor import install_deepcopy
 from ._fully_shard import fully_shard
 from ._module import set_deepcopy_impl
 
@@ -60,5 +62,6 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 
 set_deepcopy_impl(deepcopy_fsdp)
+install_deepcopy()  # copy.deepcopy(model.state_dict()): DTensors over packed shards (see _dtensor.py)
 
 __all__ = ["deepcopy_fsdp"]

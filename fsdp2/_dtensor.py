@@ -3,15 +3,19 @@
 (``_memory.py`` also patches DTensor's sharding propagator while it estimates memory on fake tensors.)
 
 Owns: building a DTensor from a local tensor and a precomputed spec without the autograd and
-validation work of ``DTensor.from_local`` (hot path: one call per gradient per step), and re-pointing
-a DTensor at new local storage. ``tests/unit/test_dtensor.py`` checks both against the public API.
+validation work of ``DTensor.from_local`` (hot path: one call per gradient per step), re-pointing
+a DTensor at new local storage, and ``copy.deepcopy`` of a DTensor whose local tensor starts at a
+storage offset (torch 2.13's fails; installed at import, see ``install_deepcopy``).
+``tests/unit/test_dtensor.py`` checks them against the public API.
 Invariants: the spec passed in describes the local tensor (global shape, stride, dtype, placements).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator, Sequence
 from operator import attrgetter
+from typing import Any
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -22,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "DTensorSpec",
+    "install_deepcopy",
     "local_in_placements",
     "local_of",
     "locals_of",
@@ -137,3 +142,44 @@ def local_in_placements(tensor: DTensor, placements: Sequence[Placement]) -> tor
     if isinstance(local, AsyncCollectiveTensor):
         local = local.wait()
     return local
+
+
+def _deepcopy_at_offset(self: DTensor, memo: dict[int, Any]) -> DTensor:
+    """``copy.deepcopy`` of a DTensor whose local tensor starts at a storage offset.
+
+    torch 2.13's ``Tensor.__deepcopy__`` treats a wrapper tensor with a nonzero ``data_ptr()`` (which a
+    DTensor wrapper has when its local tensor is a view at an offset, as fsdp2's packed shards are) as
+    one with a real storage, and fails ("invalid python storage"). This copies the local tensor (with
+    ``memo``, so views of one storage stay views of one copied storage), wraps it with the same spec,
+    and copies the gradient and the instance attributes (``nn.Parameter``-ness among them).
+    """
+    if self.data_ptr() == 0:  # no offset: torch's own path (a clone) works
+        copied: DTensor = _TENSOR_DEEPCOPY(self, memo)  # type: ignore[no-untyped-call]  # reason: torch's is untyped
+        return copied
+    if id(self) in memo:
+        done: DTensor = memo[id(self)]
+        return done
+    if not self.is_leaf:
+        raise RuntimeError(
+            "copy.deepcopy works on DTensors that are graph leaves (parameters, detached tensors), not on "
+            "results of differentiable operations; deepcopy tensor.detach() instead."
+        )
+    with torch.no_grad():
+        local = copy.deepcopy(local_of(self).detach(), memo)
+    new = wrap_local(local, spec_of(self), requires_grad=self.requires_grad)
+    memo[id(self)] = new
+    if self.grad is not None:
+        new.grad = copy.deepcopy(self.grad, memo)
+    for name, value in self.__dict__.items():
+        if name not in ("_local_tensor", "_spec"):
+            setattr(new, name, copy.deepcopy(value, memo))
+    return new
+
+
+_TENSOR_DEEPCOPY = torch.Tensor.__deepcopy__
+
+
+def install_deepcopy() -> None:
+    """Give ``DTensor`` the deep copy above, unless torch defines one of its own (idempotent)."""
+    if DTensor.__deepcopy__ is _TENSOR_DEEPCOPY:
+        DTensor.__deepcopy__ = _deepcopy_at_offset  # type: ignore[method-assign,assignment]

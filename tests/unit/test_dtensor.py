@@ -128,3 +128,39 @@ def test_set_local_repoints_storage() -> None:
         assert spec_of(wrapped) is spec
 
     run_threaded(2, body)
+
+
+def _state_dict_deepcopy(rank: int) -> None:
+    import copy
+
+    from torch import nn
+
+    import fsdp2
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    fsdp2.fully_shard(model[0])
+    fsdp2.fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    saved = model.state_dict()
+    # Every parameter after a group's first sits at an offset in the group's packed shards.
+    assert any(local_of(v).storage_offset() > 0 for v in saved.values())
+    copied = copy.deepcopy(saved)  # torch 2.13's own deepcopy of such a DTensor fails
+    for key, value in saved.items():
+        torch.testing.assert_close(copied[key].full_tensor(), value.full_tensor(), rtol=0, atol=0)
+        assert copied[key].placements == value.placements
+        assert (
+            local_of(copied[key]).untyped_storage().data_ptr() != local_of(value).untyped_storage().data_ptr()
+        )
+    with torch.no_grad():
+        for value in saved.values():
+            value.zero_()  # the copy is independent
+    assert all(v.full_tensor().abs().sum() > 0 for v in copied.values())
+    params = copy.deepcopy(list(model.parameters()))  # parameters: still parameters, gradients copied
+    for param, original in zip(params, model.parameters(), strict=True):
+        assert isinstance(param, nn.Parameter)
+        assert param.requires_grad
+        torch.testing.assert_close(param.grad.full_tensor(), original.grad.full_tensor(), rtol=0, atol=0)
+
+
+def test_deepcopy_of_a_sharded_state_dict() -> None:
+    run_threaded(2, lambda: _state_dict_deepcopy(dist.get_rank()))
