@@ -194,6 +194,11 @@ def fully_shard(
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True
     for root in modules:
+        for sub in root.modules():
+            inner = get_state(sub)
+            if inner is not None and inner is not state and inner not in state.descendants:
+                inner.nested = True  # not a top-level FSDP module any more (see _compiled.py)
+                state.descendants.append(inner)
         register_fully_shard(root, state)
         root.__class__ = fsdp_class(type(root))
     return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule

@@ -60,6 +60,7 @@ from ._autograd import (
 )
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
+from ._compiled import traced_hooks
 from ._debug import check_same_model, debug_enabled, run_root_init_hooks
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
@@ -111,6 +112,8 @@ class FSDPState(TorchStateNames):
         self.foreign_ignored: list[torch.Tensor] = []  # ignored_params outside this call's modules
         self.hook_handles: list[Any] = []  # every hook fsdp2 registered (hidden while deep-copying)
         self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
+        self.nested = False  # a later fully_shard call's modules contain this one's (see _compiled.py)
+        self.descendants: list[FSDPState] = []  # the states under this one's modules, if it is top-level
         self._pre_backward_hook = self._make_pre_backward_hook()
         self._pre_backward_node_hook = eager(self._pre_backward_on_node)
         self.eager_finish_backward = eager(self.finish_backward)
@@ -120,9 +123,9 @@ class FSDPState(TorchStateNames):
                 pre, post = self.pre_forward, self.post_forward
             else:
                 pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
-            # FSDP hooks mutate storages and module registrations: torch.compile must run them
-            # eagerly (a graph break at each FSDP module), never trace them. ~0.4 µs per call.
-            pre, post = eager(pre), eager(post)
+            # FSDP hooks mutate storages and module registrations: torch.compile runs them eagerly
+            # (a graph break at each FSDP module), except under a compiled root (see _compiled.py).
+            pre, post = traced_hooks(self, pre, post)
             self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
             for group in groups:
@@ -278,6 +281,13 @@ class FSDPState(TorchStateNames):
         recorded = [group.post_forward() for group in self.groups]
         if any(recorded) and ctx is not None:
             self.post_forward_indices.append(ctx.schedule.record_post_forward(self))
+
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Forward inputs cast per the policy (``cast_forward_inputs``)."""
+        if self._input_dtype is None:
+            return args, kwargs
+        cast: tuple[Any, Any] = cast_floating((args, kwargs), self._input_dtype)
+        return cast
 
     def cast_output(self, output: Any) -> Any:
         return output if self.output_dtype is None else cast_floating(output, self.output_dtype)

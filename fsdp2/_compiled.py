@@ -1,0 +1,181 @@
+"""Whole-model ``torch.compile``: each FSDP module's all-gathers and reduce-scatters inside the graph.
+
+Owns: the hooks' traced side (``traced_hooks``): what an FSDP module's forward hooks do while dynamo
+traces them as part of a compiled root. See [Note: The compiled path].
+Does not own: the eager engine (the hooks' eager side, excluded from tracing), the sharded parameters.
+
+[Note: The compiled path]
+Eagerly, an FSDP module's hooks gather its parameters into storages they manage and register them on
+the modules; that cannot be traced, so each hook is excluded from tracing and a compiled model breaks
+its graph at every FSDP module. When dynamo traces the hooks of a top-level FSDP module (one no other
+``fully_shard`` module contains: ``torch.compile(model)`` or ``model.compile()`` on the root), the
+hooks of that module and of every FSDP module under it take the traced side instead:
+- pre-forward: for each parameter of the module's groups, ``sharded.redistribute(mesh, Replicate)``
+  (an all-gather as a functional collective in the graph) ``.to_local(grad_placements=Partial(avg))``,
+  put in the owning modules' instance dicts, where it shadows the registered sharded parameter for
+  the forward. Its backward is the reduce-scatter (an all-reduce too over HSDP's replicas) of the
+  gradient, averaged over the ranks, onto the sharded parameter's ``.grad``: the DTensor gradient the
+  eager engine gives, so optimizers, state dicts and checkpoints are the same.
+- post-forward: the shadows are removed (the sharded parameters show again), outputs cast per policy.
+With ``param_dtype`` the shard is cast before the all-gather (and the gradient reduced in it, unless
+``reduce_dtype`` differs: then the all-gather runs in the shard's dtype and the cast follows it, so the
+reduction runs in ``reduce_dtype``). Grouping the collectives and overlapping them with compute is the
+compiler's (its bucketing and reordering passes); the hooks issue one all-gather per parameter.
+Compiling a block alone (``torch.compile(block)``, the root eager) keeps the eager hooks: its graph
+breaks at the block's FSDP hooks, as torch's ``fully_shard`` does, and the root's eager engine
+prefetches across blocks.
+A traced flag on a module-level object says "a top-level FSDP module is being traced": dynamo
+records the writes as side effects and replays their final value (``False``) after the graph runs, so
+the real object never changes and concurrent threads do not see each other's traces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ._api import CPUOffloadPolicy
+from ._autograd import eager
+from ._lifecycle import ShardedState
+from ._param import FSDPParam
+
+__all__ = ["traced_hooks", "untraceable"]
+
+
+class _Policy(Protocol):
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+class _Config(Protocol):
+    mp_policy: _Policy
+    offload_policy: Any
+
+
+class _Group(Protocol):
+    """What the traced hooks read of a group (``_param_group.FSDPParamGroup``)."""
+
+    fsdp_params: list[FSDPParam]
+    config: _Config
+    controls: Any
+    comms: Any
+    sharded_state: ShardedState
+    module_fqn: str
+
+
+class _State(Protocol):
+    """What the traced hooks read of a ``fully_shard`` state (``_state.FSDPState``)."""
+
+    nested: bool
+    modules: tuple[nn.Module, ...]
+    descendants: list[Any]  # the states under this one (for a top-level one)
+
+    @property
+    def groups(self) -> Sequence[Any]: ...  # _Group each
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]: ...
+    def cast_output(self, output: Any) -> Any: ...
+
+
+class _Tracing:
+    """Whether dynamo is tracing a top-level FSDP module's forward (only ever true inside a trace)."""
+
+    top = False
+
+
+_TRACING = _Tracing()
+
+
+def traced_hooks(state: _State, pre: Callable[..., Any], post: Callable[..., Any]) -> tuple[Any, Any]:
+    """The forward hooks of ``state``'s module: the eager ``pre`` / ``post``, or the traced side."""
+    eager_pre, eager_post = eager(pre), eager(post)
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        traced = torch.compiler.is_dynamo_compiling() and (
+            _TRACING.top if state.nested else untraceable([state, *state.descendants]) is None
+        )
+        if traced:
+            return _traced_pre_forward(state, args, kwargs)
+        return eager_pre(module, args, kwargs)  # eager, a block compiled alone, or not traceable yet
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling() and _TRACING.top:
+            return _traced_post_forward(state, output)
+        return eager_post(module, args, output)
+
+    return pre_hook, post_hook
+
+
+def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> Any:
+    if not state.nested:
+        _TRACING.top = True
+    for group in state.groups:
+        for fsdp_param in group.fsdp_params:
+            full = _gathered(fsdp_param, group)
+            for owner, name in fsdp_param.owners:
+                owner.__dict__[name] = full
+    return state.cast_inputs(args, kwargs)
+
+
+def _traced_post_forward(state: _State, output: Any) -> Any:
+    for group in state.groups:
+        for fsdp_param in group.fsdp_params:
+            for owner, name in fsdp_param.owners:
+                del owner.__dict__[name]
+    if not state.nested:
+        _TRACING.top = False
+    return state.cast_output(output)
+
+
+def _gathered(fsdp_param: FSDPParam, group: _Group) -> torch.Tensor:
+    """The unsharded parameter as a traced all-gather whose backward reduce-scatters (averaged)."""
+    sharded = fsdp_param.sharded_param  # registered on the owners while sharded (checked)
+    assert isinstance(sharded, DTensor), "a sharded parameter is a DTensor"
+    policy = group.config.mp_policy
+    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+    cast_first = param_dtype is not None and reduce_dtype in (None, param_dtype)
+    source: DTensor = sharded.to(param_dtype) if cast_first else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
+    dims = sharded.device_mesh.ndim
+    full = source.redistribute(sharded.device_mesh, [Replicate()] * dims).to_local(
+        grad_placements=[Partial("avg")] * dims
+    )
+    if param_dtype is not None and not cast_first:
+        full = full.to(param_dtype)
+    gathered: torch.Tensor = full
+    return gathered
+
+
+def untraceable(states: Sequence[_State]) -> str | None:
+    """Why the compiled path cannot trace ``states`` (a top-level one and those under it), or ``None``.
+
+    Such a model compiles as before: its hooks run eagerly, with a graph break at each FSDP module
+    (``fullgraph=True`` then fails with dynamo's graph-break error).
+    """
+    for state in states:
+        if len(state.modules) > 1:
+            return "fully_shard([...]) of several modules"
+        for group in state.groups:
+            problem = _problem(group)
+            if problem is not None:
+                return f"module {group.module_fqn or '<root>'!r}: {problem}"
+    return None
+
+
+def _problem(group: _Group) -> str | None:
+    if group.sharded_state is not ShardedState.SHARDED:
+        return "its parameters are unsharded (call model.reshard() first)"
+    if any(p.is_tensor_parallel or p.has_extension for p in group.fsdp_params):
+        return "tensor-parallel parameters or all-gather extensions"
+    if isinstance(group.config.offload_policy, CPUOffloadPolicy):
+        return "CPU offload"
+    if group.comms.custom:
+        return "custom collectives"
+    controls = group.controls
+    if not controls.reduce_grads or controls.all_reduce_hook is not None:
+        return "gradient sync off, or an all-reduce hook"
+    if controls.gradient_divide_factor is not None or controls.force_sum_reduction:
+        return "a gradient divide factor or sum reduction"
+    return None
