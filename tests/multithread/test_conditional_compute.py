@@ -86,6 +86,15 @@ def _reference_grads(ref: nn.Module) -> list[torch.Tensor | None]:
     return grads
 
 
+def _check_grads(model: nn.Module, expected: list[torch.Tensor | None], step: int) -> None:
+    """fsdp2's sharded gradients against the reference's (``None``: no rank used the parameter)."""
+    for (name, param), want in zip(model.named_parameters(), expected, strict=True):
+        if want is None:
+            assert param.grad is None, f"step {step}: {name} was used by no rank but got a gradient"
+        else:
+            torch.testing.assert_close(param.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+
+
 def _train(option: str, steps: int = 3) -> dict[str, Any]:
     model = _model()
     ref = copy.deepcopy(model)
@@ -209,11 +218,7 @@ def train_counting(
             model(x).square().sum().backward()
         ref(x).square().sum().backward()
         expected = _reference_grads(ref)
-        for (name, param), want in zip(model.named_parameters(), expected, strict=True):
-            if want is None:
-                assert param.grad is None, f"step {step}: {name} was used by no rank but got a gradient"
-            else:
-                torch.testing.assert_close(param.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        _check_grads(model, expected, step)
         unused = {
             name.removeprefix("moe.")
             for (name, _), want in zip(model.named_parameters(), expected, strict=True)
@@ -310,11 +315,7 @@ def _accumulate(sizes: Sizes) -> list[list[int]]:
             model(x).square().sum().backward()
             ref(x).square().sum().backward()
         expected = _reference_grads(ref)
-        for (name, param), want in zip(model.named_parameters(), expected, strict=True):
-            if want is None:
-                assert param.grad is None, f"step {step}: {name} was used by no rank but got a gradient"
-            else:
-                torch.testing.assert_close(param.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        _check_grads(model, expected, step)
         rows.append([n // world for n in sizes.by_rank[rank][before:]])
         model.zero_grad()
         ref.zero_grad()
