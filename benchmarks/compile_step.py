@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from scale import build  # the step-time model
+from scale import add_model_arguments, build  # the step-time model
 
 VARIANTS = (
     "fsdp2 eager",
@@ -67,10 +67,7 @@ def _step(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=126)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
+    add_model_arguments(parser, [2])  # the model's shape (the world is torchrun's)
     parser.add_argument("--steps", "--rounds", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
