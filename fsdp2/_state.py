@@ -229,8 +229,7 @@ class FSDPState(TorchStateNames):
                 group.unshard()
             for group in groups:
                 group.wait_for_unshard()
-            if self._input_dtype is not None:
-                args, kwargs = cast_floating((args, kwargs), self._input_dtype)
+            args, kwargs = self.cast_inputs(args, kwargs)
             return args, kwargs
         first = self.training_state is not _FORWARD
         if first:
@@ -238,8 +237,7 @@ class FSDPState(TorchStateNames):
             if ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
                 args, kwargs = move_to_device((args, kwargs), self._input_device)
         self.set_state(_FORWARD)
-        if self._input_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self._input_dtype)
+        args, kwargs = self.cast_inputs(args, kwargs)
         if groups:
             entering = groups[0].training_state is not _FORWARD
             shared = self.ctx
