@@ -17,6 +17,10 @@ hooks of that module and of every FSDP module under it take the traced side inst
   gradient, averaged over the ranks, onto the sharded parameter's ``.grad``: the DTensor gradient the
   eager engine gives, so optimizers, state dicts and checkpoints are the same.
 - post-forward: the shadows are removed (the sharded parameters show again), outputs cast per policy.
+- ``reshard_after_forward``: a module that reshards wraps its group's gathers in a (non-reentrant)
+  activation checkpoint, so the partitioner gathers again in backward what backward reads instead of
+  saving it; collectives are recomputed only from such user-marked regions. A top-level module
+  keeps its own (see ``_reshards``).
 With ``param_dtype`` the shard is cast before the all-gather (and the gradient reduced in it, unless
 ``reduce_dtype`` differs: then the all-gather runs in the shard's dtype and the cast follows it, so the
 reduction runs in ``reduce_dtype``). Grouping the collectives and overlapping them with compute is the
@@ -24,19 +28,22 @@ compiler's (its bucketing and reordering passes); the hooks issue one all-gather
 Compiling a block alone (``torch.compile(block)``, the root eager) keeps the eager hooks: its graph
 breaks at the block's FSDP hooks, as torch's ``fully_shard`` does, and the root's eager engine
 prefetches across blocks.
-A traced flag on a module-level object says "a top-level FSDP module is being traced": dynamo
-records the writes as side effects and replays their final value (``False``) after the graph runs, so
-the real object never changes and concurrent threads do not see each other's traces.
+A flag on a module-level object says "a top-level FSDP module is being traced": its pre-forward sets
+it, its post-forward clears it, and dynamo replays the writes as side effects after each graph runs
+(``torch.compile(model)`` traces the top-level module's hooks as frames of their own, so between the
+pre-forward's graph and the post-forward's the flag is set; eager hooks never read it).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from ._api import CPUOffloadPolicy
 from ._autograd import eager
@@ -65,6 +72,7 @@ class _Group(Protocol):
     comms: Any
     sharded_state: ShardedState
     module_fqn: str
+    post_forward_mesh_info: Any  # None: keeps the gathered parameters after forward
 
 
 class _State(Protocol):
@@ -113,11 +121,34 @@ def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> Any:
     if not state.nested:
         _TRACING.top = True
     for group in state.groups:
-        for fsdp_param in group.fsdp_params:
-            full = _gathered(fsdp_param, group)
+        if _reshards(state, group):
+            # The all-gathers (and casts) run again in backward instead of keeping their outputs.
+            fulls = checkpoint(
+                functools.partial(_gather_group, group),
+                *[p.sharded_param for p in group.fsdp_params],
+                use_reentrant=False,
+            )
+        else:
+            fulls = _gather_group(group, *[p.sharded_param for p in group.fsdp_params])
+        for fsdp_param, full in zip(group.fsdp_params, fulls, strict=True):
             for owner, name in fsdp_param.owners:
                 owner.__dict__[name] = full
     return state.cast_inputs(args, kwargs)
+
+
+def _reshards(state: _State, group: _Group) -> bool:
+    """Whether the traced forward gathers ``group`` again in backward instead of keeping it.
+
+    ``reshard_after_forward`` (``True``, or an int: the same numbers, gathered over the full shard
+    group). A top-level module keeps its own parameters whatever it asked: its backward comes
+    first, and ``torch.compile(model)`` runs its hooks as frames of their own, whose outputs the
+    forward graph keeps anyway (see docs/compile.md).
+    """
+    return state.nested and group.post_forward_mesh_info is not None
+
+
+def _gather_group(group: _Group, *shards: torch.Tensor) -> list[torch.Tensor]:
+    return [_gathered(shard, group) for shard in shards]
 
 
 def _traced_post_forward(state: _State, output: Any) -> Any:
@@ -130,9 +161,8 @@ def _traced_post_forward(state: _State, output: Any) -> Any:
     return state.cast_output(output)
 
 
-def _gathered(fsdp_param: FSDPParam, group: _Group) -> torch.Tensor:
+def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
     """The unsharded parameter as a traced all-gather whose backward reduce-scatters (averaged)."""
-    sharded = fsdp_param.sharded_param  # registered on the owners while sharded (checked)
     assert isinstance(sharded, DTensor), "a sharded parameter is a DTensor"
     policy = group.config.mp_policy
     param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import fsdp2
@@ -42,7 +44,7 @@ def _sharded(**options: Any) -> Transformer:
 
 
 def _counting_backend(counts: Counter[str]) -> Any:
-    """``aot_eager`` that counts the collectives in the forward and backward graphs."""
+    """``aot_eager`` with inductor's partitioner, counting the collectives in the two graphs."""
 
     def compiler(name: str) -> Any:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -52,11 +54,16 @@ def _counting_backend(counts: Counter[str]) -> Any:
                     counts[f"{name} all_gather"] += 1
                 elif "reduce_scatter_tensor" in target:
                     counts[f"{name} reduce_scatter"] += 1
-            return gm.forward
+            return make_boxed_func(gm.forward)
 
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    # inductor's partitioner (min-cut), which recomputes marked regions (aot_eager's does not)
+    return aot_autograd(
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+    )
 
 
 def _steps(model: Any, optim: torch.optim.Optimizer, first: int, count: int) -> list[torch.Tensor]:
@@ -70,7 +77,7 @@ def _steps(model: Any, optim: torch.optim.Optimizer, first: int, count: int) -> 
     return losses
 
 
-def _parity(options: dict[str, Any]) -> None:
+def _parity(options: dict[str, Any]) -> Counter[str]:
     """Compiled whole model against eager fsdp2, bit for bit with aot_eager; collectives in the graph."""
     torch._dynamo.reset()
     eager, model = _sharded(**options), _sharded(**options)
@@ -92,6 +99,7 @@ def _parity(options: dict[str, Any]) -> None:
     # one all-gather per parameter in forward, and one reduce-scatter per parameter in backward
     assert counts["forward all_gather"] == n_params, counts
     assert counts["backward reduce_scatter"] == n_params, counts
+    return counts
 
 
 def _resume_eagerly() -> None:
@@ -129,8 +137,20 @@ def _not_traced_yet() -> None:
 
 def _all_cases() -> None:
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for options in ({}, {"reshard_after_forward": False}, {"mp_policy": bf16}):
-        _parity(options)
+    regathered = {
+        str(reshard): _parity({"reshard_after_forward": reshard})["backward all_gather"]
+        for reshard in (False, None, True)
+    }
+    # Resharding after forward is gathering again in backward what backward reads: every block
+    # parameter but the Linear biases (10 a block); the root keeps its own (its backward is first).
+    read = sum(
+        not (isinstance(m, nn.Linear) and n == "bias")
+        for b in _sharded().layers
+        for m in b.modules()
+        for n, _ in m.named_parameters(recurse=False)
+    )
+    assert regathered == {"False": 0, "None": read, "True": read}, (regathered, read)
+    _parity({"mp_policy": bf16})
     _resume_eagerly()
     _not_traced_yet()
 
