@@ -49,6 +49,7 @@ from ._api import CPUOffloadPolicy
 from ._autograd import eager
 from ._lifecycle import ShardedState
 from ._param import FSDPParam
+from ._rng_order import install_rng_order_fix
 
 __all__ = ["traced_hooks", "untraceable"]
 
@@ -86,6 +87,9 @@ class _State(Protocol):
     def groups(self) -> Sequence[Any]: ...  # _Group each
     def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]: ...
     def cast_output(self, output: Any) -> Any: ...
+
+
+install_rng_order_fix()  # activation checkpointing with dropout/attention (see _rng_order.py)
 
 
 class _Tracing:
@@ -168,8 +172,8 @@ def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
     param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
     cast_first = param_dtype is not None and reduce_dtype in (None, param_dtype)
     source: DTensor = sharded.to(param_dtype) if cast_first else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
-    dims = sharded.device_mesh.ndim
-    full = source.redistribute(sharded.device_mesh, [Replicate()] * dims).to_local(
+    dims = len(sharded.placements)  # (not the mesh: as a graph input, AC cannot save it for backward)
+    full = source.redistribute(placements=[Replicate()] * dims).to_local(
         grad_placements=[Partial("avg")] * dims
     )
     if param_dtype is not None and not cast_first:

@@ -14,12 +14,15 @@ reduce-scatter, so these tests need processes.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
@@ -34,10 +37,12 @@ WORLD_SIZE = 2
 ARGS = ModelArgs(n_layers=2)
 
 
-def _sharded(**options: Any) -> Transformer:
+def _sharded(args: ModelArgs = ARGS, wrap_blocks: bool = False, **options: Any) -> Transformer:
     torch.manual_seed(0)  # the same parameters in every process
-    model = Transformer(ARGS)
-    for layer in model.layers:
+    model = Transformer(args)
+    for i, layer in enumerate(model.layers):
+        if wrap_blocks:  # activation checkpointing outside the FSDP hooks (torchtitan's way)
+            layer = model.layers[i] = checkpoint_wrapper(layer)
         fsdp2.fully_shard(layer, **options)
     fsdp2.fully_shard(model, **options)
     return model
@@ -54,6 +59,8 @@ def _counting_backend(counts: Counter[str]) -> Any:
                     counts[f"{name} all_gather"] += 1
                 elif "reduce_scatter_tensor" in target:
                     counts[f"{name} reduce_scatter"] += 1
+                elif "all_reduce" in target:
+                    counts[f"{name} all_reduce"] += 1
             return make_boxed_func(gm.forward)
 
         return compile_graph
@@ -77,7 +84,7 @@ def _steps(model: Any, optim: torch.optim.Optimizer, first: int, count: int) -> 
     return losses
 
 
-def _parity(options: dict[str, Any]) -> Counter[str]:
+def _parity(options: dict[str, Any], replicas: int = 1) -> Counter[str]:
     """Compiled whole model against eager fsdp2, bit for bit with aot_eager; collectives in the graph."""
     torch._dynamo.reset()
     eager, model = _sharded(**options), _sharded(**options)
@@ -96,9 +103,12 @@ def _parity(options: dict[str, Any]) -> Counter[str]:
         assert isinstance(param, type(ref)), name
         torch.testing.assert_close(param.full_tensor(), ref.full_tensor(), rtol=0, atol=0)
     n_params = len(list(model.parameters()))
-    # one all-gather per parameter in forward, and one reduce-scatter per parameter in backward
-    assert counts["forward all_gather"] == n_params, counts
-    assert counts["backward reduce_scatter"] == n_params, counts
+    sharded = replicas < WORLD_SIZE  # (a shard group of one rank gathers and scatters nothing)
+    # one all-gather per parameter in forward, one reduce-scatter (and one all-reduce across
+    # replicas) per parameter in backward
+    assert counts["forward all_gather"] == n_params * sharded, counts
+    assert counts["backward reduce_scatter"] == n_params * sharded, counts
+    assert counts["backward all_reduce"] == n_params * (replicas > 1), counts
     return counts
 
 
@@ -151,6 +161,19 @@ def _all_cases() -> None:
     )
     assert regathered == {"False": 0, "None": read, "True": read}, (regathered, read)
     _parity({"mp_policy": bf16})
+    # activation checkpointing (its regions draw randomness: attention is tagged random), outside
+    # the FSDP hooks: blocks wrapped before fully_shard
+    for reshard in (True, False):
+        _parity({"wrap_blocks": True, "reshard_after_forward": reshard})
+    # ... and around the FSDP module's call (Hugging Face's way), which needs dynamo to allow the
+    # hooks' attribute writes inside the checkpointed region (undone there, nothing to replay)
+    checkpointed = dataclasses.replace(ARGS, checkpoint_activations=True)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _parity({"args": checkpointed})
+    # HSDP: 2 replicas of 1 shard (the gradients all-reduced across replicas) and 1 of 2
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        _parity({"mesh": mesh}, replicas=shape[0])
     _resume_eagerly()
     _not_traced_yet()
 

@@ -1,0 +1,89 @@
+"""A fix for torch 2.13's partitioner: RNG states saved by activation checkpointing, placed in order.
+
+Owns: ``install_rng_order_fix()``, a wrapper around
+``torch._functorch.partitioners.functionalize_rng_ops``, installed when the compiled path is first
+used (``_compiled``).
+Does not own: anything else of the partitioner; graphs that torch 2.13 already orders right are
+returned as they were.
+
+[Note: Why fsdp2 fixes this]
+AOTAutograd passes what the forward graph saves for backward as one list in a fixed order: tensors,
+then opaque objects, then symbolic ints, and slices it by those counts at run time. An activation
+checkpoint whose region draws randomness (dropout, and ``scaled_dot_product_attention``, which is
+tagged random) makes the partitioner save each random op's RNG state, a tensor, which torch 2.13
+inserts just before the symbolic ints: after the opaque objects. A DTensor parameter's gradient
+brings one opaque object into every such graph (2.13 flattens a DTensor into its local tensor and its
+``DeviceMesh``), so the slices shift, and the first forward fails with "expected all
+tensors_saved_with_vc_check to be Tensors". Whole-model compile of a ``fully_shard`` model with
+activation checkpointing hits it on any transformer. The fix moves the RNG states in front of the
+opaque objects, in the forward graph's outputs and in the backward graph's inputs alike, which is
+where the run-time slices expect them; a graph with no opaque object before its RNG states is left
+alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["install_rng_order_fix"]
+
+_RNG_INPUT_PREFIX = "rng_state_output_"  # the backward inputs torch 2.13 adds for the saved states
+
+
+def _is_opaque(node: Any) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    value = node.meta.get("val")
+    return value is not None and not isinstance(
+        value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    )
+
+
+def _reorder(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_sym_nodes: int) -> None:
+    rng_inputs = [
+        n for n in bw_module.graph.find_nodes(op="placeholder") if n.name.startswith(_RNG_INPUT_PREFIX)
+    ]
+    if not rng_inputs:
+        return
+    output = next(iter(fw_module.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    end = len(outputs) - num_sym_nodes  # the RNG states were put just before the symbolic ints
+    start = end - len(rng_inputs)
+    opaque_start = start
+    while opaque_start > 0 and _is_opaque(outputs[opaque_start - 1]):
+        opaque_start -= 1
+    if opaque_start == start:
+        return  # already in order
+    outputs[opaque_start:end] = outputs[start:end] + outputs[opaque_start:start]
+    output.args = (tuple(outputs),)
+    # the backward's inputs: the RNG states go in front of the first opaque saved object
+    placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+    first_opaque = next((p for p in placeholders if _is_opaque(p)), None)
+    if first_opaque is None:
+        return
+    for node in rng_inputs:
+        first_opaque.prepend(node)
+    fw_module.recompile()
+    bw_module.recompile()
+
+
+def install_rng_order_fix() -> None:
+    """Wrap torch's ``functionalize_rng_ops`` once (see [Note: Why fsdp2 fixes this])."""
+    from torch._functorch import partitioners
+
+    original = getattr(partitioners, "functionalize_rng_ops", None)
+    if original is None or getattr(original, "_fsdp2_rng_order", False):
+        return
+
+    def functionalize_rng_ops(
+        joint_module: fx.GraphModule, fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_sym_nodes: int
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw_module, bw_module = original(joint_module, fw_module, bw_module, num_sym_nodes)
+        _reorder(fw_module, bw_module, num_sym_nodes)
+        return fw_module, bw_module
+
+    functionalize_rng_ops._fsdp2_rng_order = True  # type: ignore[attr-defined]  # reason: marks the wrapper
+    partitioners.functionalize_rng_ops = functionalize_rng_ops
