@@ -31,6 +31,7 @@ from torch import fx
 __all__ = ["install_rng_order_fix"]
 
 _RNG_INPUT_PREFIX = "rng_state_output_"  # the backward inputs torch 2.13 adds for the saved states
+_WRAPPERS: list[Any] = []  # what install_rng_order_fix put in place (installing twice is a no-op)
 
 
 def _is_opaque(node: Any) -> bool:
@@ -75,7 +76,7 @@ def install_rng_order_fix() -> None:
     from torch._functorch import partitioners
 
     original = getattr(partitioners, "functionalize_rng_ops", None)
-    if original is None or getattr(original, "_fsdp2_rng_order", False):
+    if original is None or original in _WRAPPERS:
         return
 
     def functionalize_rng_ops(
@@ -85,5 +86,5 @@ def install_rng_order_fix() -> None:
         _reorder(fw_module, bw_module, num_sym_nodes)
         return fw_module, bw_module
 
-    functionalize_rng_ops._fsdp2_rng_order = True  # type: ignore[attr-defined]  # reason: marks the wrapper
+    _WRAPPERS.append(functionalize_rng_ops)
     partitioners.functionalize_rng_ops = functionalize_rng_ops

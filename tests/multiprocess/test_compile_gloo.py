@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import _compiled
