@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._dynamo import graph_break  # (no public spelling; its message is what fullgraph shows)
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import checkpoint
 
@@ -72,7 +73,6 @@ class _Group(Protocol):
     controls: Any
     comms: Any
     sharded_state: ShardedState
-    module_fqn: str
     post_forward_mesh_info: Any  # None: keeps the gathered parameters after forward
 
 
@@ -92,6 +92,13 @@ class _State(Protocol):
 install_rng_order_fix()  # activation checkpointing with dropout/attention (see _rng_order.py)
 
 
+_NOT_TRACED = (
+    "fsdp2: this model's collectives cannot be put in the compiled graph ({problem}), so its FSDP "
+    "hooks run eagerly, with a graph break at each FSDP module. Compile without fullgraph=True, "
+    "compile each block instead, or change the setting named (see fsdp2's docs/compile.md)."
+)
+
+
 class _Tracing:
     """Whether dynamo is tracing a top-level FSDP module's forward (only ever true inside a trace)."""
 
@@ -106,12 +113,17 @@ def traced_hooks(state: _State, pre: Callable[..., Any], post: Callable[..., Any
     eager_pre, eager_post = eager(pre), eager(post)
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        traced = torch.compiler.is_dynamo_compiling() and (
-            _TRACING.top if state.nested else untraceable([state, *state.descendants]) is None
-        )
-        if traced:
-            return _traced_pre_forward(state, args, kwargs)
-        return eager_pre(module, args, kwargs)  # eager, a block compiled alone, or not traceable yet
+        if torch.compiler.is_dynamo_compiling():
+            if state.nested:
+                if _TRACING.top:
+                    return _traced_pre_forward(state, args, kwargs)
+            else:
+                problem = untraceable([state, *state.descendants])
+                if problem is None:
+                    return _traced_pre_forward(state, args, kwargs)
+                # fullgraph=True raises this; otherwise it is the graph break the eager hook makes
+                graph_break(msg=_NOT_TRACED.format(problem=problem))
+        return eager_pre(module, args, kwargs)  # eager, a block compiled alone, or not traceable
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling() and _TRACING.top:
@@ -186,15 +198,17 @@ def untraceable(states: Sequence[_State]) -> str | None:
     """Why the compiled path cannot trace ``states`` (a top-level one and those under it), or ``None``.
 
     Such a model compiles as before: its hooks run eagerly, with a graph break at each FSDP module
-    (``fullgraph=True`` then fails with dynamo's graph-break error).
+    (``fullgraph=True`` then fails, with fsdp2's message naming the reason).
     """
+    names = {id(m): name for name, m in states[0].modules[0].named_modules()} if states else {}
     for state in states:
+        where = ", ".join(repr(names.get(id(m), type(m).__name__) or "<root>") for m in state.modules)
         if len(state.modules) > 1:
-            return "fully_shard([...]) of several modules"
+            return f"modules {where}: fully_shard([...]) of several modules"
         for group in state.groups:
             problem = _problem(group)
             if problem is not None:
-                return f"module {group.module_fqn or '<root>'!r}: {problem}"
+                return f"module {where}: {problem}"
     return None
 
 
@@ -208,8 +222,12 @@ def _problem(group: _Group) -> str | None:
     if group.comms.custom:
         return "custom collectives"
     controls = group.controls
-    if not controls.reduce_grads or controls.all_reduce_hook is not None:
-        return "gradient sync off, or an all-reduce hook"
+    if not controls.reduce_grads or not controls.all_reduce_grads or controls.all_reduce_hook is not None:
+        return "gradient sync or the replicas' all-reduce off, or an all-reduce hook"
     if controls.gradient_divide_factor is not None or controls.force_sum_reduction:
         return "a gradient divide factor or sum reduction"
+    if controls.deterministic_reduction:
+        return "deterministic reduction (the compiled reduce-scatter keeps no rank order)"
+    if controls.reduce_scatter_unused_params:
+        return "reduce-scatter of unused parameters (the graph reduces only what got a gradient)"
     return None

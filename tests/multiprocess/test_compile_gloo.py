@@ -141,7 +141,9 @@ def _not_traced_yet() -> None:
     want = _steps(eager, torch.optim.AdamW(eager.parameters(), lr=1e-2), 0, 2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not counts, counts  # no collective in any graph: the eager engine issued them
-    with pytest.raises(Exception, match=r"(?i)graph break|unsupported|skip"):
+    with pytest.raises(
+        Exception, match=r"cannot be put in the compiled graph \(module '<root>': CPU offload\)"
+    ):
         torch.compile(model, fullgraph=True, backend="aot_eager")(make_tokens(ARGS, 0))
 
 

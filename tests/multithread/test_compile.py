@@ -10,6 +10,8 @@ group has no functional reduce-scatter): ``tests/multiprocess/test_compile_gloo.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
+from fsdp2 import _compiled
+from fsdp2._state import get_state as fsdp2_state
 from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
 from tests._training import average_grads, forward_backward, step_all
 
@@ -50,3 +54,50 @@ def _train_compiled(reshard_after_forward: bool) -> None:
 def test_compiled_blocks_match_reference(reshard_after_forward: bool) -> None:
     torch._dynamo.reset()
     run_threaded(2, _train_compiled, reshard_after_forward)
+
+
+class _PlainAllGather(fsdp2.AllGather):
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def _untraceable_reasons() -> None:
+    """Each setting the whole-model compiled path does not trace is named, with its module."""
+
+    def reason(setup: Any, *, several: bool = False) -> str | None:
+        model = broadcast_module_(_model())
+        if several:
+            fsdp2.fully_shard([model[0], model[1]])
+        else:
+            for block in model[:3]:
+                fsdp2.fully_shard(block)
+        fsdp2.fully_shard(model)
+        setup(model)
+        state = fsdp2_state(model)
+        return _compiled.untraceable([state, *state.descendants])
+
+    assert reason(lambda m: None) is None
+    cases = {
+        "module '1': gradient sync": lambda m: m[1].set_requires_gradient_sync(False, recurse=False),
+        "module '<root>': a gradient divide factor": lambda m: m.set_gradient_divide_factor(3.0),
+        "module '2': a gradient divide factor or sum": lambda m: m[2].set_force_sum_reduction_for_comms(True),
+        "module '<root>': deterministic reduction": lambda m: m.set_deterministic_reduction(),
+        "reduce-scatter of unused parameters": lambda m: m.set_reduce_scatter_unused_params(True),
+        "an all-reduce hook": lambda m: m.set_all_reduce_hook(lambda grad: None),
+        "custom collectives": lambda m: m[0].set_custom_all_gather(_PlainAllGather()),
+        "its parameters are unsharded (call model.reshard() first)": lambda m: m.unshard(),
+    }
+    for expected, setup in cases.items():
+        got = reason(setup)
+        assert got is not None, expected
+        assert expected in got, (expected, got)
+    several = reason(lambda m: None, several=True)
+    assert several is not None
+    assert "modules '0', '1': fully_shard([...])" in several, several
+
+
+def test_untraceable_names_each_setting_and_module() -> None:
+    run_threaded(2, _untraceable_reasons)
