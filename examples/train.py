@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py            # 2 CPU processes, ~1 minute
     torchrun --standalone --nproc-per-node 8 examples/train.py            # 8 GPUs: NCCL, cuda:LOCAL_RANK
     torchrun --standalone --nproc-per-node 2 examples/train.py --explicit-prefetching
+    torchrun --standalone --nproc-per-node 2 examples/train.py --compile    # whole model, fullgraph
 
 Read it top to bottom: data, model, sharding, initialisation, training loop. Everything FSDP-specific is
 in `shard_model` (fully_shard bottom-up, optional prefetch lists) and `init_weights` (why a model built
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--export", metavar="PATH", default=None, help="write the trained weights to a safetensors file"
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead peer ends the job")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the whole model (fullgraph): the all-gathers and reduce-scatters in the graph",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
@@ -77,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ckpt-every and --resume need --ckpt-dir")
     if args.ckpt_every < 0 or args.timeout <= 0:
         p.error("--ckpt-every must be >= 0 and --timeout > 0")
+    if args.compile and (args.explicit_prefetching or args.trace):
+        # Compiled, the collectives are the compiler's to order: no eager engine to prefetch or record.
+        p.error("--compile schedules the collectives in the graph: drop --explicit-prefetching and --trace")
     return args
 
 
@@ -351,6 +361,10 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
     first_step = 0
     if args.resume:
         first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule)
+    # --compile: one graph for forward and one for backward, each block's all-gathers and
+    # reduce-scatters inside them (docs/compile.md). The parameters, optimizer and checkpoints are
+    # the same sharded DTensors either way; only the calls go through the compiled wrapper.
+    forward = torch.compile(model, fullgraph=True, backend=args.compile_backend) if args.compile else model
     losses: list[float] = []
     progress = Progress(args.steps, enabled=rank == 0)
     model.train()
@@ -363,7 +377,7 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
             events = recording.__enter__()
         gen = batch_generator(args.seed, step, rank)  # a function of (step, rank): resumable anywhere
         x, y = (t.to(device) for t in data.batch(args.batch_size, args.seq_len, gen))  # (B, T) each
-        logits = model(x)  # (B, T, vocab); all-gathers each block's parameters just in time
+        logits = forward(x)  # (B, T, vocab); all-gathers each block's parameters just in time
         loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
         loss.backward()  # reduce-scatters gradients: each rank ends with the mean gradient of its shard
         optimizer.step()

@@ -46,8 +46,12 @@ def _load_train() -> ModuleType:
 def _train_and_check(runs: list[list[str]]) -> None:
     """Runs on every spawned rank; an assertion error here fails the spawn and so the test."""
     train = _load_train()
+    first: list[float] = []
     for argv in runs:
         losses: list[float] = train.main(argv)
+        first = first or losses
+        if "--compile" in argv:  # the same run as the first, compiled whole: the same numbers
+            assert losses == first, f"{argv}: {losses} against eager {first}"
         per_rank: list[list[float] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, losses)
         steps = int(argv[argv.index("--steps") + 1])
@@ -63,10 +67,12 @@ def _train_and_check(runs: list[list[str]]) -> None:
 
 
 def test_main_trains_in_two_gloo_processes() -> None:
-    # Both prefetching modes in one spawn: starting processes is what costs here.
+    # Both prefetching modes and --compile (aot_eager: bit for bit) in one spawn: starting processes
+    # is what costs here.
     runs = [
         ["--steps", "8", *SMALL],
         ["--steps", "8", "--explicit-prefetching", "--prefetch-depth", "2", *SMALL],
+        ["--steps", "8", "--compile", "--compile-backend", "aot_eager", *SMALL],
     ]
     run_multiprocess(2, _train_and_check, runs)
 
@@ -248,6 +254,7 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--dim", "32", "--heads", "3"], "--heads (3) must divide --dim (32)"),
         (["--resume"], "--ckpt-every and --resume need --ckpt-dir"),
+        (["--compile", "--explicit-prefetching"], "--compile schedules the collectives in the graph"),
     ],
 )
 def test_bad_arguments_get_a_message_not_a_traceback(
