@@ -8,12 +8,16 @@ under torchrun), whole steps with the optimizer, the slowest rank, for:
 - ``fsdp2 per-block``: the same with fsdp2 (eager hooks, graph breaks at each block);
 - ``fsdp2 whole``: ``torch.compile(model, fullgraph=True)``: fsdp2's collectives in the graph, one
   all-gather and one reduce-scatter per parameter as traced;
-- ``fsdp2 whole bucketed``: the same with inductor's bucketing passes on (``BUCKETING``).
+- ``fsdp2 whole bucketed``: the same with inductor's bucketing passes on (``BUCKETING``), one
+  bucket for all adjacent collectives;
+- ``fsdp2 whole block buckets``: the passes with a bucket cap of one block's parameter bytes (the
+  grouping eager fsdp2 has), and ``... reordered`` with inductor's compute/communication reordering.
 
 The compile time is the first step's time (tracing and code generation, inductor on the CPU); the
-step time is the median of the timed steps after two warm-up steps. Peak memory is not reported: on
-the CPU it has no allocator counter for a process, and the resident set size is dominated by the
-compiler.
+step time is the median of the timed steps after two warm-up steps. The peak is the most memory a
+step allocates above what it starts with (parameters, optimizer state: the same in every variant),
+on the largest rank: one more step under torch's profiler, whose allocation events
+(the CPU allocator's, compiled code included) are summed in time order.
 
 Run:  torchrun --standalone --nproc-per-node 2 benchmarks/compile_step.py [--steps 10]
 """
@@ -21,6 +25,8 @@ Run:  torchrun --standalone --nproc-per-node 2 benchmarks/compile_step.py [--ste
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import platform
 import statistics
@@ -31,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from scale import add_model_arguments, build  # the step-time model
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 VARIANTS = (
     "fsdp2 eager",
@@ -39,19 +47,43 @@ VARIANTS = (
     "fsdp2 per-block",
     "fsdp2 whole",
     "fsdp2 whole bucketed",
+    "fsdp2 whole block buckets",
+    "fsdp2 whole block buckets reordered",
 )
-# Inductor's passes that group the collectives of a graph (torch 2.13's names), for "bucketed"
+# Inductor's passes that group the collectives of a graph (torch 2.13's names), for "bucketed": all
+# adjacent collectives in one bucket (the passes' default cap is 2000 MB)
 BUCKETING = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
 
 
-def _prepare(variant: str, blocks: int, dim: int) -> tuple[Any, torch.optim.Optimizer]:
+def _cap_mb(cap: float, bucket: int) -> float:
+    """The bucket cap the passes ask for per bucket index: the same for all."""
+    return cap
+
+
+def _pass_options(variant: str, block_mb: float) -> dict[str, Any]:
+    """Inductor's settings for ``variant``: bucketing, capped at one block's size, and reordering."""
+    options: dict[str, Any] = {"force_disable_caches": True}  # compile times from scratch
+    if "bucket" in variant:
+        options.update(BUCKETING)
+    if "block buckets" in variant:
+        cap = functools.partial(_cap_mb, block_mb)  # (picklable: inductor's cache key holds it)
+        options["bucket_all_gathers_fx_bucket_size_determinator"] = cap
+        options["bucket_reduce_scatters_fx_bucket_size_determinator"] = cap
+    if variant.endswith("reordered"):
+        options["reorder_for_compute_comm_overlap"] = True
+    return options
+
+
+def _prepare(variant: str, blocks: int, dim: int) -> tuple[Any, torch.optim.Optimizer, float]:
+    """The model to step (compiled as ``variant`` says), its optimizer, and one block's MB."""
     model, optim = build("torch" if variant.startswith("torch") else "fsdp2", blocks, dim)
+    block_mb = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
     if variant.endswith("per-block"):
         for block in model.blocks:
             block.compile()
     if variant.startswith("fsdp2 whole"):
-        return torch.compile(model, fullgraph=True), optim
-    return model, optim
+        return torch.compile(model, fullgraph=True), optim, block_mb
+    return model, optim, block_mb
 
 
 def _step(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
@@ -63,6 +95,27 @@ def _step(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def _peak_step_mb(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    """The most memory one step allocates above its start, in MB (the largest rank's)."""
+    gc.collect()  # (the profiler misses frees of what was allocated before it started)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, optim, x)
+    allocations = []
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))  # frees < 0
+        nodes.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(allocations):
+        live += size
+        peak = max(peak, live)
+    largest = torch.tensor([peak / 1e6])
+    dist.all_reduce(largest, dist.ReduceOp.MAX)
+    return float(largest)
 
 
 def main() -> None:
@@ -77,20 +130,24 @@ def main() -> None:
     rows = {}
     for variant in VARIANTS:
         torch._dynamo.reset()  # noqa: SLF001 - a fresh compile per variant
-        model, optim = _prepare(variant, args.blocks, args.dim)
-        options = BUCKETING if variant.endswith("bucketed") else {}
+        model, optim, block_mb = _prepare(variant, args.blocks, args.dim)
+        options = _pass_options(variant, block_mb)
         with torch._inductor.config.patch(options):  # noqa: SLF001 - inductor's pass switches
             first = _step(model, optim, x)
             _step(model, optim, x)
             times = [_step(model, optim, x) for _ in range(args.steps)]
-        rows[variant] = {"first_step_s": first, "step_ms": 1e3 * statistics.median(times)}
+            peak = statistics.median(_peak_step_mb(model, optim, x) for _ in range(3))
+        rows[variant] = {"first_step_s": first, "step_ms": 1e3 * statistics.median(times), "peak_mb": peak}
     if dist.get_rank() == 0:
         base = rows["fsdp2 eager"]["step_ms"]
         print(f"world {dist.get_world_size()}, {args.blocks} blocks of dim {args.dim}, {platform.machine()}")
-        print("variant               first step s   step ms   / fsdp2 eager")
+        print(f"{'variant':36s} first step s   step ms   / fsdp2 eager   peak MB")
         for variant, row in rows.items():
             ratio = row["step_ms"] / base
-            print(f"{variant:21s} {row['first_step_s']:12.2f} {row['step_ms']:9.1f} {ratio:14.2f}")
+            print(
+                f"{variant:36s} {row['first_step_s']:12.2f} {row['step_ms']:9.1f} {ratio:14.2f}"
+                f" {row['peak_mb']:9.2f}"
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()

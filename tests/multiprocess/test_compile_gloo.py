@@ -1,14 +1,19 @@
 """Whole-model torch.compile in real gloo processes: the collectives in the graph (one spawn of 2).
 
 ``torch.compile(model, fullgraph=True)`` over a model sharded bottom-up traces forward and backward
-with no graph break (fullgraph would raise at one), every all-gather and reduce-scatter counted in the
-graphs AOTAutograd hands its compilers; with the ``aot_eager`` backend the losses, gradients and
-parameters of three AdamW steps are bit-equal to eager fsdp2's; the eager engine does not run (no
-event recorded); the state dict after compiled steps loads into an eager model that then continues
-identically; and a model the compiled path does not cover yet (CPU offload here) compiles as before,
-with the eager hooks and a graph break at each FSDP module (``fullgraph=True`` then fails).
-(Thread ranks cannot run the compiled path: torch's threaded process group has no functional
-reduce-scatter, so these tests need processes.)
+with no graph break (fullgraph would raise at one), every all-gather, reduce-scatter and all-reduce
+counted in the graphs AOTAutograd hands its compilers (with inductor's min-cut partitioner). With
+the ``aot_eager`` backend the losses and parameters of three AdamW steps are bit-equal to eager
+fsdp2's for fp32 with ``reshard_after_forward`` False / None / True (resharding is gathering again in
+backward: the backward all-gathers are counted), bf16 ``param_dtype``, activation checkpointing
+(outside the FSDP hooks, and around them as Hugging Face does it), HSDP (2 replicas of 1 shard, 1 of
+2), and transformers' Llama with and without its gradient checkpointing; with ``inductor`` and its
+bucketing passes, within fp32 rounding. The eager engine does not run (no event recorded); the state
+dict after compiled steps loads into an eager model that continues identically; and a model the
+compiled path does not cover (CPU offload here) compiles as before, with the eager hooks and a graph
+break at each FSDP module, ``fullgraph=True`` failing with fsdp2's message naming the module and
+setting. (Thread ranks cannot run the compiled path: torch's threaded process group has no
+functional reduce-scatter, so these tests need processes.)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
@@ -147,6 +153,61 @@ def _not_traced_yet() -> None:
         torch.compile(model, fullgraph=True, backend="aot_eager")(make_tokens(ARGS, 0))
 
 
+def _inductor_bucketed() -> None:
+    """inductor with its bucketing passes: within fp32 rounding of eager fsdp2 (the same collectives,
+    grouped; other kernels)."""
+    torch._dynamo.reset()
+    eager, model = _sharded(), _sharded()
+    passes = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+    with torch._inductor.config.patch(passes):
+        compiled = torch.compile(model, fullgraph=True, backend="inductor")
+        losses = _steps(compiled, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 2)
+    want = _steps(eager, torch.optim.AdamW(eager.parameters(), lr=1e-2), 0, 2)
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-5)
+    for param, ref in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(param.full_tensor(), ref.full_tensor(), rtol=1e-5, atol=1e-5)
+
+
+def _hf_llama(checkpointing: bool) -> None:
+    """transformers' Llama (GQA, RoPE, tied embeddings), each decoder layer a group, the user's
+    loop (``labels=`` loss), with and without HF's gradient checkpointing: bit-equal to eager."""
+    torch._dynamo.reset()
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+        llama = transformers.LlamaForCausalLM(config)
+        if checkpointing:
+            llama.gradient_checkpointing_enable({"use_reentrant": False})
+        for layer in llama.model.layers:
+            fsdp2.fully_shard(layer)
+        return fsdp2.fully_shard(llama)
+
+    model, eager = build(), build()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    # HF's checkpointing calls each layer (and its FSDP hooks) inside the checkpointed region
+    allow = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointing)
+    with allow:
+        for _ in range(2):
+            ids = torch.randint(0, 96, (2, 12), generator=generator)
+            losses = []
+            for run, optim in zip((compiled, eager), optims, strict=True):
+                loss = run(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for param, ref in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(param.full_tensor(), ref.full_tensor(), rtol=0, atol=0)
+
+
 def _all_cases() -> None:
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     regathered = {
@@ -178,6 +239,9 @@ def _all_cases() -> None:
         _parity({"mesh": mesh}, replicas=shape[0])
     _resume_eagerly()
     _not_traced_yet()
+    for checkpointing in (False, True):
+        _hf_llama(checkpointing)
+    _inductor_bucketed()
 
 
 def test_whole_model_compile_on_gloo() -> None:
