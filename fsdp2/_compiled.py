@@ -43,14 +43,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch._dynamo import graph_break  # (no public spelling; its message is what fullgraph shows)
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from ._api import CPUOffloadPolicy
 from ._autograd import eager
+from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 from ._lifecycle import ShardedState
 from ._param import FSDPParam
-from ._rng_order import install_rng_order_fix
 
 __all__ = ["traced_hooks", "untraceable"]
 
@@ -74,6 +75,7 @@ class _Group(Protocol):
     comms: Any
     sharded_state: ShardedState
     post_forward_mesh_info: Any  # None: keeps the gathered parameters after forward
+    mesh_info: Any  # _mesh.MeshInfo: the shard and replicate groups
 
 
 class _State(Protocol):
@@ -89,7 +91,8 @@ class _State(Protocol):
     def cast_output(self, output: Any) -> Any: ...
 
 
-install_rng_order_fix()  # activation checkpointing with dropout/attention (see _rng_order.py)
+install_rng_order_fix()  # activation checkpointing with dropout/attention (see _compile_fixes.py)
+install_cache_key_fix()  # uneven shards: a cached graph per local shape (see _compile_fixes.py)
 
 
 _NOT_TRACED = (
@@ -182,16 +185,80 @@ def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
     assert isinstance(sharded, DTensor), "a sharded parameter is a DTensor"
     policy = group.config.mp_policy
     param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
-    cast_first = param_dtype is not None and reduce_dtype in (None, param_dtype)
-    source: DTensor = sharded.to(param_dtype) if cast_first else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
-    dims = len(sharded.placements)  # (not the mesh: as a graph input, AC cannot save it for backward)
+    if (
+        param_dtype is not None
+        and reduce_dtype not in (None, param_dtype)
+        and sharded.placements[-1] == Shard(0)
+    ):
+        return _two_dtype_gather(sharded, group, param_dtype, reduce_dtype)
+    source: DTensor = sharded.to(param_dtype) if param_dtype is not None else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
+    dims = len(sharded.placements)  # (the mesh itself is not read)
     full = source.redistribute(placements=[Replicate()] * dims).to_local(
         grad_placements=[Partial("avg")] * dims
     )
-    if param_dtype is not None and not cast_first:
-        full = full.to(param_dtype)
-    gathered: torch.Tensor = full
+    return full
+
+
+def _two_dtype_gather(
+    sharded: DTensor, group: _Group, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """``param_dtype`` all-gather whose backward reduce-scatters in ``reduce_dtype``, as eagerly.
+
+    DTensor's redistribute reduces the gradient in the dtype it gathered, so this pair of
+    collectives is a function of its own over the local shard (dim-0 shards, padded to the same
+    rows on every rank, as fully_shard lays them out).
+    """
+    info = group.mesh_info
+    rows = sharded.shape[0]
+    padded_rows = -(-rows // info.shard_size)
+    replicas = info.replicate_group.group_name if info.replicate_size > 1 else None
+    spec = (
+        rows,
+        padded_rows,
+        info.shard_size,
+        param_dtype,
+        reduce_dtype,
+        info.shard_group.group_name,
+        replicas,
+    )
+    gathered: torch.Tensor = _GatherInDtype.apply(sharded.to_local(), spec)  # type: ignore[no-untyped-call]  # reason: torch leaves apply untyped
     return gathered
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, missing])
+
+
+class _GatherInDtype(torch.autograd.Function):
+    """The two collectives of one parameter in two dtypes.
+
+    Forward: cast the local shard to ``param_dtype``, all-gather it. Backward: cast the gradient to
+    ``reduce_dtype``, reduce-scatter it (average), all-reduce it over HSDP's replicas.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
+        rows, padded_rows, shard_size, param_dtype, _, shard_group, _ = spec
+        ctx.spec, ctx.local_rows = spec, local.shape[0]
+        if shard_size == 1:  # HSDP with one rank per shard group: nothing to gather
+            return local.to(param_dtype)
+        padded = _pad_rows(local.to(param_dtype), padded_rows)
+        full: torch.Tensor = funcol.wait_tensor(funcol.all_gather_tensor(padded, 0, shard_group))
+        return full.narrow(0, 0, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _, padded_rows, shard_size, _, reduce_dtype, shard_group, replicas = ctx.spec
+        local = grad.to(reduce_dtype)
+        if shard_size > 1:
+            padded = _pad_rows(local, padded_rows * shard_size)
+            local = funcol.wait_tensor(funcol.reduce_scatter_tensor(padded, "avg", 0, shard_group))
+        if replicas is not None:
+            local = funcol.wait_tensor(funcol.all_reduce(local, "avg", replicas))
+        return local.narrow(0, 0, ctx.local_rows), None
 
 
 def untraceable(states: Sequence[_State]) -> str | None:

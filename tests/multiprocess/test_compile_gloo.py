@@ -63,8 +63,10 @@ def _counting_backend(counts: Counter[str]) -> Any:
                 target = str(node.target)
                 if "all_gather_into_tensor" in target:
                     counts[f"{name} all_gather"] += 1
+                    counts[f"{name} all_gather {node.meta['val'].dtype}"] += 1
                 elif "reduce_scatter_tensor" in target:
                     counts[f"{name} reduce_scatter"] += 1
+                    counts[f"{name} reduce_scatter {node.meta['val'].dtype}"] += 1
                 elif "all_reduce" in target:
                     counts[f"{name} all_reduce"] += 1
             return make_boxed_func(gm.forward)
@@ -224,6 +226,11 @@ def _all_cases() -> None:
     )
     assert regathered == {"False": 0, "None": read, "True": read}, (regathered, read)
     _parity({"mp_policy": bf16})
+    # bf16 all-gathers, fp32 reductions: one of each per parameter, in those dtypes (FSDP, HSDP)
+    bf16_fp32 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    counts = _parity({"mp_policy": bf16_fp32})
+    assert counts["forward all_gather torch.bfloat16"] == counts["forward all_gather"] > 0, counts
+    assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # activation checkpointing (its regions draw randomness: attention is tagged random), outside
     # the FSDP hooks: blocks wrapped before fully_shard
     for reshard in (True, False):
@@ -237,6 +244,7 @@ def _all_cases() -> None:
     for shape in ((2, 1), (1, 2)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         _parity({"mesh": mesh}, replicas=shape[0])
+        _parity({"mesh": mesh, "mp_policy": bf16_fp32}, replicas=shape[0])
     _resume_eagerly()
     _not_traced_yet()
     for checkpointing in (False, True):

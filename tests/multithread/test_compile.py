@@ -101,3 +101,22 @@ def _untraceable_reasons() -> None:
 
 def test_untraceable_names_each_setting_and_module() -> None:
     run_threaded(2, _untraceable_reasons)
+
+
+def _cache_keys() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdp2 import _compile_fixes
+
+    mesh = init_device_mesh("cpu", (2,))
+    uneven = distribute_tensor(torch.ones(3, 4), mesh, [Shard(0)])  # 2 rows on rank 0, 1 on rank 1
+    torch_key = _compile_fixes._SPEC_HASHES[0](uneven)  # the same on every rank of a job
+    rows = 2 - dist.get_rank()
+    assert uneven._stable_hash_for_caching() == f"{torch_key}:({rows}, 4):(4, 1)"
+
+
+def test_compile_cache_keys_a_dtensor_by_its_local_shape() -> None:
+    """Ranks on one host share torch's compile caches: an uneven shard must not load another rank's
+    graph (torch 2.13 keys a DTensor by its global spec only; fsdp2 adds the local shape)."""
+    run_threaded(2, _cache_keys)

@@ -1,10 +1,11 @@
-"""A fix for torch 2.13's partitioner: RNG states saved by activation checkpointing, placed in order.
+"""Two fixes of torch 2.13 that whole-model compile of a sharded model needs, installed by ``_compiled``.
 
 Owns: ``install_rng_order_fix()``, a wrapper around
-``torch._functorch.partitioners.functionalize_rng_ops``, installed when the compiled path is first
-used (``_compiled``).
-Does not own: anything else of the partitioner; graphs that torch 2.13 already orders right are
-returned as they were.
+``torch._functorch.partitioners.functionalize_rng_ops`` (see [Note: Why fsdp2 fixes this]), and
+``install_cache_key_fix()``, DTensor's compile-cache hash with the local tensor's shape in it (see
+[Note: A cache key per local shape]).
+Does not own: anything else of the partitioner or the caches; graphs that torch 2.13 already orders
+right are returned as they were, and even shards hash as before plus their (equal) local shape.
 
 [Note: Why fsdp2 fixes this]
 AOTAutograd passes what the forward graph saves for backward as one list in a fixed order: tensors,
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["install_rng_order_fix"]
+__all__ = ["install_cache_key_fix", "install_rng_order_fix"]
 
 _RNG_INPUT_PREFIX = "rng_state_output_"  # the backward inputs torch 2.13 adds for the saved states
 _WRAPPERS: list[Any] = []  # what install_rng_order_fix put in place (installing twice is a no-op)
@@ -88,3 +89,30 @@ def install_rng_order_fix() -> None:
 
     _WRAPPERS.append(functionalize_rng_ops)
     partitioners.functionalize_rng_ops = functionalize_rng_ops
+
+
+# [Note: A cache key per local shape]
+# Inductor and AOTAutograd cache compiled graphs on disk, keyed partly by each input's metadata;
+# torch 2.13 keys a DTensor by its spec (mesh, placements, global shape) only. A parameter whose
+# rows do not divide evenly has a longer local shard on some ranks than on others, and ranks on one
+# host share the cache: the second run of a job loads, on a rank with 18 rows, the graph compiled
+# for 19 (first step: "expected size 18==19"). The key below adds the local tensor's shape and
+# stride, which the compiled graph is specialised on anyway.
+
+_SPEC_HASHES: list[Any] = []  # torch's hash, kept once install_cache_key_fix replaced it
+
+
+def install_cache_key_fix() -> None:
+    """Key DTensors in torch's compile caches by their local shape too (idempotent)."""
+    from torch.distributed.tensor import DTensor
+
+    original = getattr(DTensor, "_stable_hash_for_caching", None)
+    if original is None or _SPEC_HASHES:
+        return
+    _SPEC_HASHES.append(original)
+
+    def stable_hash_for_caching(self: DTensor) -> str:
+        local = self._local_tensor
+        return f"{original(self)}:{tuple(local.shape)}:{tuple(local.stride())}"
+
+    DTensor._stable_hash_for_caching = stable_hash_for_caching  # type: ignore[method-assign]  # noqa: SLF001 - torch's cache hook
