@@ -11,7 +11,8 @@ under torchrun), whole steps with the optimizer, the slowest rank, for:
 - ``fsdp2 whole bucketed``: the same with inductor's bucketing passes on (``BUCKETING``), one
   bucket for all adjacent collectives;
 - ``fsdp2 whole block buckets``: the passes with a bucket cap of one block's parameter bytes (the
-  grouping eager fsdp2 has), and ``... reordered`` with inductor's compute/communication reordering.
+  grouping eager fsdp2 has), ``... reordered`` with inductor's compute/communication reordering,
+  and ``... kept`` with ``reshard_after_forward=False`` (no all-gathers again in backward).
 
 The compile time is the first step's time (tracing and code generation, inductor on the CPU); the
 step time is the median of the timed steps after two warm-up steps. The peak is the most memory a
@@ -49,6 +50,7 @@ VARIANTS = (
     "fsdp2 whole bucketed",
     "fsdp2 whole block buckets",
     "fsdp2 whole block buckets reordered",
+    "fsdp2 whole block buckets kept",
 )
 # Inductor's passes that group the collectives of a graph (torch 2.13's names), for "bucketed": all
 # adjacent collectives in one bucket (the passes' default cap is 2000 MB)
@@ -81,6 +83,8 @@ def _prepare(variant: str, blocks: int, dim: int) -> tuple[Any, torch.optim.Opti
     if variant.endswith("per-block"):
         for block in model.blocks:
             block.compile()
+    if variant.endswith("kept"):
+        model.set_reshard_after_forward(False)  # no re-gathering in backward
     if variant.startswith("fsdp2 whole"):
         return torch.compile(model, fullgraph=True), optim, block_mb
     return model, optim, block_mb
