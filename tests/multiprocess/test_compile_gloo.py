@@ -121,7 +121,8 @@ def _parity(options: dict[str, Any], replicas: int = 1) -> Counter[str]:
 
 
 def _resume_eagerly() -> None:
-    """A state dict saved after compiled steps loads into an eager model, which continues the same."""
+    """A state dict saved after compiled steps loads into an eager model, which continues the same,
+    and the other way round."""
     torch._dynamo.reset()
     model = _sharded()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -131,6 +132,13 @@ def _resume_eagerly() -> None:
     eager.load_state_dict(saved)
     after = [_steps(m, torch.optim.SGD(m.parameters(), lr=1e-2), 2, 1)[0] for m in (model, eager)]
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
+    # and back: the eager model's state dict, loaded into a fresh model, continues compiled
+    again = _sharded()
+    again.load_state_dict(copy.deepcopy(eager.state_dict()))
+    compiled = torch.compile(again, fullgraph=True, backend="aot_eager")
+    runs = ((compiled, again), (eager, eager))
+    then = [_steps(run, torch.optim.SGD(m.parameters(), lr=1e-2), 3, 1)[0] for run, m in runs]
+    torch.testing.assert_close(then[0], then[1], rtol=0, atol=0)
 
 
 def _not_traced_yet() -> None:
