@@ -21,10 +21,11 @@ hooks of that module and of every FSDP module under it take the traced side inst
   activation checkpoint, so the partitioner gathers again in backward what backward reads instead of
   saving it; collectives are recomputed only from such user-marked regions. A top-level module
   keeps its own (see ``_reshards``).
-With ``param_dtype`` the shard is cast before the all-gather (and the gradient reduced in it, unless
-``reduce_dtype`` differs: then the all-gather runs in the shard's dtype and the cast follows it, so the
-reduction runs in ``reduce_dtype``). Grouping the collectives and overlapping them with compute is the
-compiler's (its bucketing and reordering passes); the hooks issue one all-gather per parameter.
+With ``param_dtype`` the shard is cast before the all-gather and the gradient reduced in it; when
+``reduce_dtype`` differs, ``_GatherInDtype`` all-gathers in ``param_dtype`` and reduces in
+``reduce_dtype``, as eagerly (dim-0 shards; others all-gather in the shard's dtype, cast after).
+Grouping the collectives and overlapping them with compute is the compiler's (its bucketing and
+reordering passes); the hooks issue one all-gather per parameter.
 Compiling a block alone (``torch.compile(block)``, the root eager) keeps the eager hooks: its graph
 breaks at the block's FSDP hooks, as torch's ``fully_shard`` does, and the root's eager engine
 prefetches across blocks.
@@ -185,18 +186,17 @@ def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
     assert isinstance(sharded, DTensor), "a sharded parameter is a DTensor"
     policy = group.config.mp_policy
     param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
-    if (
-        param_dtype is not None
-        and reduce_dtype not in (None, param_dtype)
-        and sharded.placements[-1] == Shard(0)
-    ):
-        return _two_dtype_gather(sharded, group, param_dtype, reduce_dtype)
-    source: DTensor = sharded.to(param_dtype) if param_dtype is not None else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
+    two_dtypes = param_dtype is not None and reduce_dtype not in (None, param_dtype)
+    if two_dtypes and sharded.placements[-1] == Shard(0):
+        return _two_dtype_gather(sharded, group, param_dtype, reduce_dtype)  # type: ignore[arg-type]  # reason: not None when two_dtypes
+    # one dtype both ways: cast first; two (a shard on another dim): gather and reduce in the shard's
+    cast_first = param_dtype is not None and not two_dtypes
+    source: DTensor = sharded.to(param_dtype) if cast_first else sharded  # type: ignore[assignment]  # reason: DTensor.to gives a DTensor
     dims = len(sharded.placements)  # (the mesh itself is not read)
     full = source.redistribute(placements=[Replicate()] * dims).to_local(
         grad_placements=[Partial("avg")] * dims
     )
-    return full
+    return full.to(param_dtype) if two_dtypes else full
 
 
 def _two_dtype_gather(

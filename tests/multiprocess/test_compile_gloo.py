@@ -32,6 +32,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fsdp2
 from fsdp2 import _compiled
@@ -238,6 +239,10 @@ def _all_cases() -> None:
     bf16_fp32 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     counts = _parity({"mp_policy": bf16_fp32})
     assert counts["forward all_gather torch.bfloat16"] == counts["forward all_gather"] > 0, counts
+    assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
+    # ... and parameters sharded on dim 1: gathered in fp32 (cast after), reduced in fp32
+    on_dim_1 = {"mp_policy": bf16_fp32, "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None}
+    counts = _parity(on_dim_1)
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # activation checkpointing (its regions draw randomness: attention is tagged random), outside
     # the FSDP hooks: blocks wrapped before fully_shard
