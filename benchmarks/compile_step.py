@@ -102,20 +102,29 @@ def _step(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
 
 
 def _peak_step_mb(model: Any, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
-    """The most memory one step allocates above its start, in MB (the largest rank's)."""
-    gc.collect()  # (the profiler misses frees of what was allocated before it started)
+    """The most memory one step allocates above its start, in MB (the largest rank's).
+
+    Blocks are tracked by address: the profiler misses some frees (a tensor whose last reference
+    dies on gloo's threads), so an address allocated again counts as freed first.
+    """
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _step(model, optim, x)
-    allocations = []
+    events = []
     nodes = list(prof.profiler.kineto_results.experimental_event_tree())
     while nodes:
         node = nodes.pop()
         if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))  # frees < 0
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))  # frees < 0
         nodes.extend(node.children)
+    alive: dict[int, int] = {}
     live = peak = 0
-    for _, size in sorted(allocations):
-        live += size
+    for _, size, address in sorted(events):
+        live -= alive.pop(address, 0)  # a free, or an allocation at an address freed unseen
+        if size > 0:
+            alive[address] = size
+            live += size
         peak = max(peak, live)
     largest = torch.tensor([peak / 1e6])
     dist.all_reduce(largest, dist.ReduceOp.MAX)
