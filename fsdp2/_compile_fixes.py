@@ -57,15 +57,13 @@ def _reorder(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_sym_nodes
     opaque_start = start
     while opaque_start > 0 and _is_opaque(outputs[opaque_start - 1]):
         opaque_start -= 1
-    if opaque_start == start:
-        return  # already in order
-    outputs[opaque_start:end] = outputs[start:end] + outputs[opaque_start:start]
-    output.args = (tuple(outputs),)
     # the backward's inputs: the RNG states go in front of the first opaque saved object
     placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
     first_opaque = next((p for p in placeholders if _is_opaque(p)), None)
-    if first_opaque is None:
-        return
+    if opaque_start == start or first_opaque is None:
+        return  # already in order (or not the layout this fix knows: left as torch made it)
+    outputs[opaque_start:end] = outputs[start:end] + outputs[opaque_start:start]
+    output.args = (tuple(outputs),)
     for node in rng_inputs:
         first_opaque.prepend(node)
     fw_module.recompile()
