@@ -3,7 +3,8 @@
 Owns: the Hypothesis profiles ("ci" when the CI environment variable is set, else "dev"), the
 ``impl`` fixture that runs a behaviour test against both ``fsdp2`` and torch's ``fully_shard``
 (ids ``fsdp2`` / ``torch``), and a default ``pytest.mark.timeout`` for tests that set none
-(hangs are the failure mode of multi-rank tests). Markers are declared in pyproject.toml.
+(hangs are the failure mode of multi-rank tests; every test under ``tests/multiprocess`` gets the
+``multiprocess`` marker and its longer limit). Markers are declared in pyproject.toml.
 Does not own: process groups (``_harness.py``) or the implementations (``_impls.py``).
 """
 
@@ -33,6 +34,9 @@ MULTIPROCESS_TIMEOUT_S = 300
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        # every test under tests/multiprocess spawns processes, marked or not: give it their limit
+        if "multiprocess" in item.path.parent.parts and item.get_closest_marker("multiprocess") is None:
+            item.add_marker(pytest.mark.multiprocess)
         if item.get_closest_marker("timeout") is None:
             limit = MULTIPROCESS_TIMEOUT_S if item.get_closest_marker("multiprocess") else DEFAULT_TIMEOUT_S
             item.add_marker(pytest.mark.timeout(limit))
