@@ -133,10 +133,14 @@ def main(argv: list[str] | None = None) -> list[float]:
             losses.append(loss.item())
             if dp_mesh.get_local_rank() == 0:
                 print(f"step {step}: loss {loss.item():.4f} (unsharded reference {ref_losses[0].item():.4f})")
-    for module in stage_modules:  # a slice of a Sequential keeps the block numbers in its names
+    # A slice of a Sequential keeps the block numbers in its names. The tolerance is 1% of one AdamW
+    # step (lr 1e-2): the pipeline sums micro-batch gradients in another order than the reference's
+    # one batch, and AdamW divides by the root of the squared gradient, so an element whose gradient
+    # is near zero moves by a different fraction of lr (seen: 3e-5 on an AMD EPYC CPU, AVX2).
+    for module in stage_modules:
         for name, param in module.named_parameters():
             torch.testing.assert_close(
-                param.full_tensor(), reference.get_parameter(name), atol=1e-5, rtol=1e-4
+                param.full_tensor(), reference.get_parameter(name), atol=1e-4, rtol=1e-4
             )
     dist.barrier()
     if dist.get_rank() == 0:
