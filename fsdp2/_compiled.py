@@ -54,7 +54,7 @@ from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 from ._lifecycle import ShardedState
 from ._param import FSDPParam
 
-__all__ = ["traced_hooks", "untraceable"]
+__all__ = ["torch_too_old", "traced_hooks", "untraceable"]
 
 
 class _Policy(Protocol):
@@ -90,6 +90,17 @@ class _State(Protocol):
     def groups(self) -> Sequence[Any]: ...  # _Group each
     def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]: ...
     def cast_output(self, output: Any) -> Any: ...
+
+
+# The oldest torch whose dynamo traces the hooks' edits of a module's instance dict (torch 2.11's
+# cannot trace ``del module.__dict__[name]``: "Dynamo does not know how to trace method __delitem__").
+_OLDEST_TORCH = (2, 13)
+
+
+def torch_too_old(version: str) -> bool:
+    """Whether torch ``version`` (``torch.__version__``: "2.11.0+cu130") predates the compiled path."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) < _OLDEST_TORCH
 
 
 install_rng_order_fix()  # activation checkpointing with dropout/attention (see _compile_fixes.py)
@@ -267,6 +278,9 @@ def untraceable(states: Sequence[_State]) -> str | None:
     Such a model compiles as before: its hooks run eagerly, with a graph break at each FSDP module
     (``fullgraph=True`` then fails, with fsdp2's message naming the reason).
     """
+    if torch_too_old(torch.__version__):
+        oldest = ".".join(map(str, _OLDEST_TORCH))
+        return f"torch {torch.__version__} cannot trace them: whole-model compile needs torch {oldest}+"
     names = {id(m): name for name, m in states[0].modules[0].named_modules()} if states else {}
     for state in states:
         where = ", ".join(repr(names.get(id(m), type(m).__name__) or "<root>") for m in state.modules)

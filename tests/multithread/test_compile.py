@@ -103,6 +103,19 @@ def test_untraceable_names_each_setting_and_module() -> None:
     run_threaded(2, _untraceable_reasons)
 
 
+def test_untraceable_names_a_torch_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's dynamo cannot trace the hooks (seen on a GPU machine): fullgraph=True names the
+    torch version instead of failing inside dynamo."""
+    assert _compiled.torch_too_old("2.11.0+cu130")
+    assert _compiled.torch_too_old("2.12.1")
+    assert not _compiled.torch_too_old("2.13.0+cpu")
+    assert not _compiled.torch_too_old("2.14.0a0+git1234")
+    assert not _compiled.torch_too_old("3.0.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    problem = _compiled.untraceable([])
+    assert problem == "torch 2.11.0+cu130 cannot trace them: whole-model compile needs torch 2.13+"
+
+
 def _cache_keys() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
