@@ -12,11 +12,13 @@ its graph at every FSDP module. When dynamo traces the hooks of a top-level FSDP
 hooks of that module and of every FSDP module under it take the traced side instead:
 - pre-forward: for each parameter of the module's groups, ``sharded.redistribute(mesh, Replicate)``
   (an all-gather as a functional collective in the graph) ``.to_local(grad_placements=Partial(avg))``,
-  put in the owning modules' instance dicts, where it shadows the registered sharded parameter for
-  the forward. Its backward is the reduce-scatter (an all-reduce too over HSDP's replicas) of the
-  gradient, averaged over the ranks, onto the sharded parameter's ``.grad``: the DTensor gradient the
-  eager engine gives, so optimizers, state dicts and checkpoints are the same.
-- post-forward: the shadows are removed (the sharded parameters show again), outputs cast per policy.
+  registered in the owning modules' ``_parameters`` in place of the sharded parameter for the
+  forward (an edit of the instance dict instead, ``del module.__dict__[name]`` after, is one that
+  torch 2.11's dynamo cannot trace). Its backward is the reduce-scatter (an all-reduce too over
+  HSDP's replicas) of the gradient, averaged over the ranks, onto the sharded parameter's ``.grad``:
+  the DTensor gradient the eager engine gives, so optimizers, state dicts and checkpoints are the
+  same.
+- post-forward: the sharded parameters are registered again, outputs cast per policy.
 - ``reshard_after_forward``: a module that reshards wraps its group's gathers in a (non-reentrant)
   activation checkpoint, so the partitioner gathers again in backward what backward reads instead of
   saving it; collectives are recomputed only from such user-marked regions. A top-level module
@@ -92,9 +94,8 @@ class _State(Protocol):
     def cast_output(self, output: Any) -> Any: ...
 
 
-# The oldest torch whose dynamo traces the hooks' edits of a module's instance dict (torch 2.11's
-# cannot trace ``del module.__dict__[name]``: "Dynamo does not know how to trace method __delitem__").
-_OLDEST_TORCH = (2, 13)
+# The oldest torch the compiled path is tested on (2.11 and 2.13); older torch keeps the eager hooks.
+_OLDEST_TORCH = (2, 11)
 
 
 def torch_too_old(version: str) -> bool:
@@ -163,7 +164,7 @@ def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> Any:
             fulls = _gather_group(group, *[p.sharded_param for p in group.fsdp_params])
         for fsdp_param, full in zip(group.fsdp_params, fulls, strict=True):
             for owner, name in fsdp_param.owners:
-                owner.__dict__[name] = full
+                owner._parameters[name] = full  # noqa: SLF001 - registered for the forward only
     return state.cast_inputs(args, kwargs)
 
 
@@ -186,7 +187,7 @@ def _traced_post_forward(state: _State, output: Any) -> Any:
     for group in state.groups:
         for fsdp_param in group.fsdp_params:
             for owner, name in fsdp_param.owners:
-                del owner.__dict__[name]
+                owner._parameters[name] = fsdp_param.sharded_param  # noqa: SLF001 - the registered one again
     if not state.nested:
         _TRACING.top = False
     return state.cast_output(output)
@@ -280,7 +281,7 @@ def untraceable(states: Sequence[_State]) -> str | None:
     """
     if torch_too_old(torch.__version__):
         oldest = ".".join(map(str, _OLDEST_TORCH))
-        return f"torch {torch.__version__} cannot trace them: whole-model compile needs torch {oldest}+"
+        return f"torch {torch.__version__} is too old for them: whole-model compile needs torch {oldest}+"
     names = {id(m): name for name, m in states[0].modules[0].named_modules()} if states else {}
     for state in states:
         where = ", ".join(repr(names.get(id(m), type(m).__name__) or "<root>") for m in state.modules)

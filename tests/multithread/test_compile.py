@@ -104,16 +104,17 @@ def test_untraceable_names_each_setting_and_module() -> None:
 
 
 def test_untraceable_names_a_torch_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.11's dynamo cannot trace the hooks (seen on a GPU machine): fullgraph=True names the
-    torch version instead of failing inside dynamo."""
-    assert _compiled.torch_too_old("2.11.0+cu130")
-    assert _compiled.torch_too_old("2.12.1")
+    """The compiled path is tested on torch 2.11 and 2.13: on older torch fullgraph=True names the
+    torch version instead of failing somewhere inside dynamo."""
+    assert _compiled.torch_too_old("2.10.0+cu128")
+    assert _compiled.torch_too_old("1.13.1")
+    assert not _compiled.torch_too_old("2.11.0+cu130")
     assert not _compiled.torch_too_old("2.13.0+cpu")
     assert not _compiled.torch_too_old("2.14.0a0+git1234")
     assert not _compiled.torch_too_old("3.0.0")
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
     problem = _compiled.untraceable([])
-    assert problem == "torch 2.11.0+cu130 cannot trace them: whole-model compile needs torch 2.13+"
+    assert problem == "torch 2.10.0+cu128 is too old for them: whole-model compile needs torch 2.11+"
 
 
 def _cache_keys() -> None:
