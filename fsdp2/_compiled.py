@@ -56,7 +56,7 @@ from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 from ._lifecycle import ShardedState
 from ._param import FSDPParam
 
-__all__ = ["torch_too_old", "traced_hooks", "untraceable"]
+__all__ = ["recover_hook", "torch_too_old", "traced_hooks", "untraceable"]
 
 
 class _Policy(Protocol):
@@ -184,13 +184,38 @@ def _gather_group(group: _Group, *shards: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _traced_post_forward(state: _State, output: Any) -> Any:
+    _register_sharded(state)
+    if not state.nested:
+        _TRACING.top = False
+    return state.cast_output(output)
+
+
+def _register_sharded(state: _State) -> None:
     for group in state.groups:
         for fsdp_param in group.fsdp_params:
             for owner, name in fsdp_param.owners:
                 owner._parameters[name] = fsdp_param.sharded_param  # noqa: SLF001 - the registered one again
-    if not state.nested:
+
+
+def recover_hook(state: _State) -> Callable[..., None]:
+    """A forward hook for ``always_call``: after a compiled forward that raised, the sharded parameters.
+
+    A top-level module's traced pre-forward runs as a frame of its own, whose edits dynamo applies
+    when it returns; if the forward's frame then raises (a compile error, an out-of-memory), the
+    post-forward never runs and the gathered tensors would stay registered, so ``state_dict()`` and
+    ``parameters()`` would show plain full tensors. This hook, which ``nn.Module`` calls even when
+    the forward raised, registers the sharded parameters of every module under the top-level one
+    again. After a forward that succeeded, and eagerly, it finds nothing to do.
+    """
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_dynamo_compiling() or state.nested or not _TRACING.top:
+            return
+        for each in (state, *state.descendants):
+            _register_sharded(each)
         _TRACING.top = False
-    return state.cast_output(output)
+
+    return hook
 
 
 def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:

@@ -60,7 +60,7 @@ from ._autograd import (
 )
 from ._cast import cast_floating, move_to_device
 from ._comm_context import CommContext
-from ._compiled import traced_hooks
+from ._compiled import recover_hook, traced_hooks
 from ._debug import check_same_model, debug_enabled, run_root_init_hooks
 from ._lifecycle import ShardedState, TrainingState, transition
 from ._param_group import FSDPParamGroup
@@ -128,6 +128,7 @@ class FSDPState(TorchStateNames):
             pre, post = traced_hooks(self, pre, post)
             self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
+            self.hook_handles.append(module.register_forward_hook(recover_hook(self), always_call=True))
             for group in groups:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
                 self.hook_handles.extend(register_state_dict_hooks(module, group, get_state))

@@ -8,8 +8,9 @@ fsdp2's for fp32 with ``reshard_after_forward`` False / None / True (resharding 
 backward: the backward all-gathers are counted), bf16 ``param_dtype``, activation checkpointing
 (outside the FSDP hooks, and around them as Hugging Face does it), HSDP (2 replicas of 1 shard, 1 of
 2), and transformers' Llama with and without its gradient checkpointing; with ``inductor`` and its
-bucketing passes, within fp32 rounding. The eager engine does not run (no event recorded); the state
-dict after compiled steps loads into an eager model that continues identically; and a model the
+bucketing passes, within fp32 rounding. The eager engine does not run (no event recorded); a forward
+that raises leaves the sharded parameters registered; the state dict after compiled steps loads into
+an eager model that continues identically; and a model the
 compiled path does not cover (CPU offload here) compiles as before, with the eager hooks and a graph
 break at each FSDP module, ``fullgraph=True`` failing with fsdp2's message naming the module and
 setting. (Thread ranks cannot run the compiled path: torch's threaded process group has no
@@ -127,7 +128,18 @@ def _resume_eagerly() -> None:
     torch._dynamo.reset()
     model = _sharded()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _steps(torch.compile(model, fullgraph=True, backend="aot_eager"), optim, 0, 2)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _steps(compiled, optim, 0, 2)
+    # A forward that raises after the root's pre-forward ran (a frame of its own): the sharded
+    # parameters are registered again, not the gathered tensors (the saved state below would hold
+    # plain full tensors otherwise).
+    registered = dict(model.named_parameters())
+    tokens = make_tokens(ARGS, 0)
+    with pytest.raises(RuntimeError, match="sequence too long"):
+        compiled(torch.cat([tokens, tokens], dim=1))
+    now = dict(model.named_parameters())
+    assert now.keys() == registered.keys()
+    assert all(now[name] is param for name, param in registered.items()), [type(p) for p in now.values()]
     saved = copy.deepcopy(model.state_dict())  # (also checks fsdp2's DTensor deepcopy)
     eager = _sharded()
     eager.load_state_dict(saved)
