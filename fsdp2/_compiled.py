@@ -205,7 +205,8 @@ def recover_hook(state: _State) -> Callable[..., None]:
     post-forward never runs and the gathered tensors would stay registered, so ``state_dict()`` and
     ``parameters()`` would show plain full tensors. This hook, which ``nn.Module`` calls even when
     the forward raised, registers the sharded parameters of every module under the top-level one
-    again. After a forward that succeeded, and eagerly, it finds nothing to do.
+    again. After a forward that succeeded, and eagerly, it finds nothing to do; only top-level
+    modules keep it (``FSDPState.mark_nested`` removes it from the others).
     """
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:

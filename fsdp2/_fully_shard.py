@@ -197,7 +197,7 @@ def fully_shard(
         for sub in root.modules():
             inner = get_state(sub)
             if inner is not None and inner is not state and inner not in state.descendants:
-                inner.nested = True  # not a top-level FSDP module any more (see _compiled.py)
+                inner.mark_nested()  # not a top-level FSDP module any more (see _compiled.py)
                 state.descendants.append(inner)
         register_fully_shard(root, state)
         root.__class__ = fsdp_class(type(root))

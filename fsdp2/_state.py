@@ -114,6 +114,7 @@ class FSDPState(TorchStateNames):
         self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
         self.nested = False  # a later fully_shard call's modules contain this one's (see _compiled.py)
         self.descendants: list[FSDPState] = []  # the states under this one's modules, if it is top-level
+        self.recover_handles: list[Any] = []  # a top-level module's hook for a compiled forward that raised
         self._pre_backward_hook = self._make_pre_backward_hook()
         self._pre_backward_node_hook = eager(self._pre_backward_on_node)
         self.eager_finish_backward = eager(self.finish_backward)
@@ -128,10 +129,21 @@ class FSDPState(TorchStateNames):
             pre, post = traced_hooks(self, pre, post)
             self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
-            self.hook_handles.append(module.register_forward_hook(recover_hook(self), always_call=True))
+            self.recover_handles.append(module.register_forward_hook(recover_hook(self), always_call=True))
+            self.hook_handles.append(self.recover_handles[-1])
             for group in groups:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
                 self.hook_handles.extend(register_state_dict_hooks(module, group, get_state))
+
+    def mark_nested(self) -> None:
+        """Mark this state as under a later ``fully_shard`` call's modules, dropping its recovery hook.
+
+        Its hooks are traced inside that module's forward frame, whose edits are all or nothing.
+        """
+        self.nested = True
+        for handle in self.recover_handles:
+            handle.remove()
+        self.recover_handles.clear()
 
     def __str__(self) -> str:
         return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"
