@@ -210,7 +210,7 @@ def recover_hook(state: _State) -> Callable[..., None]:
     """
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_dynamo_compiling() or state.nested or not _TRACING.top:
+        if torch.compiler.is_dynamo_compiling() or not _TRACING.top:
             return
         for each in (state, *state.descendants):
             _register_sharded(each)
