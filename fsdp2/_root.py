@@ -42,6 +42,9 @@ class _Group(Protocol):
     def post_backward(self) -> None: ...
     def finish_backward(self, last: bool) -> None: ...
     def reset(self) -> None: ...
+    def wait_for_unshard(self) -> None: ...
+    def set_state(self, new: TrainingState) -> None: ...
+    def reshard(self) -> None: ...
 
 
 class _State(Protocol):
@@ -136,6 +139,26 @@ class RootContext:
         self.iteration_root = None
         self.schedule.plan(backward=torch.is_grad_enabled())
         return output
+
+    def abandon_forward(self) -> None:
+        """The iteration root's forward raised: every group sharded again, every state ``IDLE``.
+
+        Without this, ``state_dict()`` and ``named_parameters()`` would show the plain gathered tensors
+        of the groups that forward had unsharded. Unlike ``reset``, gradients held from earlier
+        micro-batches and the graphs of earlier forwards are kept: a group such a graph still needs
+        gathers again in its backward. The forward's own entries in the post-forward order go.
+        """
+        start = self.schedule.abandon_iteration()
+        for state in self.all_states:
+            state.modules_to_run.clear()
+            state.post_forward_indices[:] = [i for i in state.post_forward_indices if i < start]
+            state.set_state(_IDLE)
+            for group in state.groups:  # a pending (prefetched) all-gather is finished first
+                group.wait_for_unshard()
+                group.set_state(_IDLE)
+                group.reshard()
+        self.comm_ctx.release_deferred_all_gather()
+        self.iteration_root = None
 
     # ---- backward --------------------------------------------------------------------------------
 

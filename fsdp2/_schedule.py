@@ -128,6 +128,13 @@ class Schedule(Generic[_State]):
         """The state whose forward ran just before the use at ``index`` (``None`` for the first)."""
         return self.post_forward_order[index - 1] if index > 0 else None
 
+    def abandon_iteration(self) -> int:
+        """Forget this iteration's forward uses (its forward raised); returns where they began."""
+        start = self.iteration_start
+        del self.post_forward_order[start:]
+        self.pre_forward_order.clear()
+        return start
+
     def end_step(self) -> None:
         self.post_forward_order.clear()
 

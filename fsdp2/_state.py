@@ -129,7 +129,7 @@ class FSDPState(TorchStateNames):
             pre, post = traced_hooks(self, pre, post)
             self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
-            self.recover_handles.append(module.register_forward_hook(recover_hook(self), always_call=True))
+            self.recover_handles.append(module.register_forward_hook(_recovery(self), always_call=True))
             self.hook_handles.append(self.recover_handles[-1])
             for group in groups:
                 # state_dict / load_state_dict always see (and write) the sharded parameters.
@@ -388,6 +388,26 @@ class FSDPState(TorchStateNames):
     def reset_iteration(self) -> None:
         """Root only: recover from an exception in forward or backward."""
         self.shared_context().reset(self)
+
+
+def _recovery(state: FSDPState) -> Any:
+    """A top-level module's ``always_call`` forward hook: after a forward that raised, reshard.
+
+    Traced (compiled) forwards and eager ones leave different things behind; after a forward that
+    succeeded both checks find nothing to do. An eager forward that raised (outside backward) leaves
+    ``state`` the root of an iteration that never finished: the root context shards every group again.
+    """
+    compiled = recover_hook(state)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        compiled(module, args, output)
+        if torch.compiler.is_dynamo_compiling():
+            return
+        ctx = state.ctx
+        if ctx is not None and ctx.iteration_root is state and in_backward_task_id() == -1:
+            ctx.abandon_forward()
+
+    return hook
 
 
 def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:

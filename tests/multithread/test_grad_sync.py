@@ -411,6 +411,49 @@ def test_reset_iter_state_after_backward_exception(world_size: int) -> None:
     run_threaded(world_size, _reset_after_exception, "fsdp2", "backward")
 
 
+def _forward_raises_mid_accumulation(prefetch: bool) -> None:
+    """A micro-batch's forward raises, the loop catches it and goes on without reset_iter_state()."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    rank = dist.get_rank()
+    impl = get_impl("fsdp2")
+    base = seeded(Stack)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    for block in model.blocks:
+        impl.fully_shard(block)
+    impl.fully_shard(model)
+    if prefetch:  # an all-gather of the next block is in flight when block 1 raises
+        for block, after in zip(model.blocks, model.blocks[1:], strict=False):
+            block.set_modules_to_forward_prefetch([after])
+    xs = [make_input((4, 6), rank, seed=i) for i in range(2)]
+
+    model.set_requires_gradient_sync(False)
+    _forward_backward(model, xs[0])  # micro-batch 0: held, unreduced
+    model.blocks[1].raiser.fail = "forward"
+    with pytest.raises(BoomError, match="forward"):
+        model(xs[1])
+    model.blocks[1].raiser.fail = None
+    # The usual save-on-crash handler sees the sharded parameters, as after any step.
+    for key, value in [*model.state_dict().items(), *get_model_state_dict(model).items()]:
+        assert isinstance(value, DTensor), f"state_dict()[{key!r}] is a plain {tuple(value.shape)} tensor"
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} still registered unsharded"
+
+    # The loop retries the micro-batch: the held gradients of micro-batch 0 are still summed in.
+    model.set_requires_gradient_sync(True)
+    _forward_backward(model, xs[1])
+    for x in xs:
+        _forward_backward(ref, x)
+    average_grads(ref)
+    _assert_parity(ref, model, grads=True)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "explicit_prefetch"])
+def test_forward_exception_leaves_sharded_parameters(prefetch: bool) -> None:
+    # torch: state_dict() is sharded (its pre-hook), named_parameters() still yields the gathered tensors.
+    run_threaded(2, _forward_raises_mid_accumulation, prefetch)
+
+
 def _reset_on_non_root(impl_name: str) -> None:
     impl = get_impl(impl_name)
     model = seeded(Stack)
