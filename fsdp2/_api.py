@@ -29,8 +29,9 @@ class MixedPrecisionPolicy:
             the gradients' dtype) where they arrive, in global rank order (an all-to-all and a local
             sum instead of a reduce-scatter). With bf16 gradients, ``wire_dtype=torch.bfloat16`` and
             ``reduce_dtype=torch.float32`` nothing is lost: the sharded gradient is the fp32 sum of the
-            bf16 gradients, for half the bytes of an fp32 reduce-scatter. ``None``: the backend's
-            reduce-scatter in ``reduce_dtype``. See docs/precision.md.
+            bf16 gradients, for half the bytes of an fp32 reduce-scatter. A reduction of gradients held
+            over no-sync micro-batches (their ``reduce_dtype`` sum) travels in ``reduce_dtype``.
+            ``None``: the backend's reduce-scatter in ``reduce_dtype``. See docs/precision.md.
 
     Sharded parameters and their gradients always keep the original dtype.
     """

@@ -48,9 +48,12 @@ class GradientReducer:
         self._partial_outputs: dict[torch.dtype, torch.Tensor] = {}
         self._offload_copies_in_flight = False  # CPU offload: device-to-host gradient copies pending
         self._identity = False  # resolved at lazy init: one rank, nothing to cast (see resolve)
-        # The policy's wire_dtype (resolved at lazy init) and, once used, the ordered reduction's facts
+        # The policy's wire_dtype (resolved at lazy init); whether the gradients being reduced are what
+        # one backward computed (else they hold a sum of micro-batches, which the wire would round: see
+        # take_grads); once used, the ordered reductions' facts, by the dtype they travel in
         self.wire_dtype: torch.dtype | None = None
-        self._ordered: OrderedReduction | None = None
+        self._one_backward = True
+        self._ordered: dict[torch.dtype | None, OrderedReduction] = {}
         # More than one rank: missing gradients become zeros and reductions carry a usage row (see
         # [Note: Unused parameters] in _usage.py); resolved at lazy init
         self._fill_unused = False
@@ -102,6 +105,12 @@ class GradientReducer:
                 grads.append(grad)
         if reducing and self._fill_unused:
             self.usage.note_taken(reduced, zero_filled, skipped, skip)
+        if self.wire_dtype is not None:
+            # A gradient in another dtype than the compute dtype is a reduce_dtype sum of no-sync
+            # micro-batches: it travels in reduce_dtype, since the wire dtype would round it.
+            self._one_backward = all(
+                g.dtype == (p.param_dtype or p.orig_dtype) for p, g in zip(reduced, grads, strict=True)
+            )
         return reduced, grads
 
     @staticmethod
@@ -142,7 +151,7 @@ class GradientReducer:
         """
         info = self.mesh_info
         self.wire_dtype = wire_dtype
-        self._ordered = None  # rebuilt with this wire dtype at the next ordered reduction
+        self._ordered.clear()  # rebuilt with this wire dtype at the next ordered reduction
         self._fill_unused = info.shard_size > 1 or (
             info.replicate_group is not None and info.replicate_size > 1
         )
@@ -176,7 +185,7 @@ class GradientReducer:
         for dtype, (bucket_params, bucket_grads) in self.split_by_dtype(params, grads).items():
             shard_numel = sum(p.padded_shard_numel for p in bucket_params)
             # With a wire dtype the gradients are packed in it directly (summed in dtype on arrival).
-            packed_dtype = self.wire_dtype or dtype
+            packed_dtype = self.wire() or dtype
             world = self.mesh_info.shard_size
             if self._fill_unused:  # each row ends with the usage row ([Note: Unused parameters])
                 first = bucket_grads[0]  # the copy-in casts every input (one dtype) to packed_dtype
@@ -270,13 +279,23 @@ class GradientReducer:
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
+    def wire(self) -> torch.dtype | None:
+        """The dtype the gradients being reduced travel in: ``wire_dtype``, unless they are sums.
+
+        Gradients accumulated over no-sync micro-batches in ``reduce_dtype`` are not exact in the wire
+        dtype, so that reduction travels in ``reduce_dtype`` (as without ``wire_dtype``).
+        """
+        return self.wire_dtype if self._one_backward else None
+
     def ordered(self, controls: GroupControls) -> OrderedReduction | None:
         """The rank-ordered reduction this group uses (``wire_dtype`` or deterministic), else ``None``."""
-        if self.wire_dtype is None and not controls.deterministic_reduction:
+        wire = self.wire()
+        if wire is None and not controls.deterministic_reduction:
             return None
-        if self._ordered is None:
-            self._ordered = OrderedReduction(self.wire_dtype, rank_order(self.mesh_info))
-        return self._ordered
+        ordered = self._ordered.get(wire)
+        if ordered is None:
+            ordered = self._ordered[wire] = OrderedReduction(wire, rank_order(self.mesh_info))
+        return ordered
 
     def finish_ordered(self, total: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
         """Divide a rank-ordered sum (``total``, 1-D), run the hook, accumulate the gradients.

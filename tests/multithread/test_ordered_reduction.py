@@ -103,6 +103,55 @@ def test_bf16_on_the_wire_with_hsdp_is_the_exact_fp32_sum_of_all_ranks() -> None
         assert calls == 3
 
 
+def _accumulated(
+    wire: torch.dtype | None, sync_each: bool, hsdp: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, int]]:
+    """Two micro-batches: no-sync then synced (``sync_each``: both synced); the gradients, a reference."""
+    model = _model()
+    ref = copy.deepcopy(model).to(BF16)
+    policy = fsdp2.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, wire_dtype=wire)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    _shard(model, mesh, mp_policy=policy)
+    expected: list[torch.Tensor] = []
+    held = [torch.zeros_like(p, dtype=FP32) for p in ref.parameters()]
+    with record_collectives(model) as log:
+        for step in range(2):
+            model.set_requires_gradient_sync(sync_each or step == 1)
+            model(_batch(step)).sum().backward()
+            ref.zero_grad()
+            ref(_batch(step).to(BF16)).sum().backward()
+            for h, p in zip(held, ref.parameters(), strict=True):
+                h.add_(p.grad)  # the fp32 sum of bf16 micro-batch gradients, as fsdp2 holds it
+            if sync_each:  # each micro-batch reduced alone, the means summed in fp32
+                means = _rank_ordered_mean([p.grad for p in ref.parameters()])
+                expected = means if not expected else [e + m for e, m in zip(expected, means, strict=True)]
+    if not sync_each:
+        expected = _rank_ordered_mean(held)
+    got = [p.grad.full_tensor() for p in model.parameters()]
+    return got, expected, {k: log[k] for k in ("reduce_scatter", "all_to_all")}
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_accumulated_gradients_are_not_rounded_to_the_wire_dtype(hsdp: bool) -> None:
+    # A no-sync sum of micro-batches in fp32 is not exact in bf16: that reduction travels in fp32, as
+    # without wire_dtype (bit for bit); micro-batches that each sync still use the wire.
+    world = 4 if hsdp else 2
+    wired = run_threaded(world, _accumulated, BF16, False, hsdp)
+    plain = run_threaded(world, _accumulated, None, False, hsdp)
+    for (got, _, calls), (plain_got, _, _) in zip(wired, plain, strict=True):
+        for g, e in zip(got, plain_got, strict=True):
+            torch.testing.assert_close(g, e, **EXACT)
+        assert calls == {"reduce_scatter": 3, "all_to_all": 0}
+    if not hsdp:
+        for got, expected, _ in wired:
+            for g, e in zip(got, expected, strict=True):
+                torch.testing.assert_close(g, e, **EXACT)
+        for got, expected, calls in run_threaded(world, _accumulated, BF16, True):
+            assert calls == {"reduce_scatter": 0, "all_to_all": 6}
+            for g, e in zip(got, expected, strict=True):
+                torch.testing.assert_close(g, e, **EXACT)
+
+
 # ---- reproducible reductions ---------------------------------------------------------------------
 
 LAYOUTS = ["fsdp", "fsdp-bucketed", "fsdp-prefetch-no-reshard", "hsdp"]
