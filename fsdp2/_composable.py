@@ -45,6 +45,16 @@ def register_fully_shard(module: nn.Module, state: object) -> None:
         module.__dict__.setdefault(STATE_KEY, OrderedDict())[_TORCH_STATE_KEY] = state
 
 
+def torch_state(module: nn.Module) -> Any:
+    """What torch's ``fully_shard.state(module)`` answers: torch's state for a module torch sharded.
+
+    Read without torch's lookup, which inserts an empty registry into every module it is asked about.
+    """
+    if REGISTRY_KEY is None or _TORCH_STATE_KEY is None:
+        return None
+    return module.__dict__.get(STATE_KEY, {}).get(_TORCH_STATE_KEY)
+
+
 def pop_torch_state(module: nn.Module) -> Any:
     """Remove and return what ``register_fully_shard`` stored for torch's ``fully_shard.state``."""
     if REGISTRY_KEY is None or _TORCH_STATE_KEY is None:

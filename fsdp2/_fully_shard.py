@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
 from ._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
-from ._composable import register_fully_shard, registered_apis
+from ._composable import register_fully_shard, registered_apis, torch_state
 from ._config import GroupConfig, ParamSpec
 from ._late_params import watch_registrations
 from ._local_optim import enable_automatic_local_steps
@@ -204,13 +204,15 @@ def fully_shard(
     return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
 
 
-def _state_of(module: nn.Module) -> FSDPState | None:
-    """``fully_shard.state(module)``: the state of a module sharded by fsdp2 (``None`` otherwise).
+def _state_of(module: nn.Module) -> Any:
+    """``fully_shard.state(module)``: the state of a sharded module (``None`` if it is not sharded).
 
     Torch's ``fully_shard`` has this attribute too (``torch.distributed.pipelining`` reads it), so it
-    works the same after :func:`fsdp2.patch_torch_fsdp`.
+    works the same after :func:`fsdp2.patch_torch_fsdp`: a module sharded by torch's ``fully_shard``
+    before the patch answers torch's state.
     """
-    return get_state(module)
+    state = get_state(module)
+    return state if state is not None else torch_state(module)
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]  # reason: torch's fully_shard has .state

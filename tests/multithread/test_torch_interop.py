@@ -140,7 +140,13 @@ def _patched() -> None:
     import torch.distributed._composable.fsdp as composable
 
     original = torch_fsdp.fully_shard
+    by_torch = torch_fsdp.fully_shard(_model())  # sharded by torch before the patch
+    torch_state = torch_fsdp.fully_shard.state(by_torch)
+    assert torch_state is not None
     with fsdp2.patch_torch_fsdp():
+        # Code that reads the state through the patched name (pipelining) still finds torch's.
+        assert torch_fsdp.fully_shard.state(by_torch) is torch_state
+        assert torch_fsdp.fully_shard.state(nn.Linear(2, 2)) is None
         assert torch_fsdp.fully_shard is fsdp2.fully_shard
         assert composable.fully_shard is fsdp2.fully_shard
         model, ref = torch_fsdp.fully_shard(_model()), _model()
