@@ -106,8 +106,9 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
         TypeError / ValueError: ``budget_bytes`` is not ``None`` or a non-negative int.
         ValueError: ``model`` has no ``fully_shard`` module in its tree.
 
-    If the block raises, the settings are restored and nothing is reduced: the kept gradients stay
-    held, so ``optimizer.step()`` refuses to run until ``zero_grad()`` drops them.
+    If the block raises, the settings are restored and nothing more is reduced; whatever the budget,
+    ``optimizer.step()`` over the model's parameters then refuses to run until ``zero_grad()`` drops
+    the gradients: they hold only the micro-batches before the exception (reduced or kept).
     """
     value: object = budget_bytes
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -128,12 +129,29 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
     )
     try:
         yield report
+    except BaseException:
+        why = _partial_message(report)
+        for group in groups:
+            engine.mark_partial_grads(group, why)
+        raise
+    else:
         for group in kept:
             engine.reduce_held_grads(group)
     finally:
         restore()
         for group, sync in zip(groups, previous, strict=True):
             engine.set_gradient_sync(group, sync)
+
+
+def _partial_message(report: Accumulation) -> str:
+    reduced = report.reduced_each_micro_batch
+    done = f"{len(reduced)} group(s) reduced each micro-batch" if reduced else "no group reduced yet"
+    return (
+        f"the fsdp2.accumulate block (budget_bytes={report.budget_bytes}) raised, so the gradients hold "
+        f"only the micro-batches before the exception ({done}, {len(report.kept)} kept unreduced): "
+        "this step would apply a partial accumulation. Call optimizer.zero_grad() (or model.zero_grad()) "
+        "and run the step's micro-batches again."
+    )
 
 
 class _Counter(ForwardingComm):

@@ -208,9 +208,19 @@ def holds_unreduced_grads(group: FSDPParamGroup) -> bool:
 
 
 def drop_unreduced_grads(group: FSDPParamGroup) -> None:
-    """Forget those gradients (what ``zero_grad`` means for them)."""
-    if group.unreduced_grads:
+    """Forget those gradients (what ``zero_grad`` means for them), and that they were partial."""
+    if group.unreduced_grads or group.partial_grads:
         group.drop_unreduced_grads()
+
+
+def mark_partial_grads(group: FSDPParamGroup, why: str) -> None:
+    """``group``'s gradients hold a partial accumulation: optimizer steps refuse them until zero_grad."""
+    group.partial_grads = why
+
+
+def partial_grads(group: FSDPParamGroup) -> str | None:
+    """Why ``group``'s gradients are partial (``None``: they are not)."""
+    return group.partial_grads
 
 
 def before_optimizer_step(group: FSDPParamGroup) -> None:

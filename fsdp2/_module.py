@@ -185,7 +185,7 @@ class FSDPModule(_ModuleBase):
         super().zero_grad(set_to_none)
         for module in self._fsdp_modules(True):
             for group in _require_state(module).groups:
-                if group.unreduced_grads:
+                if group.unreduced_grads or group.partial_grads:
                     group.drop_unreduced_grads()
 
     def _single_group(self, method: str) -> FSDPParamGroup | None:

@@ -88,10 +88,11 @@ class FSDPParamGroup(BucketMember):
         self.module_fqn = ""
         self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
-        self.lazy_initialized = False
-        self._watch_init = False  # check the first all-gather after materialising from meta (_init.py)
-        # Read (and the last one set) by the optimizer-step guard, see ``_step_guard``:
+        # _watch_init: check the first all-gather after materialising from meta (_init.py)
+        self.lazy_initialized = self._watch_init = False
+        # Read (and the last two set) by the optimizer-step guard, see ``_step_guard``:
         self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
+        self.partial_grads: str | None = None  # why the gradients are partial (fsdp2.accumulate raised)
         self.awaiting_backward = False  # a forward with gradients ran, its backward has not
         self.stepped_after_forward = False  # an optimizer stepped these parameters in between
 
@@ -355,7 +356,7 @@ class FSDPParamGroup(BucketMember):
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
         self.reducer.take_grads(self.fsdp_params, unused_too=False, reducing=False)  # and drop them
-        self.unreduced_grads = False
+        self.unreduced_grads, self.partial_grads = False, None
 
     def finish_backward(self, last: bool) -> None:
         """End-of-backward callback: post-backward if autograd never reached it, then ``IDLE``.

@@ -13,6 +13,8 @@ three silent mistakes into an error or the intended result:
 - a step after a backward that kept the parameters unsharded (``set_reshard_after_backward(False)``):
   the group reshards after the step, so the next forward gathers the updated parameters instead of
   reusing the stale unsharded ones;
+- a step after an ``fsdp2.accumulate`` block that raised: ``RuntimeError`` until ``zero_grad()``, since
+  the gradients hold the micro-batches reduced before the exception (a partial accumulation);
 - ``optimizer.zero_grad()`` after a no-sync backward: it also drops the gradients the groups hold for
   a later synced backward, as it would clear them on the unsharded model (``torch.optim.Optimizer``'s
   ``zero_grad`` is wrapped once, at the first ``fully_shard``; ``FSDPModule.zero_grad`` does the same).
@@ -96,6 +98,9 @@ def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
 @eager  # reads the optimizer's lists and fsdp2's flags: never traced
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     groups = _stepped_groups(optimizer)
+    partial = [why for why in map(engine.partial_grads, groups) if why]
+    if partial:
+        raise RuntimeError(f"{type(optimizer).__name__}.step(): {partial[0]}")
     held = [g for g in groups if engine.holds_unreduced_grads(g)]
     if held:
         names = ", ".join(g.module_fqn or "the root" for g in held[:4]) + (", ..." if len(held) > 4 else "")

@@ -141,20 +141,27 @@ def _errors() -> None:
         pass
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def failing_micro_batch() -> None:
-        with fsdp2.accumulate(model):
+    def failing_micro_batch(budget: int | None) -> None:
+        with fsdp2.accumulate(model, budget_bytes=budget):
             model(_batch(0, 0)).sum().backward()
             raise KeyError("a failing micro-batch")
 
-    with pytest.raises(KeyError):
-        failing_micro_batch()
-    # Settings restored; the kept gradients are still held, so stepping now would silently drop them.
-    with pytest.raises(RuntimeError, match=r"still hold gradients"):
+    for budget, zero_grad in ((None, optim.zero_grad), (0, model.zero_grad)):
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        with pytest.raises(KeyError):
+            failing_micro_batch(budget)
+        # Kept (None) or reduced (0), the gradients hold a partial accumulation: the step refuses it.
+        with pytest.raises(RuntimeError, match=rf"budget_bytes={budget}\) raised.*partial accumulation"):
+            optim.step()
+        for param, old in zip(model.parameters(), before, strict=True):
+            torch.testing.assert_close(param.full_tensor(), old, rtol=0, atol=0)
+        zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        model(_batch(0, 1)).sum().backward()  # syncs again, as before the context
+        assert _held(model) == 0
         optim.step()
-    optim.zero_grad()
-    model(_batch(0, 1)).sum().backward()  # syncs again, as before the context
-    assert _held(model) == 0
-    optim.step()
+        for param, old in zip(model.parameters(), before, strict=True):
+            assert not torch.equal(param.full_tensor(), old)
 
 
 def test_errors_and_an_exception_inside() -> None:
