@@ -161,17 +161,29 @@ def register_pre_backward(
     tensor: torch.Tensor,
     tensor_hook: Callable[[torch.Tensor], torch.Tensor],
     node_hook: Callable[[tuple[torch.Tensor | None, ...]], None],
-) -> None:
-    """Run a hook when backward reaches ``tensor`` (which requires grad).
+) -> bool:
+    """Run a hook when backward reaches ``tensor`` (which requires grad); whether in-place ops keep it.
 
     On the node that produced it (``node_hook(grad_outputs)``, registered in C++) where there is one;
-    on the tensor itself (``tensor_hook(grad)``) for a leaf or under torch.func transforms.
+    on the tensor itself (``tensor_hook(grad)``) for a leaf or under torch.func transforms. For a view
+    (an LM head's ``Linear`` on 3-D activations returns one), the node of its base: an in-place op on
+    the view (``out += y``) gives the view a new node but keeps the base's, and the view nodes in
+    between compute nothing with parameters, so the hook runs at the same point. Returns ``False``
+    only for a view whose hook an in-place op would drop (a view of a leaf, or under torch.func).
     """
     node = tensor.grad_fn
-    if node is not None and not functorch_active():
-        node.register_prehook(node_hook)
-    else:
+    if node is None or functorch_active():
         tensor.register_hook(tensor_hook)
+        return not is_view(tensor)
+    base = tensor._base  # noqa: SLF001 - no public API for a view's base
+    # A full backward hook's views (BackwardHookFunctionBackward) must keep the hook on their own node.
+    if base is not None and type(node).__name__ != "BackwardHookFunctionBackward":
+        if base.grad_fn is None:
+            node.register_prehook(node_hook)
+            return False
+        node = base.grad_fn
+    node.register_prehook(node_hook)
+    return True
 
 
 class _PreBackwardNode(torch.autograd.Function):

@@ -43,7 +43,6 @@ at once. The end-of-backward callback clears the unfinished member set and the i
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ from ._api import MixedPrecisionPolicy
 from ._autograd import (
     eager,
     in_backward_task_id,
-    is_view,
     register_post_backward,
     register_pre_backward,
     route_untracked_outputs,
@@ -67,6 +65,7 @@ from ._param_group import FSDPParamGroup
 from ._root import RootContext
 from ._state_dict import register_state_dict_hooks
 from ._torch_protocol import TorchStateNames
+from ._warn import warn_user
 
 _STATE_ATTR = "_fsdp2_state"
 _FORWARD = TrainingState.FORWARD
@@ -328,15 +327,8 @@ class FSDPState(TorchStateNames):
         """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func)."""
         hook = self._pre_backward_hook
         for tensor in _tensors_requiring_grad(output):
-            # A full backward hook (register_full_backward_hook, ModTracker, CommDebugMode) returns views
-            # of the module's outputs: those views are the hook's doing, not the module's.
-            if is_view(tensor) and type(tensor.grad_fn).__name__ != "BackwardHookFunctionBackward":
-                warnings.warn(
-                    "A forward output of an FSDP module is a view that requires grad; an in-place op on "
-                    "it would drop FSDP's pre-backward hook. Return a non-view tensor (e.g. .clone()).",
-                    stacklevel=4,
-                )
-            register_pre_backward(tensor, hook, self._pre_backward_node_hook)
+            if not register_pre_backward(tensor, hook, self._pre_backward_node_hook):
+                warn_user(_fragile_view_message(self))
         return route_untracked_outputs(hook, output)
 
     def _pre_backward_on_node(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
@@ -388,6 +380,22 @@ class FSDPState(TorchStateNames):
     def reset_iteration(self) -> None:
         """Root only: recover from an exception in forward or backward."""
         self.shared_context().reset(self)
+
+
+def _fragile_view_message(state: FSDPState) -> str:
+    names = ", ".join(f"{g.module_fqn or '<root>'!r}" for g in state.groups) or "?"
+    # fully_shard's class swap makes X an FSDPX(FSDPModule, X): name the user's class
+    user_classes = (
+        c.__bases__[-1] if c.__module__ == __package__ + "._module" else c for c in map(type, state.modules)
+    )
+    classes = ", ".join(c.__name__ for c in user_classes)
+    return (
+        f"The fully_shard module {names} ({classes}) returned a view of a tensor without an autograd "
+        "node (a parameter or another leaf, or under a torch.func transform). Out-of-place use of it is "
+        "harmless (out = out + y, a loss, .float()), but an in-place op on it before backward (out += y, "
+        "out.mul_(y)) would drop FSDP's pre-backward hook, so backward would run without gathering the "
+        "module's parameters. Return a non-view tensor (e.g. .clone()) from its forward."
+    )
 
 
 def _recovery(state: FSDPState) -> Any:

@@ -14,8 +14,9 @@
 - pickling a sharded model (``torch.save(model)``) says what to save instead;
 - a trainable submodule added after ``fully_shard`` raises at the next forward instead of training
   rank by rank with no gradient averaging;
-- outputs wrapped by a full backward hook (CommDebugMode, ``count_collectives`` in processes) no longer
-  trigger the view-output warning, which still fires for a module that returns a view;
+- an in-place op on a view output (an LM head's ``Linear`` on 3-D activations) keeps the pre-backward
+  hook (it sits on the view's base), so no warning for it, nor for a full backward hook's views
+  (CommDebugMode); a view of a leaf still warns, naming the module, at the user's line;
 - a patch of ``torch.distributed``'s collective functions (profilers, torch's tests) sees fsdp2's calls.
 """
 
@@ -488,39 +489,87 @@ def test_a_trainable_submodule_added_after_fully_shard_raises() -> None:
     run_threaded(2, _added_after_sharding, "fsdp2")
 
 
-# ---- the view-output warning and full backward hooks ----------------------------------------------
+# ---- view outputs: in-place ops keep the pre-backward hook; the warning only where they would not ----
 
 
-class _ReturnsView(nn.Module):
+class _Head(nn.Module):
+    """An LM head: a Linear with bias on 3-D activations returns a view (addmm, then view)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin = nn.Linear(8, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x).view(-1)
+        return self.lin(x)
 
 
-def _view_warnings() -> tuple[int, int]:
+class _InPlaceOnView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = MLP(8), _Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.body(x))
+        out += 1.0  # in place on the head's view output, before backward
+        return out
+
+
+class _ReturnsWeightView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight[0]  # a view of a leaf: autograd has no node to keep the hook on
+
+
+def _in_place_on_view_outputs() -> list[str]:
+    import contextlib
     import warnings
 
     fsdp2 = get_impl("fsdp2")
-    hooked, viewing = MLP(8), _ReturnsView()
+    rank = dist.get_rank()
+    base = seeded(_InPlaceOnView)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    hooked = seeded(lambda: MLP(8))
     hooked.register_full_backward_hook(lambda module, grad_in, grad_out: None)  # as CommDebugMode does
-    fsdp2.fully_shard(hooked)
-    fsdp2.fully_shard(viewing)
-    counts = []
-    for model in (hooked, viewing):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model(make_input((2, 8), dist.get_rank())).sum().backward()
-        counts.append(sum("is a view that requires grad" in str(w.message) for w in caught))
-    return counts[0], counts[1]
+    for sharded in (model.head, model.body, model, hooked):
+        fsdp2.fully_shard(sharded)  # the head reshards after forward: backward must gather it again
+    x = make_input((2, 3, 8), rank)
+    # warnings.catch_warnings is process-wide: rank 0 records (both ranks' warnings, if any)
+    recording = warnings.catch_warnings(record=True) if rank == 0 else contextlib.nullcontext([])
+    with recording as caught:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        hooked(make_input((2, 8), rank)).sum().backward()
+    ref(x).sum().backward()
+    average_grads(ref)
+    assert_sharded_parity(ref, model, grads=True)
+    return [str(w.message) for w in caught or [] if "returned a view" in str(w.message)]
 
 
-def test_full_backward_hooks_do_not_trigger_the_view_warning() -> None:
-    # Before: count_collectives() in gloo processes (CommDebugMode's hooks) made every output "a view".
-    # One rank: warnings.catch_warnings is process-wide, so threads would see each other's warnings.
-    assert run_threaded(1, _view_warnings)[0] == (0, 1)
+def _leaf_view_warning() -> list[Any]:
+    import warnings
+
+    leaf_view = get_impl("fsdp2").fully_shard(_ReturnsWeightView())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        leaf_view(make_input((2, 8), 0)).sum().backward()
+    return [w for w in caught if "returned a view" in str(w.message)]
+
+
+def test_in_place_op_on_a_view_output_keeps_the_pre_backward_hook() -> None:
+    # torch warns for every such head and an in-place op skips its all-gather; fsdp2 hooks the view's base.
+    assert run_threaded(2, _in_place_on_view_outputs) == [[], []]  # an LM head, a full backward hook
+
+
+def test_a_view_of_a_leaf_warns_at_the_users_line() -> None:
+    (warned,) = run_threaded(1, _leaf_view_warning)
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert "'<root>' (_ReturnsWeightView)" in message, message
+    assert "harmless" in message, message
+    assert warned[0].filename == __file__  # the user's line, not fsdp2's or torch's
 
 
 # ---- collectives looked up at call time -------------------------------------------------------------
