@@ -299,12 +299,19 @@ class _GatherInDtype(torch.autograd.Function):
         return local.narrow(0, 0, ctx.local_rows), None
 
 
-def untraceable(states: Sequence[_State]) -> str | None:
-    """Why the compiled path cannot trace ``states`` (a top-level one and those under it), or ``None``.
+def untraceable(model: nn.Module | _State | Sequence[nn.Module | _State]) -> str | None:
+    """Why the compiled path cannot trace ``model`` and the FSDP modules under it, or ``None``.
 
-    Such a model compiles as before: its hooks run eagerly, with a graph break at each FSDP module
-    (``fullgraph=True`` then fails, with fsdp2's message naming the reason).
+    ``model`` is what you would compile: the top-level FSDP module, its ``fully_shard.state(model)``,
+    or a list of such modules or states (each is checked with the FSDP modules under it; the first
+    one names the modules). Such a model compiles as before: its hooks run eagerly, with a graph
+    break at each FSDP module (``fullgraph=True`` then fails, with fsdp2's message naming the reason).
+
+    Raises:
+        TypeError: ``model`` (or an item of the list) is neither a module sharded by fsdp2's
+            ``fully_shard`` nor such a module's state.
     """
+    states = _states_of(model)
     if torch_too_old(torch.__version__):
         oldest = ".".join(map(str, _OLDEST_TORCH))
         return f"torch {torch.__version__} is too old for them: whole-model compile needs torch {oldest}+"
@@ -318,6 +325,25 @@ def untraceable(states: Sequence[_State]) -> str | None:
             if problem is not None:
                 return f"module {where}: {problem}"
     return None
+
+
+def _states_of(model: Any) -> list[_State]:
+    """The fsdp2 states of ``untraceable``'s argument, each followed by those under it, once each."""
+    items = list(model) if isinstance(model, Sequence) and not isinstance(model, str) else [model]
+    states: dict[int, _State] = {}
+    for item in items:
+        # an FSDP module's class (fsdp2's, and torch's, whose state lacks what is read below) has this
+        getter = getattr(item, "_get_fsdp_state", None) if isinstance(item, nn.Module) else None
+        state = getter() if callable(getter) else item
+        if not all(hasattr(state, name) for name in ("modules", "groups", "descendants")):
+            raise TypeError(
+                "untraceable() takes the model you compile after fsdp2's fully_shard (its top-level "
+                "FSDP module), fully_shard.state(model), or a list of them; got "
+                f"{type(item).__name__}, which is neither a module sharded by fsdp2 nor its state."
+            )
+        for one in (state, *state.descendants):
+            states.setdefault(id(one), one)
+    return list(states.values())
 
 
 def _problem(group: _Group) -> str | None:
