@@ -90,6 +90,18 @@ class _LocalStep:
         self.strict = strict
         functools.update_wrapper(self, original)
 
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        """What an LR scheduler built after the patch wraps: a function that runs this local step.
+
+        torch's ``LRScheduler`` counts steps by rebinding ``optimizer.step.__func__`` to the optimizer.
+        """
+
+        def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
+
+        return step
+
     @eager  # swaps the optimizer's lists and dicts: never traced (runs eagerly)
     def __call__(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         if closure is not None or args or kwargs:  # a closure re-runs forward and backward

@@ -234,6 +234,28 @@ def test_elementwise_optimizers_run_on_local_shards_automatically() -> None:
     run_ranks(2, _automatic, base)
 
 
+def _scheduler_after_first_step(rank: int, world_size: int, base: nn.Module) -> None:
+    ours, theirs = _model(base), _model(base)
+    auto = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    ref = fsdp2.local_step(torch.optim.AdamW(theirs.parameters(), lr=1e-2), enabled=False)
+    _step_all(rank, 0, ((ours, auto), (theirs, ref)))  # switches `auto` to local steps
+    assert getattr(auto, "_fsdp2_local_step", False)
+    # e.g. a scheduler built when training resumes: torch's LRScheduler rebinds step.__func__
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.5**i) for o in (auto, ref)]
+    for step in range(1, 4):
+        _step_all(rank, step, ((ours, auto), (theirs, ref)))
+        for scheduler in schedulers:
+            scheduler.step()
+    assert auto.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 * 0.5**3
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0)
+
+
+def test_lr_scheduler_built_after_the_first_step() -> None:
+    torch.manual_seed(0)
+    run_ranks(2, _scheduler_after_first_step, nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)))
+
+
 def _partial_gradient(rank: int, world_size: int) -> None:
     """A gradient that is not laid out like its parameter (here Partial) keeps the DTensor path."""
     from torch.distributed.device_mesh import init_device_mesh
