@@ -91,7 +91,7 @@ def assert_matches_unsharded(
         ref_optim.step()
         optim.zero_grad()
         ref_optim.zero_grad()
-        losses.append(float(_full(loss)))
+        losses.append(float(_full(loss.detach())))
     _compare(ref, model, "parameter", lambda p: p, tol)
     return losses
 
