@@ -49,10 +49,10 @@ def set_debug(
 
     With debug on, the root's first forward checks that every rank manages the same parameters (one
     small collective); before each FSDP collective, the ranks of its process group agree that they are
-    about to issue the same one, and raise ``DivergenceError`` on every rank if not (or if a rank has
-    not arrived after ``timeout`` seconds); and a collective that has not finished after ``deadline``
-    seconds is reported with its module group, kind and training state. Turn it on before the root's
-    first forward: the guard is installed there. See docs/debugging.md.
+    about to issue the same one, in the same optimizer step, and raise ``DivergenceError`` on every rank
+    if not (or if a rank has not arrived after ``timeout`` seconds); and a collective that has not
+    finished after ``deadline`` seconds is reported with its module group, kind and training state.
+    Turn it on before the root's first forward: the guard is installed there. See docs/debugging.md.
 
     Args:
         enabled: on or off.

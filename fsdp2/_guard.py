@@ -5,7 +5,9 @@ collective it is about to issue into the job's c10d store under the process grou
 number, reads every other rank's, and every rank raises the same error if they differ, or if a rank
 has not arrived after the debug timeout); the comm wrappers that run it, installed through
 ``_engine.wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
-full-weight export and import. Does not own: the collectives (the groups' comms), the debug switch and
+full-weight export and import; and the count of optimizer steps over each guarded root's parameters
+(one global optimizer step post-hook), which every description carries, so the collectives of two
+different steps never pair up. Does not own: the collectives (the groups' comms), the debug switch and
 its settings (``_debug``), or what the root's first forward compares once (``check_same_model``).
 Invariants: every rank of a process group numbers the FSDP collectives it issues there in the same
 order, so a sequence number pairs the collectives that c10d would pair; a rank keeps at most two of
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,11 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _engine as engine
+from ._autograd import eager
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._comms import ForwardingComm
 from ._debug import debug_enabled, guard_timeout, on_root_init
+from ._dtensor import local_of
 
 
 class DivergenceError(RuntimeError):
@@ -46,7 +52,9 @@ _PHASES = {"idle": "outside forward and backward", "forward": "forward", "backwa
 class Point:
     """What a rank is about to do: one FSDP collective, or the entry of an export or import.
 
-    ``trainable`` has one character per parameter of the group ("1": ``requires_grad``).
+    ``trainable`` has one character per parameter of the group ("1": ``requires_grad``). ``steps``:
+    optimizer steps taken so far over the root's parameters; ``since``: forwards of the root begun
+    since the last of them (since the start before the first).
     """
 
     kind: str
@@ -58,21 +66,35 @@ class Point:
     numel: int
     dtype: str
     trainable: str
+    steps: int = 0
+    since: int = 0
 
     def encode(self) -> str:
-        """JSON of the fields the ranks must agree on, then ``#`` and the iteration (shown, not compared).
+        """JSON of the fields the ranks must agree on, then ``#`` and the counts shown, not compared.
 
-        The iteration counts the root's forwards, including forwards that issue no collective (all
-        parameters already unsharded), which a rank may run alone without harm.
+        Shown only: the iteration and ``since`` count the root's forwards, including forwards that
+        issue no collective (all parameters already unsharded), which a rank may run alone without
+        harm. ``steps`` is compared: collectives of different optimizer steps must never pair up.
         """
-        fields = [v for k, v in self.__dict__.items() if k != "iteration"]
-        return f"{json.dumps(fields)}#{self.iteration}"
+        fields = [  # every field but the two shown, in order (``decode`` reads them back so)
+            self.kind,
+            self.module,
+            self.phase,
+            self.grad_enabled,
+            self.gradient_sync,
+            self.numel,
+            self.dtype,
+            self.trainable,
+            self.steps,
+        ]
+        return f"{json.dumps(fields)}#{self.iteration},{self.since}"
 
     @classmethod
     def decode(cls, text: str) -> Point:
-        fields, _, iteration = text.rpartition("#")
+        fields, _, shown = text.rpartition("#")
+        iteration, since = (int(n) for n in shown.split(","))
         kind, module, *rest = json.loads(fields)
-        return cls(kind, module, int(iteration), *rest)
+        return cls(kind, module, iteration, *rest, since=since)
 
     @property
     def is_entry(self) -> bool:
@@ -84,11 +106,33 @@ class Point:
             return f"the entry of fsdp2.{self.kind}()"
         grad = "" if self.grad_enabled else ", gradients off"
         sync = "on" if self.gradient_sync else "off"
+        step = f", {self.forwards()}" if self.steps else ""
         return (
-            f"the {self.kind.replace('_', '-')} of module {self.module or '<root>'!r} ({self.numel:,} "
+            f"the {self.collective} of module {self.module or '<root>'!r} ({self.numel:,} "
             f"{self.dtype} elements) in iteration {self.iteration} ({_PHASES.get(self.phase, self.phase)}"
-            f"{grad}), gradient sync {sync}"
+            f"{grad}), gradient sync {sync}{step}"
         )
+
+    @property
+    def collective(self) -> str:
+        """The kind as written: ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all``."""
+        return self.kind.replace("_", "-")
+
+    def forwards(self) -> str:
+        """Where the rank is between optimizer steps: ``3rd forward since optimizer step 2``."""
+        if self.since == 0:
+            return f"just after optimizer step {self.steps}" if self.steps else "before any forward"
+        after = f"since optimizer step {self.steps}" if self.steps else "before any optimizer step"
+        return f"{_ordinal(self.since)} forward {after}"
+
+    def position(self) -> str:
+        """The same after "ranks [0] are": ``at their 3rd forward since optimizer step 2``."""
+        return f"at their {self.forwards()}" if self.since else self.forwards()
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 _ABORT = "abort:"
@@ -289,6 +333,15 @@ def _cause(a: Point, ranks_a: list[int], b: Point, ranks_b: list[int], mine: Poi
             f"Ranks {entry_ranks} called fsdp2.{entry.kind}() and ranks {others} did not: it gathers (or "
             "broadcasts) every tensor collectively, so call it on every rank (only rank 0 touches the file)."
         )
+    if a.steps != b.steps:
+        return (
+            f"The ranks are in different optimizer steps: ranks {ranks_a} are {a.position()}, ranks "
+            f"{ranks_b} {b.position()}. They ran different numbers of micro-batches "
+            "before optimizer.step() (or stepped on some ranks only): run the same number of "
+            "micro-batches on every rank (drop or pad the last batch), and step on every rank."
+        )
+    if a.phase != b.phase and "idle" in (a.phase, b.phase):
+        return _outside(*((a, ranks_a, b, ranks_b) if a.phase == "idle" else (b, ranks_b, a, ranks_a)))
     if a.trainable != b.trainable and a.kind == b.kind and a.module == b.module:
         names = _NAMES.get((mine.module, len(mine.trainable)), [])
         index = next(i for i, (x, y) in enumerate(zip(a.trainable, b.trainable, strict=True)) if x != y)
@@ -301,12 +354,6 @@ def _cause(a: Point, ranks_a: list[int], b: Point, ranks_b: list[int], mine: Poi
         return (
             "Gradient sync differs between ranks (set_requires_gradient_sync, or no_sync-style accumulation "
             "with a different number of micro-batches per rank): set it to the same value on every rank."
-        )
-    if a.phase != b.phase and "idle" in (a.phase, b.phase):
-        idle, idle_ranks = (a, ranks_a) if a.phase == "idle" else (b, ranks_b)
-        return (
-            f"Ranks {idle_ranks} gather module {idle.module or '<root>'!r} outside forward and backward (an "
-            "explicit unshard() on some ranks only?): call it on every rank, or not at all."
         )
     if a.iteration != b.iteration or a.phase != b.phase:
         return (
@@ -329,6 +376,30 @@ def _cause(a: Point, ranks_a: list[int], b: Point, ranks_b: list[int], mine: Poi
     )
 
 
+def _doing(p: Point) -> str:
+    """What the collective does, in words: ``gather module '2'``, ``reduce the gradients of ...``."""
+    module = repr(p.module or "<root>")
+    if p.kind == "all_gather":
+        return f"gather module {module}"
+    return f"reduce the gradients of module {module} (a {p.collective})"
+
+
+def _outside(idle: Point, idle_ranks: list[int], busy: Point, busy_ranks: list[int]) -> str:
+    """The cause when some ranks issue a collective outside forward and backward and the others inside."""
+    where = f"while ranks {busy_ranks} {_doing(busy)} in the {busy.phase} of iteration {busy.iteration}"
+    if idle.kind == "all_gather":
+        return (
+            f"Ranks {idle_ranks} {_doing(idle)} outside forward and backward (an explicit unshard() on some "
+            f"ranks only?) {where}: call it on every rank, or not at all."
+        )
+    # Outside backward only the exit of fsdp2.accumulate() reduces (the gradients it kept).
+    return (
+        f"Ranks {idle_ranks} {_doing(idle)} outside forward and backward, as the exit of fsdp2.accumulate() "
+        f"does to the gradients it kept, {where}: the ranks ran different numbers of micro-batches inside "
+        "fsdp2.accumulate(). Run the same number on every rank (drop or pad the last batch)."
+    )
+
+
 # Parameter names by (module, count), to name the one whose requires_grad differs; written at install.
 _NAMES: dict[tuple[str, int], list[str]] = {}
 
@@ -336,9 +407,9 @@ _NAMES: dict[tuple[str, int], list[str]] = {}
 class Guarded(ForwardingComm):
     """A group's collective, issued only after its process group's ranks agree on it."""
 
-    def __init__(self, wrapped: Any, kind: str, facts: engine.GroupFacts) -> None:
+    def __init__(self, wrapped: Any, kind: str, facts: engine.GroupFacts, steps: _Steps) -> None:
         super().__init__(wrapped)
-        self._kind, self._facts = kind, facts
+        self._kind, self._facts, self._steps = kind, facts, steps
 
     def seen(self, first: torch.Tensor, *args: Any) -> None:
         if not debug_enabled():
@@ -347,20 +418,92 @@ class Guarded(ForwardingComm):
             tensor, group = first, args[0]
         else:  # (output, input, group, ...)
             tensor, group = args[0], args[1]
-        facts = self._facts
+        facts, steps = self._facts, self._steps
         trainable = facts.trainable()
+        iteration = facts.iteration()
         point = Point(
             self._kind,
             facts(),
-            facts.iteration(),
+            iteration,
             facts.phase(),
             torch.is_grad_enabled(),
             facts.gradient_sync(),
             tensor.numel(),
             str(tensor.dtype).removeprefix("torch."),
             "".join("1" if flag else "0" for _, flag in trainable),
+            steps.count,
+            iteration - steps.mark,
         )
         agree(point, group)
+
+
+class _Steps:
+    """The optimizer steps over one guarded root's parameters: how many, and the root's iteration at the last.
+
+    Counted by ``_count_step`` (a global optimizer step post-hook) for every optimizer that holds a
+    sharded parameter of one of ``members`` (the root's groups); held by the root's ``Guarded`` comms
+    (it lives as long as they do) and listed weakly in ``_all_steps``.
+    """
+
+    __slots__ = ("__weakref__", "count", "facts", "mark", "members")
+
+    def __init__(self, groups: list[Any]) -> None:
+        self.members: weakref.WeakSet[Any] = weakref.WeakSet(groups)
+        self.facts: engine.GroupFacts | None = None  # one group's, to read the root's iteration
+        self.count = 0
+        self.mark = 0
+
+    def tensor_ids(self) -> set[int]:
+        """Ids of the sharded parameters and of their local tensors (what ``local_step`` swaps in)."""
+        params = [p for group in list(self.members) for p in engine.sharded_params(group)]
+        return {id(p) for p in params} | {id(local_of(p)) for p in params if isinstance(p, DTensor)}
+
+    def stepped(self) -> None:
+        self.count += 1
+        self.mark = self.facts.iteration() if self.facts is not None else 0
+
+
+_all_steps: weakref.WeakSet[_Steps] = weakref.WeakSet()
+_generation = 0  # bumped when a root's steps are added: cached optimizer maps are rebuilt
+# optimizer -> ((generation, parameter count), the steps of the roots it steps)
+_by_optimizer: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], list[Any]]] = weakref.WeakKeyDictionary()
+_step_hook: list[Any] = []
+
+
+def _watch_steps(steps: _Steps) -> None:
+    global _generation
+    with _lock:
+        _all_steps.add(steps)
+        _generation += 1
+        if not _step_hook:
+            _step_hook.append(register_optimizer_step_post_hook(_count_step))
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
+    return (p for param_group in optimizer.param_groups for p in param_group["params"])
+
+
+@eager  # reads the optimizer's lists: never traced
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Count a step for each guarded root whose sharded parameters ``optimizer`` holds.
+
+    The roots of an optimizer are looked up at its first step after a root was guarded and kept while
+    its parameter count stays; from its second step on ``local_step`` may hold local tensors in
+    ``param_groups`` during the step, which the lookup matches too.
+    """
+    key = (_generation, sum(len(param_group["params"]) for param_group in optimizer.param_groups))
+    cached = _by_optimizer.get(optimizer)
+    if cached is None or cached[0] != key:
+        with _lock:
+            candidates = list(_all_steps)
+        ids = {id(p) for p in _params_of(optimizer)}
+        found = [weakref.ref(s) for s in candidates if not ids.isdisjoint(s.tensor_ids())]
+        cached = (key, found)
+        _by_optimizer[optimizer] = cached
+    for ref in cached[1]:
+        steps = ref()
+        if steps is not None:
+            steps.stepped()
 
 
 _guarded_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -371,13 +514,17 @@ def install(root: nn.Module, states: list[Any]) -> None:
     if root in _guarded_roots:
         return
     _guarded_roots.add(root)
+    steps = _Steps(engine.groups_under(root))
 
     def wrap(kind: str, comm: Any, facts: engine.GroupFacts) -> Any:
         trainable = facts.trainable()
         _NAMES[(facts(), len(trainable))] = [name for name, _ in trainable]
-        return comm if isinstance(comm, Guarded) else Guarded(comm, kind, facts)
+        if steps.facts is None:
+            steps.facts = facts
+        return comm if isinstance(comm, Guarded) else Guarded(comm, kind, facts, steps)
 
     engine.wrap_comms(states, wrap)
+    _watch_steps(steps)
 
 
 on_root_init(install)

@@ -66,6 +66,20 @@ def _micro_batches_differ(model: nn.Module, rank: int, world: int) -> None:
     model.set_requires_gradient_sync(True)
 
 
+def _accumulate_more_on_0(model: nn.Module, rank: int, world: int) -> None:
+    with fsdp2.accumulate(model):  # the others reduce at its exit while rank 0 runs a third forward
+        for _ in range(3 if rank == 0 else 2):
+            mlp_step(model, rank)
+
+
+def _synced_micro_batches_more_on_0(model: nn.Module, rank: int, world: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3 if rank == 0 else 2):  # every micro-batch syncs
+        mlp_step(model, rank)
+    optimizer.step()  # the others' next forward must not pair with rank 0's third micro-batch
+    optimizer.zero_grad()
+
+
 # (fault, text every rank's error must contain)
 FAULTS: list[tuple[Fault, str]] = [
     (_unshard_on_last, "gather module '2' outside forward and backward"),
@@ -75,6 +89,8 @@ FAULTS: list[tuple[Fault, str]] = [
     (_no_sync_on_1, "Gradient sync differs between ranks"),
     (_frozen_on_last, "Parameter '4.weight' has requires_grad="),
     (_micro_batches_differ, "gradient sync off"),
+    (_accumulate_more_on_0, "reduce the gradients of module '0' (a reduce-scatter) outside forward and"),
+    (_synced_micro_batches_more_on_0, "ranks [0] are at their 4th forward before any optimizer step, ranks"),
 ]
 
 

@@ -4,11 +4,14 @@ Each fault runs on thread ranks with a short timeout; every rank that reaches an
 raise ``fsdp2.DivergenceError`` naming the module, the iteration, the phase and the ranks on each side
 (the same text on every rank), and a rank that never arrives is named by the ranks that waited. Real
 gloo processes (2 and 4 ranks, faults seeded per rank) are in ``tests/multiprocess/test_divergence_gloo.py``.
-Training without a fault gives the numbers of a run without debug mode, bit for bit.
+Training without a fault gives the numbers of a run without debug mode, bit for bit. Ranks that run
+different numbers of micro-batches before an optimizer step raise at once (the descriptions carry the
+optimizer step count), and the same number on every rank never raises, whatever the loop does around it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,10 +61,10 @@ def _faulty(fault: Callable[[nn.Module, int], None]) -> Callable[[int, int], str
     return body
 
 
-def _raised_everywhere(fault: Callable[[nn.Module, int], None], world: int = 2) -> str:
+def _raised_everywhere(fault: Callable[[nn.Module, int], None], world: int = 2, within: float = 10) -> str:
     start = time.monotonic()
     messages = run_ranks(world, _faulty(fault), timeout=60)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < within
     assert all(m is not None for m in messages), messages
     assert len(set(messages)) == 1, messages  # every rank explains it the same way
     return str(messages[0])
@@ -160,6 +163,63 @@ def test_a_different_number_of_micro_batches(debug: None) -> None:
     assert (
         "ranks [1]: the all-gather of module '<root>' (9 float32 elements) in iteration 3 (forward), "
         "gradient sync on" in message
+    )
+
+
+def _accumulate_an_extra_micro_batch_on_rank_0(model: nn.Module, rank: int) -> None:
+    with fsdp2.accumulate(model):  # keeps every group's gradients: one reduction each at the exit
+        for _ in range(3 if rank == 0 else 2):
+            mlp_step(model, rank)
+
+
+def test_a_different_number_of_micro_batches_in_accumulate(debug: None) -> None:
+    """Rank 1 leaves ``accumulate`` (its exit reduce-scatters) while rank 0 runs a third forward."""
+    message = _raised_everywhere(_accumulate_an_extra_micro_batch_on_rank_0)
+    assert (
+        "ranks [1]: the reduce-scatter of module '0' (44 float32 elements) in iteration 3 (outside forward "
+        "and backward), gradient sync off" in message
+    )
+    # Before: "Ranks [1] gather module '0' outside forward and backward (an explicit unshard() ...)".
+    assert (
+        "Ranks [1] reduce the gradients of module '0' (a reduce-scatter) outside forward and backward, as "
+        "the exit of fsdp2.accumulate() does to the gradients it kept, while ranks [0] gather module "
+        "'<root>' in the forward of iteration 4: the ranks ran different numbers of micro-batches inside "
+        "fsdp2.accumulate()." in message
+    )
+    assert "unshard()" not in message
+
+
+def _synced_micro_batches(accumulate: bool) -> Callable[[nn.Module, int], None]:
+    """Every micro-batch syncs; rank 0 runs 3 before its optimizer step, rank 1 runs 2."""
+
+    def fault(model: nn.Module, rank: int) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with fsdp2.accumulate(model, budget_bytes=0) if accumulate else contextlib.nullcontext():
+            for _ in range(3 if rank == 0 else 2):
+                mlp_step(model, rank)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return fault
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate-budget-0"])
+def test_a_different_number_of_synced_micro_batches(debug: None, accumulate: bool, transport: str) -> None:
+    """Before: rank 1's next step paired with rank 0's third micro-batch, silently; rank 0 timed out."""
+    fsdp2.set_debug(True, timeout=20.0, report=lambda message: None)  # promptly: well under it
+    message = _raised_everywhere(_synced_micro_batches(accumulate), within=10)
+    assert (
+        "ranks [0]: the all-gather of module '<root>' (9 float32 elements) in iteration 4 (forward), "
+        "gradient sync on\n" in message
+    )
+    assert (
+        "ranks [1]: the all-gather of module '<root>' (9 float32 elements) in iteration 4 (forward), "
+        "gradient sync on, 1st forward since optimizer step 1\n" in message
+    )
+    assert (
+        "The ranks are in different optimizer steps: ranks [0] are at their 4th forward before any "
+        "optimizer step, ranks [1] at their 1st forward since optimizer step 1. They ran different "
+        "numbers of micro-batches before optimizer.step() (or stepped on some ranks only)" in message
     )
 
 
@@ -270,6 +330,76 @@ def test_a_forward_without_collectives_on_one_rank_is_fine(debug: None) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _micro_batches(model: nn.Module, rank: int, step: int, count: int = 3) -> None:
+    for micro in range(count):
+        mlp_step(model, rank, seed=10 * step + micro)
+
+
+def _same_micro_batches_everywhere(pattern: str) -> Callable[[int, int], tuple[int, int]]:
+    """A rank body: three optimizer steps of three micro-batches each, the same on every rank."""
+
+    def body(rank: int, world_size: int) -> tuple[int, int]:
+        model, other = small_sharded_mlp(), small_sharded_mlp()
+        some = pattern == "an optimizer of some groups"
+        params = list(model[0].parameters()) if some else model.parameters()
+        optimizer = torch.optim.AdamW(params, lr=0.1)  # local steps from its second step on
+        others = torch.optim.SGD(other.parameters(), lr=0.1)  # a second root, stepped every other step
+        if pattern == "explicit prefetch":
+            model.set_bucket_cap_mb(1, 1)
+            model[0].set_modules_to_forward_prefetch([model[2]])
+            model[2].set_modules_to_backward_prefetch([model[0]])
+        for step in range(3):
+            if pattern == "no-sync until the last micro-batch":
+                model.set_requires_gradient_sync(False)
+                _micro_batches(model, rank, step, count=2)
+                model.set_requires_gradient_sync(True)
+                mlp_step(model, rank, seed=10 * step + 2)
+            elif pattern.startswith("accumulate"):
+                budget = {"accumulate": None, "accumulate, budget 0": 0, "accumulate, budget 100": 100}
+                with fsdp2.accumulate(model, budget_bytes=budget[pattern]):
+                    _micro_batches(model, rank, step)
+            else:
+                _micro_batches(model, rank, step)
+            optimizer.step()
+            optimizer.zero_grad()
+            if pattern == "unshard by hand":
+                model[2].unshard()  # every rank, between the step and the next forward
+            with torch.no_grad():
+                model(torch.ones(2, 4))  # an evaluation on every rank
+            mlp_step(other, rank, seed=step)
+            if step % 2 == 0:
+                others.step()
+                others.zero_grad()
+        return (_steps_counted(model), _steps_counted(other))
+
+    return body
+
+
+def _steps_counted(model: nn.Module) -> int:
+    """The optimizer steps the guard counted over ``model`` (a root it guards)."""
+    groups = set(fsdp2._engine.groups_under(model))
+    return next(s.count for s in list(fsdp2_guard._all_steps) if groups & set(s.members))
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "synced micro-batches",
+        "no-sync until the last micro-batch",
+        "accumulate",
+        "accumulate, budget 0",
+        "accumulate, budget 100",  # keeps the root's gradients, reduces the others' each micro-batch
+        "explicit prefetch",
+        "unshard by hand",
+        "an optimizer of some groups",
+    ],
+)
+def test_the_same_micro_batches_on_every_rank_pass(debug: None, pattern: str) -> None:
+    """Optimizer steps are counted per root: equal counts never raise, whatever else the loop does."""
+    # 3 steps of the model (local steps from the second on), 2 of the second root's optimizer
+    assert run_ranks(2, _same_micro_batches_everywhere(pattern), timeout=60) == [(3, 2), (3, 2)]
+
+
 @pytest.mark.parametrize("layout", ["fsdp-2", "hsdp-2x2"])
 def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None:
     """Three AdamW steps (bucketed with explicit prefetch; HSDP): bit-equal with debug mode off."""
@@ -299,6 +429,15 @@ def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None
     plain = run_ranks(world, body)
     for a, b in zip(checked[0], plain[0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_description_reads_back_as_written() -> None:
+    """The store carries descriptions as text: every field comes back, compared or shown."""
+    point = fsdp2_guard.Point("reduce_scatter", "2", 7, "backward", False, True, 36, "bfloat16", "10", 3, 2)
+    text = point.encode()
+    assert fsdp2_guard.Point.decode(text) == point
+    assert text.endswith("#7,2")  # the iteration and the forwards since the last step: shown only
+    assert "gradient sync on, 2nd forward since optimizer step 3" in str(point)
 
 
 def test_timeout_must_be_positive() -> None:
