@@ -386,7 +386,8 @@ def _fragile_view_message(state: FSDPState) -> str:
     names = ", ".join(f"{g.module_fqn or '<root>'!r}" for g in state.groups) or "?"
     # fully_shard's class swap makes X an FSDPX(FSDPModule, X): name the user's class
     user_classes = (
-        c.__bases__[-1] if c.__module__ == __package__ + "._module" else c for c in map(type, state.modules)
+        c.__bases__[-1] if c.__name__ == f"FSDP{c.__bases__[-1].__name__}" else c
+        for c in map(type, state.modules)
     )
     classes = ", ".join(c.__name__ for c in user_classes)
     return (
