@@ -72,6 +72,12 @@ def docs(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=False)
+def sizes(session: nox.Session) -> None:
+    """Lines per fsdp2 subpackage (code, docs, blank): growth is a decision, not an accident."""
+    session.run("python", ".ci/sizes", *session.posargs)
+
+
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """The benchmark suite against torch's fully_shard (benchmarks/suite.py, about 3 minutes)."""

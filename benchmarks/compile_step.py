@@ -49,7 +49,7 @@ from scale import add_model_arguments, build  # the step-time model
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp2._compiled import torch_too_old  # (the version the compiled path needs)
+from fsdp2.compile._compiled import torch_too_old  # (the version the compiled path needs)
 
 VARIANTS = (
     "fsdp2 eager",

@@ -32,7 +32,7 @@ from scale import build, train  # the step-time model and its timed steps
 from step_overhead import _median_and_band
 
 import fsdp2
-from fsdp2 import _events as fsdp2_events  # the recording calls, timed on their own
+from fsdp2.trace import _events as fsdp2_events  # the recording calls, timed on their own
 
 
 def main() -> None:

@@ -3,28 +3,28 @@
 A drop-in for ``torch.distributed.fsdp.fully_shard`` written on DTensor, DeviceMesh and c10d.
 """
 
-from . import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
-from ._accumulate import Accumulation, accumulate
-from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._autocap import BucketCaps, CollectiveFit
-from ._checkpoint import load_full_state_dict, save_full_state_dict
-from ._clip import clip_grad_norm_
-from ._comms import AllGather, Comm, ReduceScatter
-from ._debug import set_debug
-from ._events import Event, Span, record_events, save_chrome_trace
-from ._fully_shard import fully_shard
-from ._guard import DivergenceError
-from ._init import init_like_unsharded
-from ._lifecycle import TrainingState
-from ._local_optim import local_step
-from ._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
-from ._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
-from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from ._patch import TorchPatch, patch_torch_fsdp
-from ._plan import Plan, PlanError, plan
-from ._report import CommunicationReport, CommunicationRow, communication_report
-from ._timeline import merge_timelines, save_timeline
-from ._wrap import apply_fully_shard
+from .base._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .base._lifecycle import TrainingState
+from .base._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+from .comm._comms import AllGather, Comm, ReduceScatter
+from .frontend._fully_shard import fully_shard
+from .frontend._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .frontend._patch import TorchPatch, patch_torch_fsdp
+from .param._init import init_like_unsharded
+from .runtime._autocap import BucketCaps, CollectiveFit
+from .runtime._local_optim import local_step
+from .tools import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
+from .tools._accumulate import Accumulation, accumulate
+from .tools._checkpoint import load_full_state_dict, save_full_state_dict
+from .tools._clip import clip_grad_norm_
+from .tools._guard import DivergenceError
+from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
+from .tools._plan import Plan, PlanError, plan
+from .tools._wrap import apply_fully_shard
+from .trace._debug import set_debug
+from .trace._events import Event, Span, record_events, save_chrome_trace
+from .trace._report import CommunicationReport, CommunicationRow, communication_report
+from .trace._timeline import merge_timelines, save_timeline
 
 __version__ = "0.1.0"
 

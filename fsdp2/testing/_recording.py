@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _engine as engine
-from .._comms import ForwardingComm
+from ..comm._comms import ForwardingComm
+from ..tools import _engine as engine
 
 
 @dataclass(frozen=True)

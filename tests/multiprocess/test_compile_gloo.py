@@ -36,8 +36,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fsdp2
-from fsdp2 import _compiled
-from fsdp2._state import get_state as fsdp2_state
+from fsdp2.compile import _compiled
+from fsdp2.runtime._state import get_state as fsdp2_state
 from tests._harness import run_multiprocess
 from tests.models import ModelArgs, Transformer, make_tokens
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
-from fsdp2._autocap import CAP_LATENCIES, MAX_CAP, MIN_CAP
+from fsdp2.runtime._autocap import CAP_LATENCIES, MAX_CAP, MIN_CAP
 from fsdp2.testing import record_collectives
 from tests._harness import broadcast_module_, run_threaded
 from tests._training import EXACT

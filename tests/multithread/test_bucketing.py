@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from fsdp2._state import get_state
+from fsdp2.runtime._state import get_state
 from fsdp2.testing import record_collectives
 from tests._harness import broadcast_module_, run_threaded
 from tests._training import EXACT, average_grads
@@ -217,7 +217,7 @@ def _group_bytes(module: nn.Module, world: int, itemsize: int = 4, usage_row: bo
     """A group's collective bytes: W * its padded per-rank elements (computed from the shapes here).
 
     ``usage_row``: a reduce-scatter input, whose rows also carry one usage element per parameter (see
-    fsdp2/_usage.py).
+    fsdp2/group/_usage.py).
     """
     params = list(module.parameters(recurse=False) if not isinstance(module, Block) else module.parameters())
     total = len(params) if usage_row else 0

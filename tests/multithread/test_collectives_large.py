@@ -15,8 +15,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp2._api import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2._collectives import (
+from fsdp2.base._api import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.base._config import GroupConfig, ParamSpec
+from fsdp2.base._lifecycle import ShardedState, TrainingState
+from fsdp2.base._mesh import MeshInfo, post_forward_mesh_info
+from fsdp2.comm._collectives import (
     divide_factors,
     foreach_all_gather,
     foreach_all_gather_copy_out,
@@ -24,12 +27,9 @@ from fsdp2._collectives import (
     reduce_scatter_copy_in,
     view_out_shards,
 )
-from fsdp2._config import GroupConfig, ParamSpec
-from fsdp2._dtensor import local_of
-from fsdp2._lifecycle import ShardedState, TrainingState
-from fsdp2._mesh import MeshInfo, post_forward_mesh_info
-from fsdp2._param import chunk_rows
-from fsdp2._param_group import FSDPParamGroup
+from fsdp2.group._param_group import FSDPParamGroup
+from fsdp2.param._dtensor import local_of
+from fsdp2.param._param import chunk_rows
 from fsdp2.testing import CollectiveLog
 from fsdp2.testing._recording import Recording
 from tests._harness import run_threaded

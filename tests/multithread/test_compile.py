@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
-from fsdp2 import _compiled
-from fsdp2._state import get_state as fsdp2_state
+from fsdp2.compile import _compiled
+from fsdp2.runtime._state import get_state as fsdp2_state
 from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
 from tests._training import average_grads, forward_backward, step_all
 
@@ -121,7 +121,7 @@ def _cache_keys() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp2 import _compile_fixes
+    from fsdp2.compile import _compile_fixes
 
     mesh = init_device_mesh("cpu", (2,))
     uneven = distribute_tensor(torch.ones(3, 4), mesh, [Shard(0)])  # 2 rows on rank 0, 1 on rank 1

@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2 import _board as fsdp2_board
-from fsdp2 import _guard as fsdp2_guard
 from fsdp2.testing import run_ranks
+from fsdp2.tools import _board as fsdp2_board
+from fsdp2.tools import _guard as fsdp2_guard
 from tests._training import fill_deterministic_, mlp_step, small_sharded_mlp
 
 
@@ -377,7 +377,7 @@ def _same_micro_batches_everywhere(pattern: str) -> Callable[[int, int], tuple[i
 
 def _steps_counted(model: nn.Module) -> int:
     """The optimizer steps the guard counted over ``model`` (a root it guards)."""
-    groups = set(fsdp2._engine.groups_under(model))
+    groups = set(fsdp2.tools._engine.groups_under(model))
     return next(s.count for s in list(fsdp2_guard._all_steps) if groups & set(s.members))
 
 
@@ -417,8 +417,8 @@ def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None
             mlp_step(model, rank, seed=step)
             opt.step()
             opt.zero_grad()
-        if fsdp2._debug.debug_enabled():  # the ranks met where the transport says
-            boards = [fsdp2_guard._channel(g).board for g in fsdp2._engine.data_parallel_groups(model)]
+        if fsdp2.trace._debug.debug_enabled():  # the ranks met where the transport says
+            boards = [fsdp2_guard._channel(g).board for g in fsdp2.tools._engine.data_parallel_groups(model)]
             want = fsdp2_board.Board if transport == "board" else bool
             assert all(isinstance(b, want) for b in boards), boards
         return [p.full_tensor() for p in model.parameters()]
@@ -443,4 +443,4 @@ def test_a_description_reads_back_as_written() -> None:
 def test_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"set_debug\(timeout=...\) must be a positive number of seconds"):
         fsdp2.set_debug(True, timeout=0)
-    assert not fsdp2._debug.debug_enabled()  # nothing changed
+    assert not fsdp2.trace._debug.debug_enabled()  # nothing changed

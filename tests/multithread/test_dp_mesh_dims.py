@@ -66,7 +66,7 @@ def _train(shape: str) -> None:
     distribute_on(model, mesh, n_dp)
     fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     shard_index = n_dp - 1
-    assert model.up.weight.placements[shard_index] == fsdp2._dtensor.strided_shard(0, 2)
+    assert model.up.weight.placements[shard_index] == fsdp2.param._dtensor.strided_shard(0, 2)
     assert model.down.weight.placements[shard_index] == Shard(0)
     if n_dp == 2:
         assert model.up.weight.placements[0] == Replicate()

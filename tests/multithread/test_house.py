@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from fsdp2._param_group import FSDPParamGroup
-from fsdp2._schedule import Schedule
-from fsdp2._state import get_state
+from fsdp2.group._param_group import FSDPParamGroup
+from fsdp2.runtime._schedule import Schedule
+from fsdp2.runtime._state import get_state
 from tests._harness import broadcast_module_, run_threaded
 from tests.multithread.test_bucketing import Blocks, _input, _shard
 

@@ -38,7 +38,7 @@ class _Blocks(nn.Module):
 
 
 def _groups(model: nn.Module) -> list[Any]:
-    from fsdp2._state import get_state
+    from fsdp2.runtime._state import get_state
 
     found = []
     for module in model.modules():

@@ -135,7 +135,7 @@ def test_torch_policy_objects_are_accepted() -> None:
 
 def test_only_torchs_own_policy_classes_are_converted() -> None:
     """Recognised by class (looked up in ``sys.modules``, never imported by fsdp2), not by name."""
-    from fsdp2._api import as_fsdp2_policy
+    from fsdp2.base._api import as_fsdp2_policy
 
     class MixedPrecisionPolicy:  # same name, unrelated class
         param_dtype = torch.bfloat16

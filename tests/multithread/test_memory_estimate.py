@@ -105,9 +105,9 @@ def test_breakdown_matches_the_analytic_sizes() -> None:
     # AdamW: exp_avg and exp_avg_sq like the shards, plus one float32 step count per parameter
     assert report.phases["forward"].breakdown["optimizer_states"] == 2 * shard_bytes + 4 * n_params
     # The sharded gradients are views of each group's reduce-scatter output, whose storage ends with one
-    # usage element per parameter (see fsdp2/_usage.py) and, in a group whose parameters are registered on
-    # submodules (here all 5: the blocks' Linears, the root's inp and out), one element saying whether one
-    # of them was idle on the rank (fsdp2/_skip.py)
+    # usage element per parameter (see fsdp2/group/_usage.py) and, in a group whose parameters are
+    # registered on submodules (here all 5: the blocks' Linears, the root's inp and out), one element
+    # saying whether one of them was idle on the rank (fsdp2/group/_skip.py)
     groups = len(ref.layers) + 1
     assert report.phases["optimizer"].breakdown["gradients"] == shard_bytes + 4 * (n_params + groups)
     assert report.phases["forward"].breakdown["gradients"] == 0  # zero_grad(set_to_none) after step 1

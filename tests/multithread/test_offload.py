@@ -115,7 +115,7 @@ def test_offload_default_pinning_on_cpu_only_trains(
     world_size: int, model_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     get_impl("fsdp2")
-    import fsdp2._param as param_module
+    import fsdp2.param._param as param_module
 
     # fsdp2 warns once per process; forget an earlier test's warning. monkeypatch raises if the flag
     # was renamed, so this test cannot silently stop checking the warning.

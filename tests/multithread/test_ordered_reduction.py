@@ -228,7 +228,7 @@ def test_policy_validation() -> None:
     # torch's policy objects keep working (they have no wire_dtype)
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
-    from fsdp2._api import as_fsdp2_policy
+    from fsdp2.base._api import as_fsdp2_policy
 
     assert as_fsdp2_policy(TorchPolicy(param_dtype=BF16)) == fsdp2.MixedPrecisionPolicy(param_dtype=BF16)
 

@@ -132,8 +132,8 @@ def _errors() -> None:
         fsdp2.FSDPMeshInfo(mesh_2d, shard_mesh_dim=2)
     fsdp2.fully_shard(block, shard_placement_fn=_expert_placement("fsdp2", mesh_2d))
     for method, arg in (
-        ("set_custom_all_gather", fsdp2._comms.DefaultAllGather()),
-        ("set_custom_reduce_scatter", fsdp2._comms.DefaultReduceScatter()),
+        ("set_custom_all_gather", fsdp2.comm._comms.DefaultAllGather()),
+        ("set_custom_reduce_scatter", fsdp2.comm._comms.DefaultReduceScatter()),
         ("set_all_reduce_hook", lambda t: None),
     ):
         with pytest.raises(ValueError, match=rf"{method} is ambiguous for FSDPMoEBlock: .* on 2 meshes"):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2._state import get_state
+from fsdp2.runtime._state import get_state
 from fsdp2.testing import record_collectives
 from tests._harness import count_collectives, run_threaded
 from tests._training import EXACT, fill_deterministic_
@@ -108,7 +108,7 @@ def _bytes_and_undo() -> tuple[list[tuple[str, str, int, int, int]], bool]:
 
 def test_bytes_per_call_and_originals_put_back() -> None:
     # One Linear(8, 8) block at world 2: 72 elements, 36 per rank (fp32: 144 bytes per rank). Each
-    # reduce-scatter row also carries one usage element per parameter (2 here; see fsdp2/_usage.py).
+    # reduce-scatter row also carries one usage element per parameter (2 here; see fsdp2/group/_usage.py).
     for rows, restored in run_threaded(2, _bytes_and_undo):
         assert restored
         shard = 36 * 4

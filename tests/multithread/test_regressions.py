@@ -110,7 +110,7 @@ class _RecordInBackward(torch.autograd.Function):
 
 def test_backward_on_a_worker_thread_reports_to_the_forward_thread() -> None:
     """A backward autograd runs on another thread (CUDA) lands with the thread that ran forward."""
-    from fsdp2 import _events
+    from fsdp2.trace import _events
 
     scope = _events.EventScope()
     x = torch.ones(2, requires_grad=True)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
-from fsdp2._collectives import (
+from fsdp2.comm._collectives import (
     AllGatherResult,
     ReduceOp,
     all_gather_copy_in,
@@ -28,7 +28,7 @@ from fsdp2._collectives import (
     reduce_scatter_copy_in,
     view_out_shards,
 )
-from fsdp2._param import chunk_rows
+from fsdp2.param._param import chunk_rows
 from tests.strategies import (
     SimulatedGroup,
     float_dtypes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2._collectives import DivideFactors, ReduceOp, divide_factors
+from fsdp2.comm._collectives import DivideFactors, ReduceOp, divide_factors
 
 # fp64 averages safely too; fsdp2 uses AVG for it where torch 2.13 uses SUM with a split divisor
 # (same mean up to rounding, one fewer pass over the buffer; see docs/differences.md).

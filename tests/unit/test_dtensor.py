@@ -1,4 +1,4 @@
-"""``fsdp2/_dtensor.py`` against DTensor's public API.
+"""``fsdp2/param/_dtensor.py`` against DTensor's public API.
 
 ``make_spec`` + ``wrap_local`` must build the same DTensor as ``DTensor.from_local(..., shape=,
 stride=, run_check=False)``; ``set_local`` must re-point it at new storage. A mesh needs a process
@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdp2._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
-from fsdp2._param import chunk_rows
+from fsdp2.param._dtensor import local_of, make_spec, set_local, spec_of, wrap_local
+from fsdp2.param._param import chunk_rows
 from tests._harness import run_threaded
 
 

@@ -15,16 +15,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fsdp2"
 
 
 def _module_name(path: Path) -> str:
-    """``_state`` for ``fsdp2/_state.py``, ``testing._threads`` for ``fsdp2/testing/_threads.py``."""
+    """``_state`` for ``fsdp2/runtime/_state.py``, ``testing._threads`` for ``fsdp2/testing/_threads.py``."""
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     return ".".join(parts)
 
 
 def _internal_imports(path: Path, package: Path = PACKAGE) -> set[str]:
-    """Names of the ``fsdp2`` modules that ``path`` imports (``_state``, ``testing._threads``, ...).
+    """Names of the ``fsdp2`` modules and subpackages that ``path`` imports (``runtime._state``, ...).
 
-    A module named ``__init__`` of a subpackage stands for the subpackage (``testing``); the top-level
-    ``__init__`` is ``__init__``. Relative imports are resolved from ``path``'s own package.
+    ``from ..base._api import X`` counts as ``base._api``; ``from ..tools import _engine`` as both
+    ``tools`` (its ``__init__`` runs) and ``tools._engine``; ``graph`` keeps the names that exist.
+    A subpackage's ``__init__`` stands for the subpackage (``testing``); the top-level ``__init__`` is
+    ``__init__``. Relative imports are resolved from ``path``'s own package.
     """
     here = list(path.parent.relative_to(package).parts)
     found: set[str] = set()
@@ -32,12 +34,14 @@ def _internal_imports(path: Path, package: Path = PACKAGE) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
-                if node.module:  # from ._x import y / from .._x import y
-                    found.add(".".join([*base, node.module.split(".")[0]]))
-                else:  # from . import _x
-                    found.update(".".join([*base, alias.name]) for alias in node.names)
+                module = [*base, *node.module.split(".")] if node.module else base
             elif node.module and node.module.split(".")[0] == "fsdp2":
-                found.add(".".join(node.module.split(".")[1:]) or "__init__")
+                module = node.module.split(".")[1:]
+            else:
+                continue
+            if module and module != here:  # ``from . import _x``: the module, not its own package
+                found.add(".".join(module))
+            found.update(".".join([*module, alias.name]) for alias in node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
@@ -88,14 +92,67 @@ def test_no_import_cycles_in_fsdp2() -> None:
     assert {"testing", "testing._threads", "testing._counting"} <= graph.keys(), (
         "fsdp2/testing is not covered"
     )
-    assert "_memory" in graph["testing._measure"], "imports from a parent package are not resolved"
+    assert "tools._memory" in graph["testing._measure"], "imports from a parent package are not resolved"
     cycle = _find_cycle({k: v for k, v in graph.items() if k != "__init__"})
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize("leaf", ["_api", "_lifecycle", "_autograd", "_comms", "_comm_context", "_dtensor"])
+# The subpackages bottom up: a module imports only its own subpackage and those on lower floors.
+FLOORS = {
+    "base": 0,
+    "comm": 1,
+    "trace": 2,
+    "param": 2,
+    "group": 3,
+    "compile": 3,
+    "runtime": 4,
+    "frontend": 5,
+    "tools": 6,
+    "testing": 7,
+}
+
+
+def _subpackage(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_every_module_lives_in_a_subpackage() -> None:
+    flat = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert not flat, f"modules directly in fsdp2/ (give each a subpackage that owns its concern): {flat}"
+    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} == set(FLOORS)
+
+
+def test_the_wheel_ships_every_subpackage() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert set(listed) == {"fsdp2"} | {f"fsdp2.{package}" for package in FLOORS}
+
+
+def test_subpackages_import_only_lower_floors() -> None:
+    upward = []
+    for name, deps in _graph().items():
+        if name == "__init__":
+            continue
+        here = _subpackage(name)
+        for dep in deps:
+            there = _subpackage(dep)
+            if there != here and FLOORS[there] >= FLOORS[here]:
+                upward.append(f"{name} ({here}, floor {FLOORS[here]}) imports {dep} (floor {FLOORS[there]})")
+    assert not upward, "imports across or up the floors:\n" + "\n".join(sorted(upward))
+
+
+def test_every_subpackage_says_what_it_owns() -> None:
+    for package in FLOORS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+        assert doc, f"fsdp2/{package}/__init__.py has no docstring saying what it owns"
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    ["base._api", "base._lifecycle", "base._autograd", "comm._comms", "comm._comm_context", "param._dtensor"],
+)
 def test_leaves_import_nothing_from_fsdp2(leaf: str) -> None:
-    assert _graph()[leaf] == set()
+    assert {dep for dep in _graph()[leaf] if not dep.startswith(_subpackage(leaf))} <= {"base"}
 
 
 def test_cycle_finder_sees_type_checking_imports(tmp_path: Path) -> None:
@@ -128,20 +185,26 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
 
 
 # The engine's stateful classes: tools on top reach them only through ``_engine``.
-ENGINE_INTERNALS = {"_state", "_param_group", "_param", "_root", "_schedule", "_reduce", "_gather"}
-TOOLS = ["_copy", "_memory", "_accumulate", "_guard", "testing/_recording"]
+ENGINE_INTERNALS = {
+    "runtime._state",
+    "group._param_group",
+    "param._param",
+    "runtime._root",
+    "runtime._schedule",
+    "group._reduce",
+    "group._gather",
+}
+TOOLS = ["tools/_copy", "tools/_memory", "tools/_accumulate", "tools/_guard", "testing/_recording"]
 # Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
 ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
 
 
-@pytest.mark.parametrize("tool", [*TOOLS, "_step_guard"])
+@pytest.mark.parametrize("tool", TOOLS)
 def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
     path = PACKAGE / f"{tool}.py"
     internals = _internal_imports(path) & ENGINE_INTERNALS
-    if tool == "_step_guard":
-        internals -= {"_param_group"}  # the groups it watches, for typing; every read goes through _engine
     assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine instead"
-    assert "_engine" in _internal_imports(path)
+    assert "tools._engine" in _internal_imports(path)
     reads = {
         node.attr
         for node in ast.walk(ast.parse(path.read_text()))
@@ -152,4 +215,4 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
 
 def test_the_communication_report_reads_recordings_only() -> None:
     # Pure data processing over what record_events yielded: nothing of the engine.
-    assert _graph()["_report"] == {"_events"}
+    assert _graph()["trace._report"] == {"trace._events"}

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2._collectives import (
+from fsdp2.comm._collectives import (
     AllGatherResult,
     all_gather_copy_in,
     foreach_all_gather_copy_out,
     reduce_scatter_copy_in,
     view_out_shards,
 )
-from fsdp2._param import chunk_rows
+from fsdp2.param._param import chunk_rows
 
 # rows, world size -> local rows per rank (torch.chunk semantics: trailing ranks may be empty)
 CHUNK_TABLE = [

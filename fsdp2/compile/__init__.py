@@ -1,0 +1,12 @@
+"""Floor 3: the traced (torch.compile) path.
+
+The traced path: the hooks a top-level module takes when dynamo traces it (collectives in the
+graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler. Imports ``base``
+and ``param``.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._compiled import traced_hooks, untraceable
+
+__all__ = ["traced_hooks", "untraceable"]

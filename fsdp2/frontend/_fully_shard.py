@@ -1,0 +1,637 @@
+"""``fully_shard()``: validate, build the group and state, swap the module's class.
+
+Owns: argument validation (all of it before any state changes), collecting managed modules and
+parameters into ``ParamSpec``/``GroupConfig`` records, building the ``FSDPParamGroup`` and ``FSDPState``,
+and the class swap. Does not own: the ``FSDPModule`` mixin and ``FSDP<Name>`` classes (``_module.py``),
+hooks (``_state.py``) or communication.
+Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from typing_extensions import TypedDict, Unpack
+
+from ..base._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
+from ..base._config import GroupConfig, ParamSpec
+from ..base._mesh import (
+    MeshInfo,
+    SpmdDims,
+    data_and_tensor_parallel_mesh,
+    default_mesh,
+    mesh_device,
+    post_forward_mesh_info,
+)
+from ..group._param_group import FSDPParamGroup
+from ..param._late_params import watch_registrations
+from ..runtime._local_optim import enable_automatic_local_steps
+from ..runtime._replaced import mark_replaced
+from ..runtime._state import FSDPState, get_state
+from ..runtime._step_guard import watch_optimizer_steps
+from ._composable import register_fully_shard, registered_apis, torch_state
+from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
+
+PlacementFn = Callable[[nn.Parameter], "Shard | None"]
+
+
+class _Options(TypedDict, total=False):
+    """The keyword arguments of ``fully_shard`` (for the typed overloads below)."""
+
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | int | None
+    shard_placement_fn: PlacementFn | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: set[nn.Parameter] | None
+    dp_mesh_dims: DataParallelMeshDims | None
+
+
+@overload
+def fully_shard(module: nn.Module, **options: Unpack[_Options]) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **options: Unpack[_Options]) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: PlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared safely
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared safely
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``, in place.
+
+    Each managed parameter is replaced by an ``nn.Parameter`` DTensor sharded on dim 0 (rows follow
+    ``torch.chunk``); the module's class becomes ``FSDP<Name>``, a subclass of :class:`FSDPModule` and
+    of the original class. Call it bottom-up: on each block, then on the root. Parameters already
+    managed by an inner call are left to it. All parameters of one call form one group, which issues
+    one all-gather before its forward (and before its backward if resharded) and one reduce-scatter
+    of gradients after its backward.
+
+    Args:
+        module: the module, or a list of modules sharded as one group (e.g. tied embedding and head).
+        mesh: 1-D mesh to shard over, or 2-D ``(replicate, shard)`` mesh for HSDP. Default: every rank
+            of the default process group on the default device type.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers them
+            again in backward; ``False`` keeps them until backward; ``None`` means ``True`` except for
+            the root, which keeps them (its backward starts right away); an ``int`` k reshards to a
+            k-rank slice after forward so backward gathers over k ranks only.
+        shard_placement_fn: returns the placement for a parameter; ``None`` or ``Shard(0)`` only.
+        mp_policy: mixed-precision dtypes.
+        offload_policy: where sharded parameters live.
+        ignored_params: parameters left unsharded and unreduced.
+        dp_mesh_dims: with a full SPMD ``mesh`` whose parameters are already DTensors on it, which named
+            dims are data parallel (see :class:`DataParallelMeshDims`): shard dims (several are
+            flattened into one), replicate dims, or both.
+
+    Returns:
+        ``module`` itself (the same list for a list).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or a list of them.
+        ValueError: a bad mesh, ``reshard_after_forward``, repeated call, scalar parameter.
+        NotImplementedError: a non-contiguous parameter, or a tensor-parallel one fsdp2 cannot combine.
+
+    Example:
+        >>> for block in model.layers:  # doctest: +SKIP
+        ...     fully_shard(block)
+        >>> fully_shard(model)  # doctest: +SKIP
+    """
+    modules = _validate_modules(module)
+    mesh = mesh if mesh is not None else default_mesh()
+    dp_mesh_dims = as_fsdp2_policy(dp_mesh_dims)
+    dp_dims = None
+    if dp_mesh_dims is None:
+        mesh_info = _validate_mesh(mesh)
+    else:
+        dp_dims = _validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+        mesh_info = dp_dims.mesh_info
+    # Replicas only: nothing is sharded, so an int has no sharding to divide (torch ignores it too).
+    _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size, mesh_info.replicate_only)
+    mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
+    _validate_policies(mp_policy, offload_policy)
+    ignored = _validate_ignored(ignored_params)
+    device = mesh_device(mesh)
+    managed = _managed_modules(modules)
+    params = _managed_params(managed, ignored)
+    _refuse_aliased(params)
+    shard_dims: dict[int, int] = {}
+    spmd_meshes: dict[int, DeviceMesh] = {}
+    infos: dict[int, MeshInfo] = {}  # parameter -> the mesh info of its group
+    converted: dict[int, MeshInfo] = {}  # torch's mesh-info objects -> ours, once per call
+    for key, (param, name) in params.items():
+        _validate_param(param, name, device)
+        dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
+        if dim:
+            shard_dims[key] = dim
+        if dp_dims is not None:
+            _validate_spmd_param(param, name, mesh, dp_dims, dim, info is mesh_info)
+            infos[key] = info
+            continue
+        if isinstance(param, DTensor):
+            if info is not mesh_info:
+                raise NotImplementedError(
+                    f"shard_placement_fn gave the tensor-parallel parameter {name} a mesh of its own; fsdp2 "
+                    "shards TP parameters over fully_shard's mesh only."
+                )
+            spmd_meshes[key] = _validate_tp_param(param, name, mesh, dim, reshard_after_forward, mesh_info)
+        infos[key] = info
+    by_info = _group_by_mesh_info(infos, mesh_info, params)
+    # ---- no state has changed up to here ----
+    enable_automatic_local_steps()
+    mark_replaced([param for param, _ in params.values()])  # an optimizer built before would not train them
+    _move_to_device(managed, params, device)
+    groups: list[FSDPParamGroup] = []
+    owners = _owners(managed, params) if params else {}
+    for info, keys in by_info:
+        specs = [
+            ParamSpec(
+                params[key][0], tuple(owners[key]), shard_dims.get(key, 0), spmd_meshes.get(key), dp_dims
+            )
+            for key in keys
+        ]
+        post_info = (
+            None  # replicas only: the parameters are never sharded, so nothing is resharded after forward
+            if info.replicate_only
+            else post_forward_mesh_info(
+                True if reshard_after_forward is None else reshard_after_forward, info
+            )
+        )
+        group = FSDPParamGroup(
+            specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info
+        )
+        # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
+        group.controls.update(reshard_after_no_grad_forward=reshard_after_forward is not False)
+        groups.append(group)
+    state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+    watch_optimizer_steps(groups)
+    watch_registrations()
+    # The same set is often passed to every call; ones in none of these modules are checked against
+    # the whole tree at the root's first forward.
+    present = {id(p) for m in modules for p in m.parameters()}
+    state.foreign_ignored = [p for p in ignored_params or () if id(p) not in present]
+    state.shard_args = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "shard_placement_fn": shard_placement_fn,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "ignored_params": ignored_params,
+        "dp_mesh_dims": dp_mesh_dims,
+    }
+    for managed_module in managed:
+        managed_module.__dict__["_is_fsdp_managed_module"] = True
+        managed_module.__dict__["_fsdp_use_orig_params"] = True
+    for root in modules:
+        for sub in root.modules():
+            inner = get_state(sub)
+            if inner is not None and inner is not state and inner not in state.descendants:
+                inner.mark_nested()  # not a top-level FSDP module any more (see _compiled.py)
+                state.descendants.append(inner)
+        register_fully_shard(root, state)
+        root.__class__ = fsdp_class(type(root))
+    return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
+
+
+def _state_of(module: nn.Module) -> Any:
+    """``fully_shard.state(module)``: the state of a sharded module (``None`` if it is not sharded).
+
+    Torch's ``fully_shard`` has this attribute too (``torch.distributed.pipelining`` reads it), so it
+    works the same after :func:`fsdp2.patch_torch_fsdp`: a module sharded by torch's ``fully_shard``
+    before the patch answers torch's state.
+    """
+    state = get_state(module)
+    return state if state is not None else torch_state(module)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]  # reason: torch's fully_shard has .state
+
+
+# ---- validation (no side effects) ---------------------------------------------------------------
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        modules: tuple[nn.Module, ...] = (module,)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support {type(module).__name__} directly: it has no forward, so "
+                "FSDP's hooks would never run. Call fully_shard on each of its children, or on the parent "
+                "module."
+            )
+    elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
+        modules = _list_roots(module)
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Module, got {describe(module)}."
+        )
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: each block first, then the root)."
+            )
+        if _is_replicated(m):
+            raise ValueError(
+                f"This {type(m).__name__} is already managed by replicate(); a module is either "
+                "replicated or sharded. Apply fully_shard to its children before replicate(), or drop one."
+            )
+        _refuse_torch_fully_shard(m)
+    return modules
+
+
+def _refuse_torch_fully_shard(module: nn.Module) -> None:
+    """Refuse a tree in which torch's own ``fully_shard`` manages a module: two engines cannot mix."""
+    for name, sub in module.named_modules():
+        # torch's class without fsdp2's state (torch's replicate() modules are checked separately)
+        if is_torch_fsdp_module(sub) and get_state(sub) is None and not _is_replicated(sub):
+            where = f"its submodule {name!r} ({type(sub).__name__})" if name else f"this {type(sub).__name__}"
+            raise ValueError(
+                f"fsdp2.fully_shard was given a {type(module).__name__} of which {where} was sharded by "
+                "torch.distributed.fsdp.fully_shard. One model cannot mix the two implementations (each "
+                "schedules its own all-gathers and reductions). Shard every module with fsdp2.fully_shard, "
+                "or call fsdp2.patch_torch_fsdp() before the code that imports torch's fully_shard."
+            )
+
+
+def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
+    """The listed modules that are not inside another listed module, in list order, de-duplicated."""
+    descendants: set[nn.Module] = set()
+    for m in modules:
+        descendants.update(sub for sub in m.modules() if sub is not m)
+    roots: list[nn.Module] = []
+    for m in modules:
+        if m not in descendants and m not in roots:
+            roots.append(m)
+    return tuple(roots)
+
+
+def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> SpmdDims:
+    """``DataParallelMeshDims``: check its names against ``mesh``, then resolve them (see ``SpmdDims``).
+
+    Refuses what torch 2.13 refuses, with the same exception types: names not in mesh order
+    (``KeyError``), a name given twice or as both shard and replicate, several shard dims that are not
+    adjacent, or no dim at all (``RuntimeError``); an int ``reshard_after_forward`` with a shard dim
+    (``NotImplementedError``).
+    """
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {describe(dims)}.")
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "dp_mesh_dims names dims of the mesh, so fully_shard needs the full SPMD DeviceMesh with dim "
+            "names, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), passed as mesh=."
+        )
+    names = mesh.mesh_dim_names
+    shard_names, replicate_names = dims.shard_names, dims.replicate_names
+    for name in (*shard_names, *replicate_names):
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims names {name!r}, which is not a dim of the mesh {names}.")
+    if not shard_names and not replicate_names:
+        raise RuntimeError(
+            f"{dims} names no mesh dim (empty tuples); name the data-parallel dims of the mesh {names}, "
+            "e.g. DataParallelMeshDims(shard='dp')."
+        )
+    for kind, group in (("shard", shard_names), ("replicate", replicate_names)):
+        if len(set(group)) != len(group):
+            raise RuntimeError(f"dp_mesh_dims {kind}={group} names a dim twice; name each dim once.")
+        indices = [names.index(name) for name in group]
+        if indices != sorted(indices):
+            raise KeyError(
+                f"dp_mesh_dims {kind}={group} does not follow the order of the mesh dims {names}; list "
+                f"them in mesh order, {tuple(names[i] for i in sorted(indices))}."
+            )
+    both = set(shard_names) & set(replicate_names)
+    if both:
+        raise RuntimeError(
+            f"dp_mesh_dims names {sorted(both)} as both shard and replicate dims; a dim is one or the other."
+        )
+    shard = [names.index(name) for name in shard_names]
+    if shard and shard != list(range(shard[0], shard[0] + len(shard))):
+        raise RuntimeError(
+            f"dp_mesh_dims shard={shard_names}: several shard dims are flattened into one, so they must be "
+            f"adjacent in the mesh {names}; reorder the mesh dims or flatten them into one named dim first."
+        )
+    if shard_names and not (reshard is None or isinstance(reshard, bool)):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with dp_mesh_dims; use True or False."
+        )
+    _validate_mesh_device(mesh)
+    return SpmdDims.build(mesh, shard_names, replicate_names)
+
+
+def _validate_spmd_param(
+    param: nn.Parameter, name: str, mesh: DeviceMesh, dp_dims: SpmdDims, dim: int, default: bool
+) -> None:
+    """With ``dp_mesh_dims`` every parameter is a DTensor on exactly ``mesh``, replicated on its DP dims."""
+    if not isinstance(param, DTensor) or param.device_mesh != mesh:
+        where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        raise ValueError(
+            f"With dp_mesh_dims every parameter must be a DTensor on fully_shard's mesh {mesh}; {name} is "
+            f"{where}. Distribute it on the full mesh (Replicate() on the data-parallel dims) first."
+        )
+    for index in sorted(dp_dims.dp_indices):
+        if not param.placements[index].is_replicate():
+            raise ValueError(
+                f"With dp_mesh_dims, {name} must be Replicate() on the data-parallel dim "
+                f"{mesh.mesh_dim_names[index] if mesh.mesh_dim_names else index}, got {param.placements}."
+            )
+    if dim != 0 or not default:
+        raise NotImplementedError(
+            f"{name}: with dp_mesh_dims fsdp2 shards on dim 0 of fully_shard's mesh only (shard_placement_fn "
+            "must return None or Shard(0))."
+        )
+
+
+def _validate_mesh(mesh: Any) -> MeshInfo:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard mesh must be a DeviceMesh, got {describe(mesh)}.")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice the data-parallel dims out of it."
+        )
+    _validate_mesh_device(mesh)
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard got a 2-D mesh without dim names; HSDP needs them to tell the replicate dim from "
+            "the shard dim. Build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
+        )
+    return MeshInfo.from_mesh(mesh)
+
+
+def _validate_mesh_device(mesh: DeviceMesh) -> None:
+    device_module = getattr(torch, mesh.device_type, None)
+    if mesh.device_type != "cpu" and not (device_module is not None and device_module.is_available()):
+        raise ValueError(
+            f"fully_shard got a mesh on device type {mesh.device_type!r}, which this process cannot use. "
+            "Build the mesh on an available device type (e.g. 'cpu' with gloo)."
+        )
+
+
+def _validate_reshard_after_forward(value: Any, shard_size: int, any_int: bool = False) -> None:
+    """``any_int``: nothing is sharded (replicas only), so an int is accepted and has no effect."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {describe(value)}.")
+    if any_int:
+        return
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard world size {shard_size} (1 <= k <= "
+            f"{shard_size}); pass a factor of {shard_size}, or True/False."
+        )
+
+
+def _validate_policies(mp_policy: Any, offload_policy: Any) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {describe(mp_policy)}.")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {describe(offload_policy)}.")
+
+
+def _validate_ignored(ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+        isinstance(p, torch.Tensor) for p in ignored_params
+    ):
+        raise TypeError(f"ignored_params must be a set of parameters, got {describe(ignored_params)}.")
+    return {id(p) for p in ignored_params}
+
+
+def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
+    if param.ndim == 0:
+        raise ValueError(
+            f"fully_shard cannot shard the scalar parameter {name}: expected at least 1 dim, got shape (). "
+            "Use a 1-D tensor with one element."
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"fully_shard does not support the non-contiguous parameter {name} (stride {param.stride()}); "
+            "make it contiguous first, e.g. nn.Parameter(p.contiguous())."
+        )
+    if param.device.type not in ("meta", "cpu") and param.device != device:
+        raise ValueError(
+            f"Parameter {name} is on {param.device}, but the mesh communicates on {device}. Move the "
+            f"module to {device} (or call torch.{device.type}.set_device) before fully_shard."
+        )
+
+
+def _validate_tp_param(
+    param: DTensor, name: str, mesh: DeviceMesh, shard_dim: int, reshard: Any, mesh_info: MeshInfo
+) -> DeviceMesh:
+    """Check a tensor-parallel (DTensor) parameter; return its ``(dp..., tp...)`` mesh."""
+    placements = param.placements
+    if param.device_mesh == mesh:
+        raise ValueError(
+            f"Parameter {name} is already a DTensor on fully_shard's own mesh: fully_shard was applied to a "
+            "parent before this child. Apply it bottom-up: each block first, then the root."
+        )
+    if len(placements) > 2 or not all(type(p) in (Shard, Replicate) for p in placements):
+        raise NotImplementedError(
+            f"Parameter {name} is a DTensor with placements {placements}; fully_shard composes with 1-D "
+            "tensor (or expert) parallelism and 2-D expert + tensor parallelism whose placements are "
+            "Shard or Replicate."
+        )
+    spmd_mesh = data_and_tensor_parallel_mesh(mesh, param.device_mesh, name)
+    if not 2 <= spmd_mesh.ndim <= 4:
+        raise NotImplementedError(
+            f"Parameter {name}: data-parallel plus tensor-parallel mesh of {spmd_mesh.ndim} dims; fsdp2 "
+            "supports 2 to 4 (FSDP or HSDP, times 1-D or 2-D TP/EP)."
+        )
+    if not (reshard is None or isinstance(reshard, bool) or reshard == mesh_info.shard_size):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with the tensor-parallel parameter "
+            f"{name}; use True or False."
+        )
+    return spmd_mesh
+
+
+def _placement(
+    param: nn.Parameter,
+    name: str,
+    placement_fn: Any,
+    default_info: MeshInfo,
+    reshard: Any,
+    converted: dict[int, MeshInfo],
+) -> tuple[int, MeshInfo]:
+    """The dim ``shard_placement_fn`` asks to shard ``param`` on (0 by default) and its mesh info."""
+    result = placement_fn(param) if placement_fn is not None else None
+    info = default_info
+    if result is not None and not isinstance(result, Shard):
+        result, info = _placement_result(result, name, converted)
+        _validate_reshard_after_forward(reshard, info.shard_size)
+    if result is None:
+        return 0, info
+    if not isinstance(result, Shard):
+        raise ValueError(
+            f"shard_placement_fn returned {result!r} for {name}: expected a Shard(dim) placement, a "
+            "ShardPlacementResult or None."
+        )
+    dim = result.dim + param.ndim if result.dim < 0 else result.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({result.dim}) for {name} of shape {tuple(param.shape)}: "
+            f"expected a dim in [{-param.ndim}, {param.ndim})."
+        )
+    if dim == 0:
+        return 0, info
+    # FSDP shards what this rank holds: a tensor-parallel parameter's local tensor.
+    size, what = (
+        (param.to_local().size(dim), "local size")
+        if isinstance(param, DTensor)
+        else (param.size(dim), "size")
+    )
+    if size % info.shard_size:
+        raise NotImplementedError(
+            f"Shard({dim}) for {name} needs its {what} on dim {dim} ({size}) to be divisible by the shard "
+            f"world size {info.shard_size}; fsdp2 pads only dim 0. Use Shard(0) for this parameter."
+        )
+    if not isinstance(reshard, bool) and reshard is not None and reshard != info.shard_size:
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard} (an int) is not supported with Shard({dim}) for {name}; "
+            "use True or False."
+        )
+    return dim, info
+
+
+def _placement_result(result: Any, name: str, converted: dict[int, MeshInfo]) -> tuple[Any, MeshInfo]:
+    """``(placement, mesh info)`` of a ``ShardPlacementResult``, fsdp2's or torch's (same fields)."""
+    info = getattr(result, "mesh_info", None)
+    if not hasattr(result, "placement") or info is None:
+        raise ValueError(
+            f"shard_placement_fn returned {result!r} for {name}: expected a Shard(dim) placement, a "
+            "ShardPlacementResult or None."
+        )
+    if isinstance(info, MeshInfo):
+        return result.placement, info
+    # torch's FSDPMeshInfo / HSDPMeshInfo: same mesh and dims; one conversion per object per call.
+    ours = converted.get(id(info))
+    if ours is None:
+        mesh, shard_dim = getattr(info, "mesh", None), getattr(info, "shard_mesh_dim", None)
+        if not isinstance(mesh, DeviceMesh) or not isinstance(shard_dim, int):
+            raise ValueError(
+                f"shard_placement_fn returned a ShardPlacementResult for {name} whose mesh_info has no mesh "
+                "and shard dim; build it with fsdp2.FSDPMeshInfo(mesh) or fsdp2.HSDPMeshInfo(mesh)."
+            )
+        ours = converted[id(info)] = MeshInfo.build(
+            mesh, shard_dim, getattr(info, "replicate_mesh_dim", None)
+        )
+    return result.placement, ours
+
+
+def _group_by_mesh_info(
+    infos: dict[int, MeshInfo], default_info: MeshInfo, params: dict[int, tuple[nn.Parameter, str]]
+) -> list[tuple[MeshInfo, list[int]]]:
+    """Parameters grouped by mesh info, in order of first use; one info object per process-group pair."""
+    groups: dict[int, tuple[MeshInfo, list[int]]] = {}
+    by_process_groups: dict[tuple[int, int], tuple[MeshInfo, str]] = {}
+    for key, info in infos.items():
+        pg_key = (id(info.shard_group), id(info.replicate_group))
+        seen = by_process_groups.setdefault(pg_key, (info, params[key][1]))
+        if seen[0] is not info:
+            raise ValueError(
+                f"Parameters {seen[1]} and {params[key][1]} use the same process groups through two "
+                "different mesh-info objects; parameters that share process groups must share one mesh-info "
+                "object (build it once and return it for both from shard_placement_fn)."
+            )
+        groups.setdefault(id(info), (info, []))[1].append(key)
+    return list(groups.values())
+
+
+# ---- collection and set-up ---------------------------------------------------------------------
+
+
+def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Modules under ``roots`` whose direct parameters this call manages (post-order, de-duplicated)."""
+    seen: set[nn.Module] = set()
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module, is_root: bool) -> None:
+        if module in seen:
+            return
+        seen.add(module)
+        if not is_root and (get_state(module) is not None or _is_replicated(module)):
+            return
+        for child in module.children():
+            visit(child, False)
+        order.append(module)
+
+    for root in roots:
+        visit(root, True)
+    return order
+
+
+def _is_replicated(module: nn.Module) -> bool:
+    return "replicate" in registered_apis(module)
+
+
+def _managed_params(modules: Iterable[nn.Module], ignored: set[int]) -> dict[int, tuple[nn.Parameter, str]]:
+    found: dict[int, tuple[nn.Parameter, str]] = {}
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in ignored and id(param) not in found:
+                found[id(param)] = (param, f"{type(module).__name__}.{name}")
+    return found
+
+
+def _refuse_aliased(params: dict[int, tuple[nn.Parameter, str]]) -> None:
+    """Two parameters whose elements overlap in memory: sharding would give each its own copy."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for param, name in params.values():
+        if isinstance(param, DTensor) or param.device.type == "meta" or param.numel() == 0 or is_fake(param):
+            continue  # fake tensors (memory estimates) have no memory
+        try:
+            key = param.untyped_storage().data_ptr()
+        except RuntimeError:  # a tensor subclass: no memory of its own to share
+            continue
+        size = param.element_size()
+        start = int(param.storage_offset()) * size
+        last = sum((int(n) - 1) * int(st) for n, st in zip(param.shape, param.stride(), strict=True))
+        end = start + (last + 1) * size
+        for other_start, other_end, other in spans.setdefault(key, []):
+            if start < other_end and other_start < end:
+                raise ValueError(
+                    f"Parameters {other} and {name} are views of the same memory (aliases): fully_shard "
+                    "would shard each into its own storage and silently break the link between them. "
+                    "Register one nn.Parameter under both names to tie them (module.b = module.a), or give "
+                    "each its own memory (nn.Parameter(t.clone()))."
+                )
+        spans[key].append((start, end, name))
+
+
+def _owners(
+    modules: Iterable[nn.Module], params: dict[int, tuple[nn.Parameter, str]]
+) -> dict[int, list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {key: [] for key in params}
+    for module in modules:
+        for name, param in module._parameters.items():  # noqa: SLF001 - direct registrations only
+            if param is not None and id(param) in owners:
+                owners[id(param)].append((module, name))
+    return owners
+
+
+def _move_to_device(
+    modules: list[nn.Module], params: dict[int, tuple[nn.Parameter, str]], device: torch.device
+) -> None:
+    with torch.no_grad():
+        for param, _ in params.values():
+            # DTensor (tensor-parallel) parameters already live where their own mesh says.
+            if param.device != device and param.device.type != "meta" and not isinstance(param, DTensor):
+                param.data = param.data.to(device)
+        for module in modules:
+            for name, buffer in module._buffers.items():  # noqa: SLF001 - direct buffers only
+                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)  # noqa: SLF001 - as nn.Module._apply does

@@ -1,0 +1,14 @@
+"""Floor 3: one ``fully_shard`` group over its own parameters.
+
+One ``fully_shard`` group over its own parameters: the packed shards (all-gather input), the
+pending all-gather, the unsharded buffer and its registrations, the gradient reduction (ordered,
+skipping unused parameters, the usage rows) and the group's side of bucketing. A group reads its root
+only through ``GroupRoot``. Imports the floors below.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._environment import GroupRoot
+from ._param_group import FSDPParamGroup
+
+__all__ = ["FSDPParamGroup", "GroupRoot"]

@@ -1,0 +1,416 @@
+"""A communication group: the parameters of one ``fully_shard`` call.
+
+Owns: the group's ``TrainingState`` and ``ShardedState`` and the sequence of one step over its own
+parameters: unshard (issue one all-gather), wait_for_unshard (copy out, register), reshard, pre/post
+forward and backward, prefetch. Its side of bucketing (bucket keys, inputs, packed gradients for
+the schedule) and its view of the root context are the ``BucketMember`` mixin. Its parts:
+``PackedShards`` (the all-gather input, ``_packed.py``), ``AllGatherer`` (the pending all-gather,
+``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``) and
+``GradientReducer`` (``_reduce.py``). Does not own: hooks and prefetch targets (``FSDPState``), the
+iteration's begin and end (``runtime``'s ``RootContext``, read through ``GroupRoot``), the execution
+orders, bucket plan and reduce-scatter queue (``Schedule``): a group asks its schedule whether to
+gather or reduce with others.
+Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
+pending (``gatherer.result``, possibly this group's part of a bucket); an unshard is a no-op while
+one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..base._api import CPUOffloadPolicy
+from ..base._autograd import in_backward_task_id, outside_functorch
+from ..base._config import GroupConfig, GroupControls, ParamSpec
+from ..base._lifecycle import ShardedState, TrainingState, stepped_before_backward, transition
+from ..base._mesh import MeshInfo
+from ..comm._comms import GroupComms
+from ..param._dtensor import local_of
+from ..param._init import check_materialized, warn_if_repeated_shards
+from ..param._param import FSDPParam, can_pin, padded_shard_numel
+from ..trace import _events
+from ..trace._debug import watch_collective
+from ._bucket_member import BucketMember
+from ._gather import AllGatherer
+from ._packed import PackedShards, zeroed_shards
+from ._reduce import GradientReducer
+
+if TYPE_CHECKING:
+    from ._environment import GroupRoot
+from ._unshard_buffer import UnshardedBuffer
+
+_IDLE = TrainingState.IDLE
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_POST_BACKWARD = TrainingState.POST_BACKWARD
+_UNSHARDED = ShardedState.UNSHARDED
+
+
+class FSDPParamGroup(BucketMember):
+    """The parameters of one ``fully_shard`` call, gathered and reduced together.
+
+    Its side of bucketing (keys, inputs, packed gradients for the schedule) is ``BucketMember``.
+    """
+
+    def __init__(
+        self,
+        specs: list[ParamSpec],
+        modules: tuple[nn.Module, ...],
+        config: GroupConfig,
+        post_forward_mesh_info: MeshInfo | None,
+    ) -> None:
+        self.modules = modules
+        self.config = config
+        self.mesh_info = config.mesh_info
+        self.device = config.device  # the compute / communication device
+        self.packed = _packed_shards(specs, config)  # see [Note: Packed shards]
+        self.fsdp_params = [
+            FSDPParam(
+                spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy, slot
+            )
+            for spec, slot in zip(specs, self.packed.slots(len(specs)), strict=True)
+        ]
+        # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
+        self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
+        self.tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
+        self.gatherer = AllGatherer(self.fsdp_params, config.mesh_info, config.device)
+        self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
+        self._post_forward_mesh_info = post_forward_mesh_info
+        self.controls = GroupControls()
+        self.comms = GroupComms()
+        self.reducer = GradientReducer(config.mesh_info)
+        # The root's context (streams, event scope, schedule), set by the root's lazy init; None
+        # before it: no streams (work runs in program order), no events, no bucketing.
+        self.root: GroupRoot | None = None
+        self.module_fqn = ""
+        self.training_state = _IDLE
+        self.sharded_state = ShardedState.SHARDED
+        # _watch_init: check the first all-gather after materialising from meta (_init.py)
+        self.lazy_initialized = self._watch_init = False
+        # Read (and the last two set) by the optimizer-step guard, see ``_step_guard``:
+        self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
+        self.partial_grads: str | None = None  # why the gradients are partial (fsdp2.accumulate raised)
+        self.awaiting_backward = False  # a forward with gradients ran, its backward has not
+        self.stepped_after_forward = False  # an optimizer stepped these parameters in between
+
+    def __str__(self) -> str:
+        return f"group {self.module_fqn or '<root>'}"
+
+    def set_state(self, new: TrainingState) -> None:
+        self.training_state = transition(self.training_state, new, self)
+
+    def attach(self, root: GroupRoot) -> None:
+        """Work under ``root`` from now on (its lazy init, after validating every group)."""
+        self.root = root
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfo | None:
+        return self._post_forward_mesh_info
+
+    @post_forward_mesh_info.setter
+    def post_forward_mesh_info(self, info: MeshInfo | None) -> None:
+        self._post_forward_mesh_info = info
+        self.buffer.forget_slots()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.post_forward_mesh_info = info
+
+    @outside_functorch
+    def lazy_init(self) -> None:
+        """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
+        if not self.lazy_initialized and self.sharded_state is ShardedState.SHARDED:
+            # Catch load_state_dict / to_empty done after fully_shard but before training.
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.reset_sharded_param()
+        check_materialized(self.fsdp_params)
+        policy = self.config.mp_policy
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
+            fsdp_param.init_extension(policy)
+        gatherer, params = self.gatherer, self.fsdp_params
+        sharded = self.sharded_state is ShardedState.SHARDED
+        gatherer.resolve(self._post_forward_mesh_info)
+        self._staged_params = [p for p in params if p.shard_dim != 0 or p.has_extension]
+        if sharded:
+            self.packed.repack(params)  # if shards were replaced since fully_shard (e.g. a deep copy's)
+        self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
+        shares = not gatherer.as_bytes and all(p.shard_dim == 0 and not p.has_extension for p in params)
+        self.buffer.resolve(params, shares, gatherer.dtype, sharded)
+        self.reducer.resolve(params, policy.wire_dtype)
+        # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
+        self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
+        self.lazy_initialized = True
+
+    def readopt_sharded_params(self) -> None:
+        """Re-adopt the registered sharded parameters; the next unshard re-runs lazy init.
+
+        After a conversion (``model.to``, ``to_empty``, ``.double()``) or ``load_state_dict(assign=True)``.
+        """
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.reset_sharded_param()
+        self.packed.repack(self.fsdp_params)
+        self.buffer.forget_slots()
+        self.lazy_initialized = False
+
+    # ---- unshard / reshard -----------------------------------------------------------------------
+
+    @outside_functorch
+    def unshard(self, async_op: bool = False, as_state: TrainingState | None = None) -> None:
+        """Issue this group's all-gather, unless one is pending or the group is already unsharded.
+
+        ``as_state`` is the phase the all-gather serves (a prefetch issues it for the next forward or
+        backward use); it picks the streams and labels the event. Default: the group's own state.
+        """
+        if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
+            return
+        root = self.root
+        if not self.lazy_initialized:
+            self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
+            if root is not None:
+                # Lazy init may have (re)packed the shards on the current stream: the copy-in and
+                # all-gather streams read them, so they wait for those writes.
+                root.comm_ctx.wait_for_current_stream()
+        state = self.training_state if as_state is None else as_state
+        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        schedule = root.schedule if root is not None else None
+        scope = root.event_scope if root is not None else None
+        start = _events.span_start(scope)  # the thread blocks from here until the issue returns
+        if (
+            schedule is not None
+            and schedule.bucket_gathers
+            and not (async_op or post_forward)
+            and schedule.gather(self, state)
+        ):
+            # One all-gather with the other members of its bucket (records every unshard); its wait is
+            # this group's (from its span's start): the members needed later find their part there.
+            _events.wait_end(self.gatherer.span[0], "all-gather", self.module_fqn, state, scope)
+            return
+        _events.record("unshard", self.module_fqn, state, scope)
+        self.gatherer.span = (start, state)
+        info = self._post_forward_mesh_info if post_forward else self.mesh_info
+        assert info is not None, "post-forward state without a post-forward mesh"
+        ctx = root.comm_ctx if root is not None else None
+        with watch_collective("all-gather", self.module_fqn, state):
+            self.gatherer.issue(self.packed, info, self.comms.all_gather, ctx, async_op, state)
+        _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
+
+    @outside_functorch
+    def wait_for_unshard(self) -> None:
+        """Finish the pending all-gather: copy out and register the unsharded parameters."""
+        gatherer = self.gatherer
+        if gatherer.result is None:
+            return
+        waited = _events.span_start(self.event_scope)  # blocked until the copy-out is done
+        with watch_collective("all-gather wait", self.module_fqn, self.training_state):
+            result = gatherer.wait()
+        assert result is not None, "an all-gather vanished while waiting for it"
+        self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes)
+        if self._watch_init:
+            self._watch_init = False
+            warn_if_repeated_shards(self.fsdp_params, result.world_size)
+        for fsdp_param in self._staged_params:
+            fsdp_param.finish_unshard()
+        self._register_unsharded()
+        self.sharded_state = _UNSHARDED
+        start, issued_in = gatherer.span
+        root = self.root
+        gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
+        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
+        ctx = root.comm_ctx if root is not None else None
+        if ctx is not None and ctx.use_streams:
+            ctx.defer_all_gather_buffers(
+                result.output, result.input, self.device, self.training_state is _FORWARD
+            )
+
+    @outside_functorch
+    def reshard(self) -> None:
+        """Register sharded parameters again and free the unsharded ones.
+
+        In forward this follows ``reshard_after_forward``: no-op for ``False``, the smaller
+        post-forward shard for an int.
+        """
+        if self.training_state is _FORWARD:
+            info = self._post_forward_mesh_info
+            if info is None:
+                return
+            if info is not self.mesh_info:
+                if self.sharded_state is _UNSHARDED:
+                    for fsdp_param in self.fsdp_params:
+                        fsdp_param.to_sharded_post_forward()
+                    self.buffer.free()
+                    self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+                    ctx = self.comm_ctx
+                    if ctx is not None and ctx.use_streams:
+                        event = torch.cuda.current_stream(self.device).record_event()
+                        self.gatherer.post_forward_event = event
+                    _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+                return
+        if self.sharded_state is not ShardedState.SHARDED:
+            self.buffer.register_sharded(self.fsdp_params, self.sharded_state is _UNSHARDED)
+            self.buffer.free()
+            self.sharded_state = ShardedState.SHARDED
+            _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+
+    def _register_unsharded(self) -> None:
+        """Register every parameter's unsharded form on its modules.
+
+        Freezing or unfreezing a sharded parameter takes effect at the next forward; backward
+        re-gathers for the graph that forward recorded. Batched registration is not used with an int
+        ``reshard_after_forward`` (post-forward placeholders are registered too) or all-gather
+        extensions (their unsharded parameters may be rebuilt).
+        """
+        info = self._post_forward_mesh_info
+        batch = not self.gatherer.extension and (info is None or info is self.mesh_info)
+        sync = self.training_state is not _PRE_BACKWARD
+        self.buffer.register_unsharded(self.fsdp_params, sync, batch)
+
+    def prefetch(self, as_state: TrainingState) -> None:
+        """Unshard ahead of a use in ``as_state`` (``FORWARD`` or ``PRE_BACKWARD``)."""
+        if as_state is _PRE_BACKWARD and not self.controls.unshard_in_backward:
+            return
+        self.unshard(False, as_state)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        """Enter ``FORWARD`` and make the unsharded parameters available."""
+        self.set_state(_FORWARD)
+        self.stepped_after_forward = False
+        if self.sharded_state is _UNSHARDED:
+            # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
+            # since a restore such as torch.func.functional_call's may have put the sharded ones back.
+            self._register_unsharded()
+        self.unshard(self.controls.unshard_async_op)
+        self.wait_for_unshard()
+
+    def post_forward(self) -> bool:
+        """Reshard per policy and return to ``IDLE``; returns whether a backward may use this forward."""
+        if in_backward_task_id() != -1:  # a forward re-run inside backward (checkpoint recompute)
+            self.set_state(_IDLE)
+            return False
+        if torch.is_grad_enabled():
+            self.reshard()  # in FORWARD: follows reshard_after_forward
+            self.set_state(_IDLE)
+            self.awaiting_backward = True
+            return True
+        self.set_state(_IDLE)
+        if self.controls.reshard_after_no_grad_forward:
+            # No backward can follow a no-grad forward: a full reshard (now IDLE), so model.parameters()
+            # (an optimizer built now, a state dict) never sees unsharded tensors. Groups the user asked
+            # to keep unsharded (reshard_after_forward=False) keep them: eval loops gather once.
+            self.reshard()
+        return False
+
+    # ---- backward --------------------------------------------------------------------------------
+
+    def pre_backward(self) -> bool:
+        """Enter ``PRE_BACKWARD`` and unshard for backward; ``False`` if already in it (nothing done)."""
+        if self.training_state is _PRE_BACKWARD:
+            return False
+        if self.stepped_after_forward:
+            self.stepped_after_forward = False
+            raise stepped_before_backward(self.module_fqn)
+        self.set_state(_PRE_BACKWARD)
+        if self.controls.unshard_in_backward:
+            self.unshard(self.controls.unshard_async_op)
+        self.wait_for_unshard()
+        return True
+
+    def post_backward(self) -> None:
+        """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
+        self.set_state(_POST_BACKWARD)
+        self.awaiting_backward = False
+        controls = self.controls
+        if not controls.reduce_grads:
+            # No-sync step: gradients stay unsharded (in reduce_dtype where one is set) and keep
+            # accumulating until a step with gradient sync reduces their sum.
+            self.unreduced_grads = self.reducer.stash_grads(self.fsdp_params)
+            if controls.reshard_after_backward:
+                self.reshard()
+            _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
+            return
+        self.unreduced_grads = False
+        root = self.root
+        skip = root.use_agreement.skip(self) if root is not None else None  # see _skip.py
+        reduced, grads = self.reducer.take_grads(
+            self.fsdp_params, controls.reduce_scatter_unused_params, skip=skip
+        )
+        if controls.reshard_after_backward:
+            self.reshard()
+        # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
+        scope = root.event_scope if root is not None else None
+        schedule = root.schedule if root is not None else None
+        if grads and not (
+            schedule is not None and schedule.bucket_reduces and schedule.reduce(self, reduced, grads)
+        ):
+            start = _events.span_start(scope)
+            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+                self.reducer.reduce(reduced, grads, root.comm_ctx if root else None, controls, self.comms)
+            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
+        _events.record("post_backward", self.module_fqn, self.training_state, scope)
+
+    def drop_unreduced_grads(self) -> None:
+        """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
+        self.reducer.take_grads(self.fsdp_params, unused_too=False, reducing=False)  # and drop them
+        self.unreduced_grads, self.partial_grads = False, None
+
+    def finish_backward(self, last: bool) -> None:
+        """End-of-backward callback: post-backward if autograd never reached it, then ``IDLE``.
+
+        On the ``last`` backward of a step, also drain a mis-targeted prefetch and wait for reductions.
+        """
+        if self.training_state is not _POST_BACKWARD:
+            self.post_backward()
+        self.set_state(_IDLE)
+        if last:
+            self.finalize_backward()
+
+    def finalize_backward(self) -> None:
+        """Drain a mis-targeted prefetch and wait for this group's reductions.
+
+        Parameters left out of a reduction although some rank held a gradient for one (see
+        ``_skip.py``) are reduced here, on every rank (the decision is read from reduced values).
+        """
+        self.gatherer.wait()
+        late = self.reducer.finalize(self.device)
+        if late:
+            reduced, grads = self.reducer.take_grads(late, unused_too=True)
+            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+                self.reducer.reduce(reduced, grads, self.comm_ctx, self.controls, self.comms)
+            self.reducer.finalize(self.device)
+
+    def reset(self) -> None:
+        """Forget in-flight work after an aborted iteration and return to ``SHARDED``/``IDLE``.
+
+        Unlike torch's, this also drops the unsharded gradients of groups whose post-backward never
+        ran, so they cannot leak into the next step's reduction.
+        """
+        self.finalize_backward()
+        self.drop_unreduced_grads()
+        self.awaiting_backward = self.stepped_after_forward = False
+        self.reducer.reset(self.device)
+        self.set_state(_IDLE)
+        self.reshard()
+
+
+def _packed_shards(specs: list[ParamSpec], config: GroupConfig) -> PackedShards:
+    """The group's packed-shard buffer (zeroed), or a ``PackedShards`` without one where it cannot pack."""
+    locals_ = [_local_of_param(s.param) for s in specs]
+    world = config.mesh_info.shard_size
+    sizes = [padded_shard_numel(t.size(), s.shard_dim, world) for t, s in zip(locals_, specs, strict=True)]
+    offload = isinstance(config.offload_policy, CPUOffloadPolicy)
+    pin = can_pin(config.offload_policy)
+    flat = None
+    if PackedShards.can_pack(specs, locals_):
+        flat = zeroed_shards(sum(sizes), locals_[0].dtype, locals_[0].device, offload, pin)
+    return PackedShards(sizes, flat, offload, pin)
+
+
+def _local_of_param(param: torch.Tensor) -> torch.Tensor:
+    """The tensor FSDP shards: the tensor-parallel local tensor of a DTensor parameter."""
+    return local_of(param) if isinstance(param, DTensor) else param

@@ -1,0 +1,15 @@
+"""Floor 2: one parameter and its parts.
+
+One parameter and its parts: the shard layout (chunk and padding math), the local shard and
+its sharded DTensor, the unsharded parameter and its gradient, tensor-parallel and all-gather-extension
+layouts, the DTensor helpers, initialisation like the unsharded model, and the check for parameters
+added late. Imports ``base`` and ``comm``.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._init import init_like_unsharded
+from ._layout import ShardLayout
+from ._param import FSDPParam
+
+__all__ = ["FSDPParam", "ShardLayout", "init_like_unsharded"]

@@ -1,0 +1,16 @@
+"""Floor 4: a training step across groups.
+
+A training step across groups: each ``fully_shard`` call's state (its hooks), the root's
+context (lazy init, iteration boundaries, recovery), the schedule (execution orders, bucket plans and
+the reduce-scatter queue), automatic bucket caps, state-dict hooks, torch's private state names, and
+the process-wide optimizer-step hooks (the step guard, replaced parameters, local-shard steps).
+Imports the floors below.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._root import RootContext
+from ._schedule import Schedule
+from ._state import FSDPState
+
+__all__ = ["FSDPState", "RootContext", "Schedule"]

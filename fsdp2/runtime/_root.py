@@ -1,0 +1,210 @@
+"""What one root shares with every state under it, and where each iteration begins and ends.
+
+Owns: ``RootContext``, one per root module (created by the root's lazy init, or earlier on demand by a
+setter or ``share_comm_ctx`` on the root): the list of states under the root, the communication
+context, the event scope, the ``Schedule`` of work across groups, and the iteration's flags. Its
+methods are the iteration's boundaries: adopting the states at the root's first forward, beginning an
+iteration, finishing the root's forward, queueing and running the end-of-backward callback, and
+resetting after an error. Every state and group under the root holds one reference to it (``ctx`` /
+``root``) and reads the shared objects through it, so nothing is copied into them.
+Does not own: hooks, casting, grouped passes (``FSDPState``), a group's own work (``FSDPParamGroup``).
+Described states and groups are protocols here: ``_state`` builds on this module, not the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
+from ..base._lifecycle import TrainingState
+from ..comm._comm_context import CommContext
+from ..group._skip import UseAgreement
+from ..param._late_params import check_late_parameters
+from ..trace._events import EventScope
+from ._schedule import Schedule
+
+__all__ = ["RootContext"]
+
+_IDLE = TrainingState.IDLE
+_POST_BACKWARD = TrainingState.POST_BACKWARD
+
+
+class _Group(Protocol):
+    """What the root context asks of a group (``_param_group.FSDPParamGroup``)."""
+
+    training_state: TrainingState
+
+    def attach(self, root: RootContext) -> None: ...
+    def post_backward(self) -> None: ...
+    def finish_backward(self, last: bool) -> None: ...
+    def reset(self) -> None: ...
+    def wait_for_unshard(self) -> None: ...
+    def set_state(self, new: TrainingState) -> None: ...
+    def reshard(self) -> None: ...
+
+
+class _State(Protocol):
+    """What the root context asks of a ``fully_shard`` state (``_state.FSDPState``)."""
+
+    modules: tuple[nn.Module, ...]
+    modules_to_run: set[nn.Module]
+    post_forward_indices: list[int]
+    is_root: bool | None
+    ctx: Any
+    eager_finish_backward: Any  # finish_backward, run eagerly (the end-of-backward callback)
+
+    @property
+    def groups(self) -> Sequence[_Group]: ...
+    def set_state(self, new: TrainingState) -> None: ...
+    def group_post_forward(self) -> None: ...
+    def register_pre_backward_hooks(self, output: Any) -> Any: ...
+    def cast_output(self, output: Any) -> Any: ...
+
+
+class RootContext:
+    """The shared objects and iteration flags of one root.
+
+    Fields:
+    - ``all_states``: every state under the root, in module order (the root first); set at its lazy init.
+    - ``comm_ctx``: the side streams and in-flight buffers (shared by several roots after
+      ``share_comm_ctx``); ``event_scope``: where ``record_events`` writes; ``schedule``: the
+      execution orders, bucket plan and reduce-scatter queue.
+    - ``iteration_root``: the state whose forward began the running iteration (``None`` between).
+    - ``callback_queued``: the end-of-backward callback is queued (a backward is running).
+    - ``is_last_backward``: the next backward ends the step (``set_is_last_backward``).
+    - ``post_optim_event``: recorded after the optimizer step; the next all-gathers wait on it.
+    - ``iterations``: how many iterations (forwards of the root) have begun; the debug mode names them.
+    - ``use_agreement``: which parameters no rank used, agreed once per backward (``_skip.py``).
+    """
+
+    def __init__(self) -> None:
+        self.all_states: list[Any] = []
+        self.comm_ctx = CommContext()
+        self.event_scope = EventScope()
+        self.schedule: Schedule[Any] = Schedule()
+        self.iteration_root: Any = None
+        self.callback_queued = False
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
+        self.iterations = 0
+        self.use_agreement = UseAgreement([])  # built at adoption (see _skip.py)
+
+    def adopt(self, root: _State, states: list[Any], device: torch.device) -> None:
+        """Root's lazy init, after validation: every state and group under ``root`` refers here."""
+        for state in states:
+            state.is_root = state is root
+            state.ctx = self
+            for group in state.groups:
+                group.attach(self)
+        self.comm_ctx.lazy_init(device)
+        self.all_states = states
+        self.use_agreement = UseAgreement([group for state in states for group in state.groups])
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def begin_iteration(self, state: _State) -> None:
+        """A state's first pre-forward of an iteration; raises (before any change) if the last one broke."""
+        if self.callback_queued and in_backward_task_id() == -1:
+            raise RuntimeError(
+                "fsdp2: a forward started, but the previous backward never finished (an exception was "
+                "raised during it?). FSDP is still mid-iteration: parameters may be left unsharded and "
+                "the optimizer would silently stop updating them. Call reset_iter_state() on the root "
+                "module (e.g. in the except block that caught the error) before the next forward."
+            )
+        if self.iteration_root is None:
+            check_late_parameters()  # before any state changes
+            self.iteration_root = state
+            self.iterations += 1
+            self.event_scope.capture()
+            self.schedule.begin_iteration()
+            self.comm_ctx.wait_for_current_stream(self.post_optim_event)
+            self.post_optim_event = None
+
+    def finish_forward(self, root: _State, output: Any) -> Any:
+        """The iteration root's post-forward: close grouped passes some member never ran, plan buckets."""
+        for state in reversed(self.all_states):
+            if state is root or not state.modules_to_run:
+                continue
+            state.group_post_forward()
+            if torch.is_grad_enabled():
+                output = state.register_pre_backward_hooks(output)
+            state.set_state(_IDLE)
+            state.modules_to_run.clear()
+            output = state.cast_output(output)
+        self.comm_ctx.release_deferred_all_gather()
+        self.iteration_root = None
+        self.schedule.plan(backward=torch.is_grad_enabled())
+        return output
+
+    def abandon_forward(self) -> None:
+        """The iteration root's forward raised: every group sharded again, every state ``IDLE``.
+
+        Without this, ``state_dict()`` and ``named_parameters()`` would show the plain gathered tensors
+        of the groups that forward had unsharded. Unlike ``reset``, gradients held from earlier
+        micro-batches and the graphs of earlier forwards are kept: a group such a graph still needs
+        gathers again in its backward. The forward's own entries in the post-forward order go.
+        """
+        start = self.schedule.abandon_iteration()
+        for state in self.all_states:
+            state.modules_to_run.clear()
+            state.post_forward_indices[:] = [i for i in state.post_forward_indices if i < start]
+            state.set_state(_IDLE)
+            for group in state.groups:  # a pending (prefetched) all-gather is finished first
+                group.wait_for_unshard()
+                group.set_state(_IDLE)
+                group.reshard()
+        self.comm_ctx.release_deferred_all_gather()
+        self.iteration_root = None
+
+    # ---- backward --------------------------------------------------------------------------------
+
+    def queue_end_of_backward(self, fallback: _State) -> None:
+        """Queue the end-of-backward callback once per backward (on the root's state)."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            root = self.all_states[0] if self.all_states else fallback
+            queue_end_of_backward_callback(root.eager_finish_backward)
+            self.use_agreement.begin_backward()
+
+    def finish_backward(self) -> None:
+        """End of backward: post-backward for groups autograd never reached, then end the iteration."""
+        self.iteration_root = None
+        last = self.is_last_backward
+        queue = self.schedule.bucketing.queue
+        if self.schedule.bucketing.reduce_scatter_cap is not None or queue.pending:
+            # Every post-backward first (those autograd never reached queue their gradients too), then
+            # the queued reduce-scatters, and only then the waits of finalize_backward.
+            for state in self.all_states:
+                for group in state.groups:
+                    if group.training_state is not _POST_BACKWARD:
+                        group.post_backward()
+            queue.flush(self.comm_ctx)
+        for state in self.all_states:
+            state.modules_to_run.clear()
+            for group in state.groups:
+                group.finish_backward(last)
+            if last:
+                state.post_forward_indices.clear()
+            state.set_state(_IDLE)
+        if last:
+            self.schedule.end_step()
+            self.comm_ctx.retire_reduce_scatters()
+        self.callback_queued = False
+
+    def reset(self, fallback: _State) -> None:
+        """Recover from an exception in forward or backward (``reset_iter_state``)."""
+        for state in self.all_states or [fallback]:
+            state.modules_to_run.clear()
+            state.post_forward_indices.clear()
+            state.set_state(_IDLE)
+            for group in state.groups:
+                group.reset()
+        self.comm_ctx.reset()
+        self.schedule.reset()
+        self.use_agreement.reset()
+        self.iteration_root = None
+        self.callback_queued = False

@@ -1,0 +1,242 @@
+"""Work across the groups of one root: the only place that holds lists of groups.
+
+Owns: ``Schedule``, one per root (created with the root's shared context): the execution orders of
+the current iteration (pre-forward order for the forward bucket plan, post-forward order for the
+default backward prefetch, see [Note: Prefetch order] in ``_state.py``), the all-gather bucket plan
+(which groups gather together in forward and in backward, see [Note: Bucket plan]), and the
+bucketing caps with the reduce-scatter queue (``_bucket.Bucketing``). A group asks its schedule whether
+its all-gather or its gradients go with others; the schedule issues the shared all-gather (each group
+then waits for and copies out its own part) or queues the packed gradients. Groups never call or hold
+their siblings.
+Does not own: a group's own all-gather, copy-out or reduction (``FSDPParamGroup`` and its parts),
+hooks or root discovery (``FSDPState``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+import torch
+
+from ..base._lifecycle import TrainingState
+from ..comm._collectives import AllGatherResult
+from ..trace._debug import watch_collective
+from ._bucket import Bucketing, PendingReduceScatter, all_gather_bucket, split_into_buckets
+
+if TYPE_CHECKING:
+    from ..base._config import GroupControls
+    from ..base._mesh import MeshInfo
+    from ..comm._comm_context import CommContext
+    from ..group._gather import AllGatherer
+    from ..param._param import FSDPParam
+
+__all__ = ["Schedule"]
+
+
+class GroupLike(Protocol):
+    """What the schedule asks of a group (``_param_group.FSDPParamGroup``).
+
+    Described here rather than imported, so that the group can hold its schedule without an import
+    cycle.
+    """
+
+    mesh_info: MeshInfo
+    controls: GroupControls
+    gatherer: AllGatherer
+    comms: Any
+    module_fqn: str
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfo | None: ...
+    @property
+    def comm_ctx(self) -> CommContext | None: ...
+
+    def all_gather_bucket_key(self) -> Hashable | None: ...
+    def all_gather_bytes(self) -> int: ...
+    def joins_bucket(self, state: TrainingState, key: Hashable) -> bool: ...
+    def bucket_inputs(self, state: TrainingState) -> list[torch.Tensor]: ...
+    def set_bucket_result(self, result: AllGatherResult) -> None: ...
+    def reduce_scatter_bucket_key(
+        self, params: list[FSDPParam], grads: list[torch.Tensor]
+    ) -> Hashable | None: ...
+    def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter: ...
+
+
+class StateLike(Protocol):
+    """What the schedule reads of a ``fully_shard`` state (``_state.FSDPState``): its groups."""
+
+    @property
+    def groups(self) -> Sequence[GroupLike]: ...
+
+
+_State = TypeVar("_State", bound=StateLike)
+
+
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+
+
+class Schedule(Generic[_State]):
+    """The cross-group order and bucketing of one root.
+
+    Fields:
+    - ``bucketing``: the two caps in bytes (``None``: one collective per group) and the queue of
+      packed gradients waiting for a shared reduce-scatter.
+    - ``pre_forward_order``: states in the order their pre-forward ran this iteration (recorded only
+      with an all-gather cap: the forward bucket plan follows it).
+    - ``post_forward_order``: states (with a group) in the order their post-forward ran, one entry per
+      use, across the backwards of one step; ``iteration_start`` is where this iteration's begin.
+    - ``_forward`` / ``_backward``: ``id(group)`` -> the groups it all-gathers with (this plan).
+    - ``bucket_gathers`` / ``bucket_reduces``: a cap of each kind is set (read per step by groups).
+    """
+
+    def __init__(self) -> None:
+        self.bucketing = Bucketing()
+        self.bucket_gathers = False  # an all-gather cap is set (groups ask ``gather``)
+        self.bucket_reduces = False  # a reduce-scatter cap is set (groups ask ``reduce``)
+        self.pre_forward_order: list[_State] = []
+        self.post_forward_order: list[_State] = []
+        self.iteration_start = 0
+        self._forward: dict[int, list[GroupLike]] = {}
+        self._backward: dict[int, list[GroupLike]] = {}
+
+    def set_caps(self, all_gather: int | None, reduce_scatter: int | None) -> None:
+        self.bucketing.all_gather_cap = all_gather
+        self.bucketing.reduce_scatter_cap = reduce_scatter
+        self.bucket_gathers, self.bucket_reduces = all_gather is not None, reduce_scatter is not None
+        if all_gather is None:
+            self._forward.clear()
+            self._backward.clear()
+
+    # ---- orders ----------------------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        self.pre_forward_order.clear()
+        self.iteration_start = len(self.post_forward_order)
+
+    def record_pre_forward(self, state: _State) -> None:
+        """Append ``state``'s first pre-forward of this pass (callers check ``bucket_gathers`` first)."""
+        self.pre_forward_order.append(state)
+
+    def record_post_forward(self, state: _State) -> int:
+        """Append a forward use of ``state``; returns its position (for the backward prefetch)."""
+        self.post_forward_order.append(state)
+        return len(self.post_forward_order) - 1
+
+    def ran_before(self, index: int) -> _State | None:
+        """The state whose forward ran just before the use at ``index`` (``None`` for the first)."""
+        return self.post_forward_order[index - 1] if index > 0 else None
+
+    def abandon_iteration(self) -> int:
+        """Forget this iteration's forward uses (its forward raised); returns where they began."""
+        start = self.iteration_start
+        del self.post_forward_order[start:]
+        self.pre_forward_order.clear()
+        return start
+
+    def end_step(self) -> None:
+        self.post_forward_order.clear()
+
+    def reset(self) -> None:
+        self.post_forward_order.clear()
+        self.pre_forward_order.clear()
+        self.bucketing.queue.reset()
+
+    # ---- all-gather buckets ----------------------------------------------------------------------
+
+    def plan(self, backward: bool) -> None:
+        """Split this iteration's orders into buckets (see [Note: Bucket plan]).
+
+        Forward follows the pre-forward order; backward (when a backward follows) the reversed
+        post-forward order, restricted to groups that all-gather again in backward.
+        """
+        cap = self.bucketing.all_gather_cap
+        if cap is None:
+            return
+        self._forward = _buckets(_groups_in(self.pre_forward_order), cap)
+        if not backward:
+            return
+        regathered = [
+            (group, alone)
+            for group, alone in _groups_in(list(reversed(self.post_forward_order[self.iteration_start :])))
+            if group.post_forward_mesh_info is group.mesh_info and group.controls.unshard_in_backward
+        ]
+        self._backward = _buckets(regathered, cap)
+
+    def gather(self, group: GroupLike, state: TrainingState) -> bool:
+        """Issue one all-gather for ``group`` and the members of its bucket that need one now.
+
+        ``False`` (nothing done) where ``group`` gathers alone: no plan for it, or no member joins.
+        Each member waits for and copies out its own part (``wait_for_unshard``).
+        """
+        members = self._members(group, state)
+        if members is None:
+            return False
+        info = group.mesh_info
+        names = "; ".join(g.module_fqn or "<root>" for g in members)
+        with watch_collective("all-gather (bucket)", names, state):
+            results = all_gather_bucket(
+                lambda: [g.bucket_inputs(state) for g in members],
+                info.shard_group,
+                info.shard_size,
+                info.shard_rank,
+                group.gatherer.dtype,
+                group.comms.all_gather,
+                group.comm_ctx,
+            )
+        for member, result in zip(members, results, strict=True):
+            member.set_bucket_result(result)
+        return True
+
+    def _members(self, group: GroupLike, state: TrainingState) -> list[GroupLike] | None:
+        if self.bucketing.all_gather_cap is None or state not in (_FORWARD, _PRE_BACKWARD):
+            return None
+        bucket = (self._forward if state is _FORWARD else self._backward).get(id(group))
+        if bucket is None:
+            return None
+        key = group.all_gather_bucket_key()
+        if key is None:
+            return None
+        members = [group]
+        members.extend(g for g in bucket if g is not group and g.joins_bucket(state, key))
+        return members if len(members) > 1 else None
+
+    # ---- reduce-scatter queue --------------------------------------------------------------------
+
+    def reduce(self, group: GroupLike, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
+        """Queue ``group``'s gradients for a shared reduce-scatter; ``False``: it reduces them now.
+
+        A group that cannot share reduces after the queue, so buckets stay runs of consecutive
+        post-backwards.
+        """
+        cap = self.bucketing.reduce_scatter_cap
+        if cap is None:
+            return False
+        key = group.reduce_scatter_bucket_key(params, grads)
+        if key is None:
+            self.bucketing.queue.flush(group.comm_ctx)
+            return False
+        self.bucketing.queue.add(group.pack_gradients(params, grads), key, cap, group.comm_ctx)
+        return True
+
+
+def _groups_in(states: Sequence[StateLike]) -> list[tuple[GroupLike, bool]]:
+    """The groups of ``states`` in order, each with whether it must stand alone (its state repeats)."""
+    seen: dict[StateLike, int] = {}
+    for state in states:
+        seen[state] = seen.get(state, 0) + 1
+    return [(group, seen[state] > 1) for state in states for group in state.groups]
+
+
+def _buckets(order: list[tuple[GroupLike, bool]], cap: int) -> dict[int, list[GroupLike]]:
+    keys: list[Hashable | None] = [None if alone else group.all_gather_bucket_key() for group, alone in order]
+    sizes = [group.all_gather_bytes() for group, _ in order]
+    plan: dict[int, list[GroupLike]] = {}
+    for positions in split_into_buckets(sizes, keys, cap):
+        if len(positions) < 2:
+            continue
+        members = [order[i][0] for i in positions]
+        for group in members:
+            plan[id(group)] = members
+    return plan

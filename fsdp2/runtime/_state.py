@@ -1,0 +1,521 @@
+"""Per-call state: hooks, root discovery, and the forward and backward of one ``fully_shard`` call.
+
+Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
+pre/post hooks, input and output casts, the pre-backward tensor hooks on outputs, post-backward
+registration, explicit and default prefetch, grouped passes over several modules, and root discovery
+and validation at the first forward. Does not own: parameters or collectives (its groups), what the
+states under one root share and the iteration's begin and end (``RootContext``, ``_root.py``), the
+execution orders and bucket plan (``Schedule``, ``_schedule.py``).
+Invariants: the root's lazy init validates everything before it changes anything, then makes every
+state and group under it refer to the root's one ``RootContext`` (none exists before, except one a
+setter or ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that
+reached an FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
+
+[Note: Prefetch order]
+Every post-forward of a state with a group (that a backward may use) appends the state to the
+schedule's post-forward order and remembers its index (one per forward use). A pre-backward without
+an explicit prefetch list pops its latest index ``i`` and unshards the state at ``i - 1``: the module
+that ran just before it in forward runs just after it in backward. Explicit lists replace that
+default.
+
+[Note: Bucket plan]
+With an all-gather cap (``set_bucket_cap_mb``), the iteration root's post-forward splits this
+iteration's execution order into buckets (``Schedule.plan``, kept by the schedule per group): forward
+uses the order in which pre-forwards ran (the order of the forward all-gathers); backward uses the
+reversed post-forward order restricted to groups that all-gather again in backward
+(``reshard_after_forward=True`` and ``unshard_in_backward``). The plan made at the end of one forward
+serves that iteration's backward and the next forward, so the first forward runs unbucketed (a
+forward without gradients replans forward only). A state that ran more than once in a forward stands
+alone. Reduce-scatters need no plan: the root's queue takes post-backwards as they come and is
+flushed by the end-of-backward callback.
+
+[Note: Partial grouped pass]
+A state over several modules (``fully_shard([norm, head])``) opens a pass at the first member's
+pre-forward and closes it (reshard, pre-backward hooks on the output) when every member has run.
+Some passes never close: a chunked loss runs ``norm`` inside the model's forward (that pass is closed
+by the iteration root's post-forward) and then calls ``head`` alone once per chunk. The first such
+call opens a pass and becomes the iteration root; the later calls find the group still unsharded and
+gather nothing. The pass ends in backward: its post-backward node (on the first call's input) moves
+the state through ``PRE_BACKWARD`` without prefetching, then reduces the gradients of all the chunks
+at once. The end-of-backward callback clears the unfinished member set and the iteration root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base._api import MixedPrecisionPolicy
+from ..base._autograd import (
+    eager,
+    in_backward_task_id,
+    register_post_backward,
+    register_pre_backward,
+    route_untracked_outputs,
+)
+from ..base._cast import cast_floating, move_to_device
+from ..base._lifecycle import ShardedState, TrainingState, transition
+from ..base._warn import warn_user
+from ..comm._comm_context import CommContext
+from ..compile._compiled import recover_hook, traced_hooks
+from ..group._param_group import FSDPParamGroup
+from ..trace._debug import check_same_model, debug_enabled, run_root_init_hooks
+from ._root import RootContext
+from ._state_dict import register_state_dict_hooks
+from ._torch_protocol import TorchStateNames
+
+_STATE_ATTR = "_fsdp2_state"
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_IDLE = TrainingState.IDLE
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    """The ``FSDPState`` attached to ``module`` by ``fully_shard``, if any."""
+    state: FSDPState | None = module.__dict__.get(_STATE_ATTR)
+    return state
+
+
+class FSDPState(TorchStateNames):
+    """Hooks and lifecycle of one ``fully_shard`` call (also answers torch's private state names)."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        groups: list[FSDPParamGroup],
+        auto_reshard: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.modules = modules
+        # One group per distinct mesh (normally one; several with per-parameter meshes), none without
+        # parameters. All of them unshard, reshard and reduce together for this state's modules.
+        self.groups = groups
+        # dtypes forward inputs / outputs are cast to (None: leave them)
+        self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self.output_dtype = mp_policy.output_dtype
+        self._input_device: torch.device | None = None  # set at lazy init for accelerator roots
+        self.auto_reshard = auto_reshard  # reshard_after_forward=None: the root keeps its parameters
+        self.training_state = _IDLE
+        self.is_root: bool | None = None  # None until the root's lazy init decides
+        # The root's context, handed down by its lazy init; before it only a root may hold its own
+        # (created on demand by a setter or share_comm_ctx), which its lazy init then shares.
+        self.ctx: RootContext | None = None
+        self.post_forward_indices: list[int] = []  # positions in the schedule's post-forward order
+        self._post_backward = eager(self._run_group_post_backward)
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
+        self.foreign_ignored: list[torch.Tensor] = []  # ignored_params outside this call's modules
+        self.hook_handles: list[Any] = []  # every hook fsdp2 registered (hidden while deep-copying)
+        self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
+        self.nested = False  # a later fully_shard call's modules contain this one's (see _compiled.py)
+        self.descendants: list[FSDPState] = []  # the states under this one's modules, if it is top-level
+        self.recover_handles: list[Any] = []  # a top-level module's hook for a compiled forward that raised
+        self._pre_backward_hook = self._make_pre_backward_hook()
+        self._pre_backward_node_hook = eager(self._pre_backward_on_node)
+        self.eager_finish_backward = eager(self.finish_backward)
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            if len(modules) == 1:
+                pre, post = self.pre_forward, self.post_forward
+            else:
+                pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
+            # FSDP hooks mutate storages and module registrations: torch.compile runs them eagerly
+            # (a graph break at each FSDP module), except under a compiled root (see _compiled.py).
+            pre, post = traced_hooks(self, pre, post)
+            self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
+            self.recover_handles.append(module.register_forward_hook(_recovery(self), always_call=True))
+            self.hook_handles.append(self.recover_handles[-1])
+            for group in groups:
+                # state_dict / load_state_dict always see (and write) the sharded parameters.
+                self.hook_handles.extend(register_state_dict_hooks(module, group, get_state))
+
+    def mark_nested(self) -> None:
+        """Mark this state as under a later ``fully_shard`` call's modules, dropping its recovery hook.
+
+        Its hooks are traced inside that module's forward frame, whose edits are all or nothing.
+        """
+        self.nested = True
+        for handle in self.recover_handles:
+            handle.remove()
+        self.recover_handles.clear()
+
+    def __str__(self) -> str:
+        return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"
+
+    def set_state(self, new: TrainingState) -> None:
+        self.training_state = transition(self.training_state, new, self)
+
+    def set_controls(self, **values: Any) -> None:
+        """Set run-time controls (``GroupControls`` fields) on each of this state's groups."""
+        for group in self.groups:
+            group.controls.update(**values)
+
+    def shared_context(self) -> RootContext:
+        """The context shared under this state's root; a not-yet-initialized root creates its own."""
+        if self.ctx is None:
+            self.ctx = RootContext()
+        return self.ctx
+
+    @property
+    def comm_ctx(self) -> CommContext | None:
+        return self.ctx.comm_ctx if self.ctx is not None else None
+
+    def shared_comm_context(self) -> CommContext:
+        """The communication context under this state's root (created on demand, see ``shared_context``)."""
+        return self.shared_context().comm_ctx
+
+    # ---- lazy init -------------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of its module tree (first forward only)."""
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(
+                f"fully_shard on a list of modules ({names}) cannot be the root: FSDP needs a single root "
+                "module. Call fully_shard on the parent module that runs forward."
+            )
+        root_module = self.modules[0]
+        states: list[FSDPState] = []
+        module_names: dict[nn.Module, str] = {}
+        for name, module in root_module.named_modules():
+            module_names[module] = name
+            state = get_state(module)
+            if state is None or state in states:
+                continue
+            if state is not self and state.is_root:
+                raise RuntimeError(
+                    f"The fully_shard module {name!r} already ran forward on its own before its root "
+                    f"{type(root_module).__name__}. Run forward through the root module first."
+                )
+            if state is not self and state.is_root is False:
+                owner = state.ctx.all_states[0].modules[0] if state.ctx and state.ctx.all_states else None
+                raise RuntimeError(
+                    f"The fully_shard module {name!r} of {type(root_module).__name__} already belongs to "
+                    f"another root ({type(owner).__name__ if owner is not None else 'another model'}), "
+                    "which ran forward first: a sharded module has one root, whose iteration drives its "
+                    "gathers and reductions. Do not share a sharded module between two models; give each "
+                    "its own copy (copy.deepcopy), or make one root that holds both."
+                )
+            states.append(state)
+        _check_prefetch_targets(states, module_names)
+        _check_bucketing_on_root(self, states, module_names)
+        _check_ignored_params(states, root_module)
+        # Validate every group before changing any state, so a failed first forward can be retried.
+        owners: dict[int, str] = {}
+        for state in states:
+            for group in state.groups:
+                group.module_fqn = ", ".join(module_names[m] for m in group.modules)
+                _name_params(group, module_names, owners)
+        for state in states:
+            for group in state.groups:
+                group.lazy_init()
+        if debug_enabled():
+            _check_same_model_everywhere(states, type(root_module).__name__)
+        # ---- validation done: hand the root's contexts down ----
+        if self.auto_reshard:
+            for group in self.groups:
+                group.post_forward_mesh_info = None
+        device = _state_device(states)
+        self.shared_context().adopt(self, states, device)
+        if debug_enabled():
+            run_root_init_hooks(root_module, states)  # the divergence guard (``_guard``)
+        if device.type != "cpu":
+            self._input_device = device
+
+    # ---- forward hooks ---------------------------------------------------------------------------
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        groups = self.groups
+        if self.training_state is _PRE_BACKWARD and in_backward_task_id() != -1:
+            # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
+            for group in groups:
+                group.unshard()
+            for group in groups:
+                group.wait_for_unshard()
+            args, kwargs = self.cast_inputs(args, kwargs)
+            return args, kwargs
+        first = self.training_state is not _FORWARD
+        if first:
+            ctx = self._root_pre_forward()  # may raise (first-forward validation): no state set before it
+            if ctx.iteration_root is self and self._input_device is not None and (args or kwargs):
+                args, kwargs = move_to_device((args, kwargs), self._input_device)
+        self.set_state(_FORWARD)
+        args, kwargs = self.cast_inputs(args, kwargs)
+        if groups:
+            entering = groups[0].training_state is not _FORWARD
+            shared = self.ctx
+            if entering and shared is not None and shared.schedule.bucket_gathers:
+                shared.schedule.record_pre_forward(self)
+            for group in groups:
+                group.pre_forward()
+            if entering and torch.is_grad_enabled():
+                args, kwargs = register_post_backward(self._post_backward, args, kwargs)
+        if first:
+            for target in self.forward_prefetch:
+                for target_group in target.groups:
+                    target_group.prefetch(_FORWARD)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> RootContext:
+        if self.is_root is None:
+            self.lazy_init()
+        ctx = self.shared_context()
+        if ctx.iteration_root is None or ctx.callback_queued:
+            ctx.begin_iteration(self)
+        return ctx
+
+    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.training_state is _PRE_BACKWARD:
+            return self.cast_output(output)
+        self.group_post_forward()
+        if torch.is_grad_enabled():
+            output = self.register_pre_backward_hooks(output)
+        self.set_state(_IDLE)
+        ctx = self.ctx
+        if ctx is not None and ctx.iteration_root is self:
+            output = ctx.finish_forward(self, output)
+        return self.cast_output(output)
+
+    def group_post_forward(self) -> None:
+        """The group's post-forward; a forward that backward may use is appended to the shared order."""
+        ctx = self.ctx
+        recorded = [group.post_forward() for group in self.groups]
+        if any(recorded) and ctx is not None:
+            self.post_forward_indices.append(ctx.schedule.record_post_forward(self))
+
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Forward inputs cast per the policy (``cast_forward_inputs``)."""
+        if self._input_dtype is None:
+            return args, kwargs
+        cast: tuple[Any, Any] = cast_floating((args, kwargs), self._input_dtype)
+        return cast
+
+    def cast_output(self, output: Any) -> Any:
+        return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
+
+    def _grouped_pre_forward(self, module: nn.Module) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+            if not self.modules_to_run and self.training_state is not _PRE_BACKWARD:
+                self.modules_to_run.update(self.modules)
+            return self.pre_forward(mod, args, kwargs)
+
+        return hook
+
+    def _grouped_post_forward(self, module: nn.Module) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if self.training_state is _PRE_BACKWARD or mod not in self.modules_to_run:
+                return self.cast_output(output)
+            self.modules_to_run.discard(mod)
+            if self.modules_to_run:
+                return self.cast_output(output)
+            return self.post_forward(mod, args, output)
+
+        return hook
+
+    # ---- backward --------------------------------------------------------------------------------
+
+    def register_pre_backward_hooks(self, output: Any) -> Any:
+        """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func)."""
+        hook = self._pre_backward_hook
+        for tensor in _tensors_requiring_grad(output):
+            if not register_pre_backward(tensor, hook, self._pre_backward_node_hook):
+                warn_user(_fragile_view_message(self))
+        return route_untracked_outputs(hook, output)
+
+    def _pre_backward_on_node(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        self.pre_backward()
+
+    def _make_pre_backward_hook(self) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.pre_backward()
+            return grad
+
+        return eager(hook)
+
+    def _run_group_post_backward(self) -> None:
+        # Called by the post-backward autograd node; dispatches through the group instances.
+        if self.modules_to_run and self.training_state is _FORWARD:
+            # A grouped pass some members never ran (see [Note: Partial grouped pass]): it ends here.
+            self.modules_to_run.clear()
+            self.pre_backward(prefetch=False)
+        for group in self.groups:
+            group.post_backward()
+
+    def pre_backward(self, prefetch: bool = True) -> None:
+        self.set_state(_PRE_BACKWARD)
+        ctx = self.shared_context()
+        if not ctx.callback_queued:
+            ctx.queue_end_of_backward(self)
+        entered = [group.pre_backward() for group in self.groups]
+        if not prefetch:
+            return
+        if any(entered) and not self.backward_prefetch:
+            self._default_backward_prefetch(ctx)
+        for target in self.backward_prefetch:
+            for target_group in target.groups:
+                target_group.prefetch(_PRE_BACKWARD)
+
+    def _default_backward_prefetch(self, ctx: RootContext) -> None:
+        """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
+        if not self.post_forward_indices:
+            return
+        before = ctx.schedule.ran_before(self.post_forward_indices.pop())
+        if before is not None:
+            for target in before.groups:
+                target.prefetch(_PRE_BACKWARD)
+
+    def finish_backward(self) -> None:
+        """Final callback (on the root's state): see ``RootContext.finish_backward``."""
+        self.shared_context().finish_backward()
+
+    def reset_iteration(self) -> None:
+        """Root only: recover from an exception in forward or backward."""
+        self.shared_context().reset(self)
+
+
+def _fragile_view_message(state: FSDPState) -> str:
+    names = ", ".join(f"{g.module_fqn or '<root>'!r}" for g in state.groups) or "?"
+    # fully_shard's class swap makes X an FSDPX(FSDPModule, X): name the user's class
+    user_classes = (
+        c.__bases__[-1] if c.__name__ == f"FSDP{c.__bases__[-1].__name__}" else c
+        for c in map(type, state.modules)
+    )
+    classes = ", ".join(c.__name__ for c in user_classes)
+    return (
+        f"The fully_shard module {names} ({classes}) returned a view of a tensor without an autograd "
+        "node (a parameter or another leaf, or under a torch.func transform). Out-of-place use of it is "
+        "harmless (out = out + y, a loss, .float()), but an in-place op on it before backward (out += y, "
+        "out.mul_(y)) would drop FSDP's pre-backward hook, so backward would run without gathering the "
+        "module's parameters. Return a non-view tensor (e.g. .clone()) from its forward."
+    )
+
+
+def _recovery(state: FSDPState) -> Any:
+    """A top-level module's ``always_call`` forward hook: after a forward that raised, reshard.
+
+    Traced (compiled) forwards and eager ones leave different things behind; after a forward that
+    succeeded both checks find nothing to do. An eager forward that raised (outside backward) leaves
+    ``state`` the root of an iteration that never finished: the root context shards every group again.
+    """
+    compiled = recover_hook(state)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        compiled(module, args, output)
+        if torch.compiler.is_dynamo_compiling():
+            return
+        ctx = state.ctx
+        if ctx is not None and ctx.iteration_root is state and in_backward_task_id() == -1:
+            ctx.abandon_forward()
+
+    return hook
+
+
+def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:
+    """Refuse bucket caps set on a module that turned out not to be the root (they would be lost)."""
+    for state in states:
+        if state is not root and state.ctx is not None and state.ctx.schedule.bucketing.enabled:
+            name = names.get(state.modules[0], "?")
+            raise RuntimeError(
+                f"set_bucket_cap_mb was called on {name!r} ({type(state.modules[0]).__name__}), but the "
+                f"root fully_shard module is {type(root.modules[0]).__name__}, which runs forward first. "
+                "Bucket caps apply to the whole tree under the root: call set_bucket_cap_mb on the root "
+                f"module (and set_bucket_cap_mb(None, None) on {name!r} to clear it there)."
+            )
+
+
+def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen: dict[int, str]) -> None:
+    """Give parameters root-relative names and refuse a parameter owned by two groups."""
+    for fsdp_param in group.fsdp_params:
+        module, attr = fsdp_param.owners[0]
+        prefix = module_names.get(module, "")
+        fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
+        key = fsdp_param.source_id
+        other = seen.get(key)
+        if other is not None:
+            raise ValueError(
+                f"Parameter {fsdp_param.fqn} is the same tensor as {other}, which another fully_shard "
+                f"group already manages (group {group.module_fqn or '<root>'}). Shard tied parameters "
+                "in one call: fully_shard([module_a, module_b])."
+            )
+        seen[key] = fsdp_param.fqn
+
+
+def _check_prefetch_targets(states: list[FSDPState], module_names: dict[nn.Module, str]) -> None:
+    """Refuse prefetch lists that name modules outside this root (they would never be waited on)."""
+    members = set(states)
+    for state in states:
+        for kind, targets in (("forward", state.forward_prefetch), ("backward", state.backward_prefetch)):
+            for target in targets:
+                if target not in members:
+                    owner = module_names.get(state.modules[0], "?")
+                    raise ValueError(
+                        f"The {kind} prefetch list of {owner or '<root>'} names a "
+                        f"{type(target.modules[0]).__name__} that is not under this root module. Prefetch "
+                        f"only fully_shard modules of the same model (set_modules_to_{kind}_prefetch)."
+                    )
+
+
+def _check_same_model_everywhere(states: list[FSDPState], root_name: str) -> None:
+    """Debug mode: every rank of the root's data-parallel groups manages the same parameters."""
+    groups = [group for state in states for group in state.groups]
+    if not groups:
+        return
+    fingerprint = [
+        (p.fqn, tuple(p.global_size), str(p.sharded_param.dtype), group.module_fqn)
+        for group in groups
+        for p in group.fsdp_params
+    ]
+    info = groups[0].mesh_info
+    process_groups = [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
+    check_same_model(fingerprint, process_groups, root_name)
+
+
+def _check_ignored_params(states: list[FSDPState], root: nn.Module) -> None:
+    """Refuse ``ignored_params`` entries that are not parameters anywhere under the root."""
+    present = {id(p) for p in root.parameters()}
+    strangers = [p for state in states for p in state.foreign_ignored if id(p) not in present]
+    if strangers:
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in strangers[:3])
+        raise ValueError(
+            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of the model "
+            f"{type(root).__name__} (shape and dtype: {shapes}), e.g. parameters of another copy of the "
+            "model. Pass this model's own parameters, or drop them from ignored_params."
+        )
+
+
+def _state_device(states: list[FSDPState]) -> torch.device:
+    for state in states:
+        if state.groups:
+            return state.groups[0].device
+    return torch.device("cpu")
+
+
+def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(reversed([getattr(item, f.name) for f in dataclasses.fields(item)]))
+    return found
+
+
+__all__ = ["FSDPState", "ShardedState", "get_state"]

@@ -1,0 +1,167 @@
+"""What an optimizer step means for the groups that own its parameters.
+
+Owns: the list of every live ``FSDPParamGroup`` (``fully_shard`` hands each new one over), the map
+from an optimizer to the groups whose sharded parameters it steps (rebuilt only when groups or the
+optimizer's parameter lists change), and one global optimizer step pre-hook and post-hook that turn
+three silent mistakes into an error or the intended result:
+
+- a step while a group still holds gradients that were never reduced (a backward with
+  ``set_requires_gradient_sync(False)`` and no synced backward after it): ``RuntimeError`` before the
+  step changes anything; the sharded gradients do not contain them, so the step would ignore them;
+- a step between a forward and the backward of that forward: the group remembers it, and that
+  backward raises (it would differentiate with the stepped parameters);
+- a step after a backward that kept the parameters unsharded (``set_reshard_after_backward(False)``):
+  the group reshards after the step, so the next forward gathers the updated parameters instead of
+  reusing the stale unsharded ones;
+- a step after an ``fsdp2.accumulate`` block that raised: ``RuntimeError`` until ``zero_grad()``, since
+  the gradients hold the micro-batches reduced before the exception (a partial accumulation);
+- ``optimizer.zero_grad()`` after a no-sync backward: it also drops the gradients the groups hold for
+  a later synced backward, as it would clear them on the unsharded model (``torch.optim.Optimizer``'s
+  ``zero_grad`` is wrapped once, at the first ``fully_shard``; ``FSDPModule.zero_grad`` does the same).
+
+Does not own: the flags behind it (``FSDPParamGroup`` sets them; this module reads them and calls the
+group's methods) or the optimizer.
+Cost: two hook calls per step and one attribute check per group of the stepped parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..base._autograd import eager
+from ..base._lifecycle import ShardedState, TrainingState
+from ..group._param_group import FSDPParamGroup
+
+_groups: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+_calls = itertools.count(1)
+_generation = 0  # bumped whenever groups are added
+# optimizer -> ((generation, parameter count), the groups it steps)
+_by_optimizer: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_hooks: list[Any] = []
+
+
+def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
+    """Watch optimizer steps over ``groups``' parameters (called by ``fully_shard``)."""
+    global _generation
+    if not groups:
+        return
+    _groups.update(groups)
+    _generation = next(_calls)
+    if not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_before_step))
+        _hooks.append(register_optimizer_step_post_hook(_after_step))
+        _wrap_zero_grad()
+
+
+def _wrap_zero_grad() -> None:
+    original = torch.optim.Optimizer.zero_grad
+
+    @functools.wraps(original)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        drop_held_gradients(_stepped_groups(self))
+
+    torch.optim.Optimizer.zero_grad = eager(zero_grad)  # type: ignore[method-assign]
+
+
+def drop_held_gradients(groups: list[FSDPParamGroup]) -> None:
+    """Forget the gradients no-sync backwards left for a later reduction (what zero_grad means)."""
+    for group in groups:
+        drop_unreduced_grads(group)
+
+
+def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
+    key = (_generation, sum(len(group["params"]) for group in optimizer.param_groups))
+    cached = _by_optimizer.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return list(filter(None, (ref() for ref in cached[1])))
+    owner = {id(p): g for g in list(_groups) for p in sharded_params(g)}
+    found: dict[int, FSDPParamGroup] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            group = owner.get(id(param))
+            if group is not None:
+                found[id(group)] = group
+    groups = list(found.values())
+    _by_optimizer[optimizer] = (key, [weakref.ref(g) for g in groups])
+    return groups
+
+
+@eager  # reads the optimizer's lists and fsdp2's flags: never traced
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    groups = _stepped_groups(optimizer)
+    partial = [why for why in map(partial_grads, groups) if why]
+    if partial:
+        raise RuntimeError(f"{type(optimizer).__name__}.step(): {partial[0]}")
+    held = [g for g in groups if holds_unreduced_grads(g)]
+    if held:
+        names = ", ".join(g.module_fqn or "the root" for g in held[:4]) + (", ..." if len(held) > 4 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(held)} fully_shard group(s) ({names}) still hold "
+            "gradients from a backward with set_requires_gradient_sync(False) that no synced backward "
+            "has reduced, so this step would ignore them. Call set_requires_gradient_sync(True) before "
+            "the last micro-batch's backward (the reduction of that backward includes the held "
+            "gradients), then step."
+        )
+    for group in groups:
+        before_optimizer_step(group)
+
+
+@eager
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in _stepped_groups(optimizer):
+        after_optimizer_step(group)
+
+
+# ---- what a step means for one group ----------------------------------------------------------------
+
+
+def sharded_params(group: FSDPParamGroup) -> list[nn.Parameter]:
+    """The sharded parameters an optimizer holds for ``group``."""
+    return [p.sharded_param for p in group.fsdp_params]
+
+
+def holds_unreduced_grads(group: FSDPParamGroup) -> bool:
+    """Whether a no-sync backward left gradients that no synced backward has reduced yet."""
+    return group.unreduced_grads
+
+
+def drop_unreduced_grads(group: FSDPParamGroup) -> None:
+    """Forget those gradients (what ``zero_grad`` means for them), and that they were partial."""
+    if group.unreduced_grads or group.partial_grads:
+        group.drop_unreduced_grads()
+
+
+def mark_partial_grads(group: FSDPParamGroup, why: str) -> None:
+    """``group``'s gradients hold a partial accumulation: optimizer steps refuse them until zero_grad."""
+    group.partial_grads = why
+
+
+def partial_grads(group: FSDPParamGroup) -> str | None:
+    """Why ``group``'s gradients are partial (``None``: they are not)."""
+    return group.partial_grads
+
+
+def before_optimizer_step(group: FSDPParamGroup) -> None:
+    """A step of ``group``'s parameters is about to run: a pending backward will refuse to run."""
+    if group.awaiting_backward:
+        group.stepped_after_forward = True
+
+
+def after_optimizer_step(group: FSDPParamGroup) -> None:
+    """A step ran: unsharded parameters kept after backward are stale, so reshard them."""
+    if (
+        group.sharded_state is ShardedState.UNSHARDED
+        and group.training_state is TrainingState.IDLE
+        and not group.awaiting_backward
+    ):
+        group.reshard()  # the next forward gathers the updated parameters

@@ -1,0 +1,274 @@
+"""Full-weight export and import in the safetensors format, one tensor in flight at a time.
+
+Owns: ``save_full_state_dict`` (every rank gathers each state-dict entry in turn, rank 0 streams it
+into a safetensors file whose header it wrote first) and ``load_full_state_dict`` (rank 0 reads one
+entry at a time, broadcasts it, every rank copies its own shard into the existing parameter in place).
+Does not own: the sharded state dict itself (``_state_dict.py`` hooks, used through ``state_dict()``) or
+the safetensors reader (the ``safetensors`` package, imported lazily).
+Invariants: no rank holds more than one full (unsharded) tensor beyond its shards; a load either
+finds every key with its full shape or raises on every rank before any parameter is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any, BinaryIO, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..base._mesh import mesh_device
+from ..param._param import chunk_rows
+from ._guard import check_entry
+
+# safetensors' names of the dtypes it stores
+_SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Write ``model``'s full (unsharded) state dict to a safetensors file, gathering one tensor at a time.
+
+    Every rank must call it. Each entry of ``model.state_dict()`` (parameters and buffers, under the
+    unsharded model's names) is gathered in turn with ``DTensor.full_tensor()``, then rank 0 appends its
+    bytes to the file and drops it, so no rank holds more than one full tensor beyond its shards
+    (``get_model_state_dict(..., full_state_dict=True)`` holds the whole model at once). The file loads
+    with ``safetensors.torch.load_file`` into the plain model, and with :func:`load_full_state_dict`
+    into an fsdp2 model at any world size. Tied parameters are written under each of their names.
+    Issues one all-gather per sharded tensor, one broadcast (whether rank 0 could open the file) and a
+    barrier at the end (the file is complete when any rank returns). Only rank 0 touches ``path``; the
+    ``safetensors`` package is not needed to save.
+
+    Args:
+        model: the fsdp2 (or plain) model; its parameters are left as they were.
+        path: the file rank 0 writes (overwritten).
+
+    Raises:
+        TypeError: a state-dict entry is not a tensor, or has a dtype safetensors cannot store.
+        OSError: (on every rank) rank 0 cannot open ``path`` for writing.
+
+    Example:
+        >>> fsdp2.save_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
+        >>> plain.load_state_dict(safetensors.torch.load_file("model.safetensors"))  # doctest: +SKIP
+    """
+    check_entry(model, "save_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
+    entries = _entries(model)
+    writer = dist.get_rank() == 0 if dist.is_initialized() else True
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, tensor in entries.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    stream: BinaryIO | None = None
+    try:
+        problem = ""
+        if writer:
+            try:
+                stream = open(path, "wb")  # noqa: SIM115 - closed in finally, after the collectives
+                encoded = json.dumps(header, separators=(",", ":")).encode()
+                encoded += b" " * (-len(encoded) % 8)  # keeps every tensor's offset aligned
+                stream.write(struct.pack("<Q", len(encoded)))
+                stream.write(encoded)
+            except OSError as error:
+                problem = f"rank 0 cannot write {os.fspath(path)!r}: {error}"
+        _agree(problem, OSError)  # every rank raises, or none: no rank is left in a collective
+        for tensor in entries.values():
+            full = _full_tensor(tensor)  # collective: every rank, same order
+            if stream is not None:
+                stream.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            del full
+    finally:
+        if stream is not None:
+            stream.close()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Load a full safetensors state dict into ``model``'s existing (sharded) tensors, one tensor at a time.
+
+    Every rank must call it; only rank 0 reads ``path``. For each entry of ``model.state_dict()``, rank 0
+    reads the full tensor, casts it to the model's dtype and broadcasts it; every rank copies its own shard
+    (its chunk under the parameter's DTensor placements) into the local tensor in place, so optimizers
+    built on the parameters keep working, and frees the full tensor before the next one. Buffers are
+    copied whole. Issues one broadcast per tensor plus one to agree on the check below.
+
+    Args:
+        model: the fsdp2 (or plain) model, at any world size; keys are its ``state_dict()`` keys.
+        path: a safetensors file, e.g. written by :func:`save_full_state_dict` or
+            ``safetensors.torch.save_file(plain_model.state_dict(), path)``.
+        strict: with ``True``, a key missing from the file or extra in it raises; with ``False``, only the
+            keys present in both are loaded.
+
+    Raises:
+        ImportError: the ``safetensors`` package is not installed.
+        ValueError: (on every rank, before anything is written) rank 0 cannot read ``path`` as a
+            safetensors file, missing or unexpected keys with ``strict=True``, or a tensor whose shape
+            is not the full shape of its entry.
+
+    Example:
+        >>> fsdp2.load_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
+    """
+    safe_open = _safe_open()
+    check_entry(model, "load_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
+    entries = _entries(model)
+    is_reader = dist.get_rank() == 0 if dist.is_initialized() else True
+    comm = _comm_device(entries.values())
+    present: list[str] = []
+    handle: Any = None
+    try:
+        problem = ""
+        if is_reader:
+            try:
+                handle = safe_open(os.fspath(path), framework="pt", device="cpu").__enter__()
+                problem, present = _check_file(handle, entries, strict)
+            except Exception as error:  # unreadable or not safetensors: every rank must hear of it
+                problem = f"rank 0 cannot read it: {type(error).__name__}: {error}."
+        shared: list[Any] = [problem, present]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        problem, present = shared
+        if problem:
+            raise ValueError(f"load_full_state_dict({os.fspath(path)!r}): {problem} Nothing was loaded.")
+        with torch.no_grad():
+            # One receive buffer, sized for the largest entry and reused for every tensor: at most one
+            # full tensor is in flight however late the backend releases a finished broadcast.
+            largest = max((_nbytes(entries[key]) for key in present), default=0)
+            buffer = torch.empty(largest, dtype=torch.uint8, device=comm)
+            for key in present:
+                tensor = entries[key]
+                full = buffer[: _nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+                if handle is not None:
+                    full.copy_(handle.get_tensor(key))
+                if dist.is_initialized():
+                    dist.broadcast(full, src=0)
+                _copy_into(tensor, full)
+            del buffer
+    finally:
+        if handle is not None:
+            handle.__exit__(None, None, None)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s full (unsharded) value."""
+    return tensor.numel() * tensor.element_size()
+
+
+def _agree(problem: str, error: type[Exception]) -> None:
+    """Raise ``error(problem)`` on every rank if rank 0 found a problem (one broadcast)."""
+    shared = [problem]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise error(f"save_full_state_dict: {shared[0]}. Nothing was written.")
+
+
+def _safe_open() -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError as error:
+        raise ImportError(
+            "load_full_state_dict needs the safetensors package: pip install safetensors "
+            "(or pip install 'fsdp2[checkpoint]')."
+        ) from error
+    return safe_open
+
+
+def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` checked for safetensors, largest element size first (aligned offsets)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}.")
+    state = model.state_dict()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state_dict entry {key} is a {type(value).__name__}, not a tensor; safetensors stores "
+                "tensors only."
+            )
+        if value.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(
+                f"state_dict entry {key} has dtype {value.dtype}, which safetensors cannot store: expected "
+                f"one of {sorted(map(str, _SAFETENSORS_DTYPES))}."
+            )
+    # Stable: state-dict order within one element size. Descending sizes keep each offset a multiple
+    # of its tensor's element size, so readers can view the bytes without copying.
+    order = sorted(state, key=lambda k: -state[k].element_size())
+    return {key: state[key] for key in order}
+
+
+def _comm_device(tensors: Any) -> torch.device:
+    """The device collectives run on: the first DTensor's mesh device (CPU for a model without any)."""
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            return mesh_device(tensor.device_mesh)
+    return torch.device("cpu")
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor
+    device = mesh_device(tensor.device_mesh)
+    dtensor = tensor if tensor.device == device else cast(DTensor, tensor.to(device))  # offloaded shards
+    full: torch.Tensor = dtensor.full_tensor()
+    return full
+
+
+def _check_file(handle: Any, entries: dict[str, torch.Tensor], strict: bool) -> tuple[str, list[str]]:
+    """``(problem or "", keys to load)``: the file's keys and shapes against the model's."""
+    keys = set(handle.keys())
+    missing = [k for k in entries if k not in keys]
+    unexpected = sorted(keys - entries.keys())
+    problems = []
+    if strict and (missing or unexpected):
+        problems.append(
+            f"missing keys {missing}, unexpected keys {unexpected} (pass strict=False to skip them)."
+        )
+    present = [k for k in entries if k in keys]
+    for key in present:
+        shape = tuple(handle.get_slice(key).get_shape())
+        if shape != tuple(entries[key].shape):
+            problems.append(f"{key}: expected the full shape {tuple(entries[key].shape)}, got {shape}.")
+    return " ".join(problems), present
+
+
+def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's part of ``full`` into ``tensor`` in place (its local shard for a DTensor)."""
+    if not isinstance(tensor, DTensor):
+        tensor.copy_(full)
+        return
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no part of the tensor
+        return
+    if all(type(p) in (Shard, Replicate) for p in placements):
+        # A view of the rows this rank holds (torch.chunk's split, as DTensor's), copied without a clone.
+        local = full
+        for size, index, placement in zip(mesh.shape, coordinate, placements, strict=True):
+            if isinstance(placement, Shard):
+                _, start, length = chunk_rows(local.size(placement.dim), size, index)
+                local = local.narrow(placement.dim, start, length)
+    else:  # strided shards (tensor parallel under FSDP): DTensor's own split
+        local = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    tensor.to_local().copy_(local)

@@ -1,0 +1,67 @@
+"""``copy.deepcopy`` of fully_shard modules: an independent sharded copy (e.g. for an EMA model).
+
+Owns: ``deepcopy_fsdp``, installed as the ``__deepcopy__`` of every ``FSDP<Name>`` class. The copy is
+made without copying FSDP's machinery (process groups cannot be copied, hooks are bound to their
+state): the module tree is deep-copied as plain modules whose sharded parameters are meta
+placeholders of their full shape, ``fully_shard`` is applied to the copy with the same arguments in the
+same (bottom-up) order, and each new local shard is filled from the original's. The copy shares the
+meshes (and so the process groups) with the original and nothing else. Does not own: sharding
+(``fully_shard``) or the engine's state: it reaches the states, groups and shards only through the
+engine's interface for tools (``_engine.py``).
+Invariants: the original is unchanged except for being resharded first; a copy taken mid-iteration is
+refused. Importing this module also makes DTensors over packed shards deep-copyable
+(``_dtensor.install_deepcopy``), so ``copy.deepcopy(model.state_dict())`` works as with torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from ..frontend._fully_shard import fully_shard
+from ..frontend._module import set_deepcopy_impl
+from ..param._dtensor import install_deepcopy
+from . import _engine as engine
+
+
+def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """An independent copy of ``root`` and the fully_shard modules under it, sharded the same way."""
+    states = engine.states_under(root)
+    if engine.busy(states):
+        raise RuntimeError(
+            f"copy.deepcopy of {type(root).__name__} during a forward or backward: take the copy between "
+            "steps (after optimizer.step()), or call reset_iter_state() after an aborted step."
+        )
+    extended = engine.extension_params(states)
+    if extended:
+        raise NotImplementedError(
+            f"copy.deepcopy of {type(root).__name__}: parameters {extended} use the all-gather "
+            "extension (a tensor subclass), which fsdp2 cannot copy yet. Copy the model before "
+            "fully_shard, or load a state dict into a second sharded model."
+        )
+    engine.reshard(states)
+    names = {module: name for name, module in root.named_modules()}
+    with engine.detached(states):
+        plain_copy = copy.deepcopy(root, memo)
+    new_modules = dict(plain_copy.named_modules())
+    new_states = {}
+    for state, (modules, args) in zip(states, engine.sharding_calls(states), strict=True):
+        ignored = args.get("ignored_params")  # bottom-up, as they were applied
+        if ignored:
+            args["ignored_params"] = {memo.get(id(p), p) for p in ignored}
+        targets = [new_modules[names[m]] for m in modules]
+        fully_shard(targets if len(targets) > 1 else targets[0], **args)
+        new_state = engine.state_of(targets[0])
+        assert new_state is not None, "fully_shard left no state on the copy"
+        engine.copy_state_into(state, new_state, memo)
+        new_states[id(state)] = new_state
+    engine.copy_prefetch_and_caps(states, lambda s: new_states.get(id(s)), engine.state_of(root))
+    return plain_copy
+
+
+set_deepcopy_impl(deepcopy_fsdp)
+install_deepcopy()  # copy.deepcopy(model.state_dict()): DTensors over packed shards (see _dtensor.py)
+
+__all__ = ["deepcopy_fsdp"]
