@@ -14,7 +14,7 @@ import warnings
 import torch
 
 _INTERNAL = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # fsdp2/, from fsdp2/base/
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 

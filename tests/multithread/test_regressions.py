@@ -102,7 +102,8 @@ class _RecordInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        from fsdp2 import TrainingState, _events
+        from fsdp2 import TrainingState
+        from fsdp2.trace import _events
 
         _events.record("post_backward", "worker", TrainingState.POST_BACKWARD, ctx.scope)
         return None, grad
