@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..base._autograd import eager
 from ..param._dtensor import local_of, locals_of, make_spec, spec_of, specs_of, wrap_local
 from ..param._param import is_managed
+from ._optimizer_hooks import take_part
 
 _GRAD = attrgetter("grad")
 _PATCHED = "_fsdp2_local_step"
@@ -137,10 +137,9 @@ def enable_automatic_local_steps() -> None:
     global _auto_hook
     if _auto_hook is not None or os.environ.get("FSDP2_LOCAL_STEP", "1") == "0":
         return
-    _auto_hook = register_optimizer_step_pre_hook(_first_step)
+    _auto_hook = take_part(before=_first_step)
 
 
-@eager  # reads the optimizer's lists and patches it: never traced
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # Runs before every step of every optimizer in the process: one set lookup once decided.
     if optimizer in _seen:

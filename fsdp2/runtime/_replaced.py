@@ -5,8 +5,9 @@ and refusing an optimizer step over any of them. Such an optimizer was built bef
 its parameters are no longer in the model, never get gradients, and its step would silently train
 nothing (torch's ``fully_shard`` lets it). Does not own: the optimizer or its step.
 
-Cost: one global optimizer step pre-hook. An optimizer's parameters are scanned on its first step,
-and again only after another ``fully_shard`` call or a change in its number of param groups.
+Cost: one participant in the optimizer pre-step hook (``_optimizer_hooks``). An optimizer's parameters
+are scanned on its first step, and again only after another ``fully_shard`` call or a change in its
+number of param groups.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..base._autograd import eager
+from ._optimizer_hooks import take_part
 
 # id -> weak reference of each replaced parameter object. Not an attribute on the tensor: a deep
 # copy of a replaced parameter (a fresh tensor the user may train) must not count as replaced.
@@ -28,22 +28,22 @@ _calls = itertools.count(1)
 _generation = 0  # bumped by every fully_shard call that replaced parameters
 # optimizer -> (generation, number of param groups) when its parameters were last scanned
 _scanned: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
-_hook: Any = None
+_joined = False
 
 
 def mark_replaced(params: list[torch.Tensor]) -> None:
     """Record that ``params`` (the original objects) are being replaced by sharded parameters."""
-    global _generation, _hook
+    global _generation, _joined
     if not params:
         return
     for param in params:
         _replaced[id(param)] = weakref.ref(param, functools.partial(_forget, id(param)))
     _generation = next(_calls)
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_refuse_replaced)
+    if not _joined:
+        _joined = True
+        take_part(before=_refuse_replaced)
 
 
-@eager  # reads the optimizer's lists: never traced
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     groups = optimizer.param_groups
     seen = (_generation, len(groups))

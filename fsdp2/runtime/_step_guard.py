@@ -2,8 +2,8 @@
 
 Owns: the list of every live ``FSDPParamGroup`` (``fully_shard`` hands each new one over), the map
 from an optimizer to the groups whose sharded parameters it steps (rebuilt only when groups or the
-optimizer's parameter lists change), and one global optimizer step pre-hook and post-hook that turn
-three silent mistakes into an error or the intended result:
+optimizer's parameter lists change), and its part in the optimizer pre-step and post-step hooks
+(``_optimizer_hooks``) that turns silent mistakes into an error or the intended result:
 
 - a step while a group still holds gradients that were never reduced (a backward with
   ``set_requires_gradient_sync(False)`` and no synced backward after it): ``RuntimeError`` before the
@@ -21,7 +21,8 @@ three silent mistakes into an error or the intended result:
 
 Does not own: the flags behind it (``FSDPParamGroup`` sets them; this module reads them and calls the
 group's methods) or the optimizer.
-Cost: two hook calls per step and one attribute check per group of the stepped parameters.
+Cost: one participant in each optimizer-step hook (``_optimizer_hooks``) and one attribute check
+per group of the stepped parameters.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..base._autograd import eager
 from ..base._lifecycle import ShardedState, TrainingState
 from ..group._param_group import FSDPParamGroup
+from ._optimizer_hooks import take_part
 
 _groups: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
 _calls = itertools.count(1)
@@ -46,7 +47,7 @@ _generation = 0  # bumped whenever groups are added
 _by_optimizer: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], list[Any]]] = (
     weakref.WeakKeyDictionary()
 )
-_hooks: list[Any] = []
+_joined: list[Any] = []  # the way out of the optimizer-step hooks, once joined
 
 
 def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
@@ -56,9 +57,8 @@ def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
         return
     _groups.update(groups)
     _generation = next(_calls)
-    if not _hooks:
-        _hooks.append(register_optimizer_step_pre_hook(_before_step))
-        _hooks.append(register_optimizer_step_post_hook(_after_step))
+    if not _joined:
+        _joined.append(take_part(before=_before_step, after=_after_step))
         _wrap_zero_grad()
 
 
@@ -96,7 +96,6 @@ def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
     return groups
 
 
-@eager  # reads the optimizer's lists and fsdp2's flags: never traced
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     groups = _stepped_groups(optimizer)
     partial = [why for why in map(partial_grads, groups) if why]
@@ -116,7 +115,6 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         before_optimizer_step(group)
 
 
-@eager
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in _stepped_groups(optimizer):
         after_optimizer_step(group)

@@ -6,9 +6,10 @@ number, reads every other rank's, and every rank raises the same error if they d
 has not arrived after the debug timeout); the comm wrappers that run it, installed through
 ``_engine.wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
 full-weight export and import; and the count of optimizer steps over each guarded root's parameters
-(one global optimizer step post-hook), which every description carries, so the collectives of two
-different steps never pair up. Does not own: the collectives (the groups' comms), the debug switch and
-its settings (``_debug``), or what the root's first forward compares once (``check_same_model``).
+(a participant in the optimizer post-step hook, ``runtime._optimizer_hooks``), which every
+description carries, so the collectives of two different steps never pair up. Does not own: the
+collectives (the groups' comms), the debug switch and its settings (``_debug``), or what the root's
+first forward compares once (``check_same_model``).
 Invariants: every rank of a process group numbers the FSDP collectives it issues there in the same
 order, so a sequence number pairs the collectives that c10d would pair; a rank keeps at most two of
 its own keys per process group in the store (it deletes the one of two collectives ago, which every
@@ -31,11 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..base._autograd import eager
 from ..comm._comms import ForwardingComm
 from ..param._dtensor import local_of
+from ..runtime._optimizer_hooks import take_part
 from ..runtime._step_guard import sharded_params
 from ..trace._debug import debug_enabled, guard_timeout, on_root_init
 from . import _engine as engine
@@ -479,14 +479,13 @@ def _watch_steps(steps: _Steps) -> None:
         _all_steps.add(steps)
         _generation += 1
         if not _step_hook:
-            _step_hook.append(register_optimizer_step_post_hook(_count_step))
+            _step_hook.append(take_part(after=_count_step))
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
     return (p for param_group in optimizer.param_groups for p in param_group["params"])
 
 
-@eager  # reads the optimizer's lists: never traced
 def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Count a step for each guarded root whose sharded parameters ``optimizer`` holds.
 

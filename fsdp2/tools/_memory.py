@@ -29,11 +29,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..param._dtensor import local_of
+from ..runtime._optimizer_hooks import take_part
 from . import _engine as engine
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
@@ -362,12 +362,7 @@ def process_hooks() -> Iterator[None]:
         if _resize_users == 0:
             _original_resize = torch.UntypedStorage.resize_
             torch.UntypedStorage.resize_ = _resize_and_report  # type: ignore[method-assign,assignment]  # reason: a wrapper
-            _thread_hooks.extend(
-                [
-                    register_optimizer_step_pre_hook(_optimizer_pre_hook),
-                    register_optimizer_step_post_hook(_optimizer_post_hook),
-                ]
-            )
+            _thread_hooks.append(take_part(before=_optimizer_pre_hook, after=_optimizer_post_hook))
         _resize_users += 1
     try:
         yield
@@ -376,8 +371,8 @@ def process_hooks() -> Iterator[None]:
             _resize_users -= 1
             if _resize_users == 0:
                 torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
-                for handle in _thread_hooks:
-                    handle.remove()
+                for leave in _thread_hooks:
+                    leave()
                 _thread_hooks.clear()
 
 
