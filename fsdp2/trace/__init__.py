@@ -11,4 +11,14 @@ from ._events import Event, EventScope, Span, record_events, save_chrome_trace
 from ._report import communication_report
 from ._timeline import merge_timelines, save_timeline
 
-__all__ = ["Event", "EventScope", "Span", "communication_report", "merge_timelines", "record_events", "save_chrome_trace", "save_timeline", "set_debug"]
+__all__ = [
+    "Event",
+    "EventScope",
+    "Span",
+    "communication_report",
+    "merge_timelines",
+    "record_events",
+    "save_chrome_trace",
+    "save_timeline",
+    "set_debug",
+]
