@@ -4,7 +4,11 @@ Owns: the Hypothesis profiles ("ci" when the CI environment variable is set, els
 ``impl`` fixture that runs a behaviour test against both ``fsdp2`` and torch's ``fully_shard``
 (ids ``fsdp2`` / ``torch``), and a default ``pytest.mark.timeout`` for tests that set none
 (hangs are the failure mode of multi-rank tests; every test under ``tests/multiprocess`` gets the
-``multiprocess`` marker and its longer limit). Markers are declared in pyproject.toml.
+``multiprocess`` marker and its longer limit), and the ``slow`` marker that keeps the quick loop
+(``-m "not slow"``) within minutes: spawned processes, the torch side of differential tests, worlds
+of 4 and more (``_quick_loop_leaves_out``), all but the first quick case of a test marked
+``first_case_in_quick_loop`` (its cases are combinations of settings), plus tests marked ``slow``.
+Markers are declared in pyproject.toml.
 Does not own: process groups (``_harness.py``) or the implementations (``_impls.py``).
 """
 
@@ -32,11 +36,35 @@ DEFAULT_TIMEOUT_S = 120
 MULTIPROCESS_TIMEOUT_S = 300
 
 
+def _quick_loop_leaves_out(item: pytest.Item) -> bool:
+    """Whether ``-m "not slow"`` leaves this thread-rank test to the whole suite.
+
+    The quick loop tests fsdp2 once per behaviour at the smallest world: the torch side of a
+    differential test (``impl``/``impl_name`` = torch: the reference, checked again by the whole
+    suite) and world sizes of 4 and more (2 shows the behaviour; 4 and 8 its scaling) are left out.
+    """
+    params = getattr(item, "callspec", None)
+    values = params.params if params is not None else {}
+    if "torch" in values.values():  # impl, impl_name, name: the torch side
+        return True
+    worlds = [values[name] for name in ("world_size", "world") if isinstance(values.get(name), int)]
+    return "multithread" in item.path.parent.parts and any(world >= 4 for world in worlds)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    sampled: set[str] = set()  # tests marked first_case_in_quick_loop whose first case was kept
     for item in items:
+        if item.get_closest_marker("first_case_in_quick_loop") is not None and "[" in item.nodeid:
+            function = item.nodeid.split("[")[0]
+            if function in sampled or _quick_loop_leaves_out(item):
+                item.add_marker(pytest.mark.slow)
+            else:
+                sampled.add(function)
         # every test under tests/multiprocess spawns processes, marked or not: give it their limit
         if "multiprocess" in item.path.parent.parts and item.get_closest_marker("multiprocess") is None:
             item.add_marker(pytest.mark.multiprocess)
+        if item.get_closest_marker("multiprocess") is not None or _quick_loop_leaves_out(item):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("timeout") is None:
             limit = MULTIPROCESS_TIMEOUT_S if item.get_closest_marker("multiprocess") else DEFAULT_TIMEOUT_S
             item.add_marker(pytest.mark.timeout(limit))

@@ -132,12 +132,12 @@ _auto_hook: Any = None
 def enable_automatic_local_steps() -> None:
     """Run torch's elementwise optimizers over DTensors on local shards from their second step on.
 
-    Called by ``fully_shard``; ``FSDP2_LOCAL_STEP=0`` in the environment turns it off.
+    Called by ``fully_shard``. ``FSDP2_LOCAL_STEP=0`` in the environment turns it off for every
+    optimizer whose first step runs while it is set.
     """
     global _auto_hook
-    if _auto_hook is not None or os.environ.get("FSDP2_LOCAL_STEP", "1") == "0":
-        return
-    _auto_hook = take_part(before=_first_step)
+    if _auto_hook is None:
+        _auto_hook = take_part(before=_first_step)
 
 
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -145,6 +145,8 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if optimizer in _seen:
         return
     _seen.add(optimizer)
+    if os.environ.get("FSDP2_LOCAL_STEP", "1") == "0":
+        return
     if type(optimizer) not in _ELEMENTWISE or any(g.get("differentiable") for g in optimizer.param_groups):
         return
     dtensors = [p for g in optimizer.param_groups for p in g["params"] if _is_dtensor(p)]

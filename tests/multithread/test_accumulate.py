@@ -120,6 +120,7 @@ def test_kept_groups_collectives_and_held_bytes(
             assert max(result["held"]) <= budget
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("option", ["bf16", "hsdp", "offload", "bucketed"])
 def test_accumulation_composes(option: str) -> None:
     world = 4 if option == "hsdp" else 2

@@ -121,6 +121,7 @@ def _two_speeds_body(slow: _Slowdown) -> tuple[tuple[Any, ...], tuple[Any, ...]]
     return _fit_tuple(fast), _fit_tuple(slowed)
 
 
+@pytest.mark.slow
 def test_auto_caps_on_two_process_groups_of_different_speed(slowdown: _Slowdown) -> None:
     results = run_threaded(2, _two_speeds_body, slowdown)
     assert results[0] == results[1]  # caps and fits, bit for bit, on both ranks

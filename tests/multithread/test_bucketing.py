@@ -172,6 +172,7 @@ DIMS_EVEN = [32] * 13  # 12 blocks of dim 32
 DIMS_UNEVEN = [16, 19, 23, 17, 31, 21, 18, 29, 22, 25]  # no dim divisible by 4 or 3 beyond chance
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("raf", [True, False])
 @pytest.mark.parametrize("caps", [(ALL, ALL), (0.01, 0.02), (ALL, None), (None, 0.01)], ids=str)
@@ -179,22 +180,26 @@ def test_parity_exact(world: int, raf: bool, caps: tuple[float | None, float | N
     run_threaded(world, _parity_body, DIMS_EVEN, raf, caps, 3, 1, False, world == 2 and caps == (ALL, ALL))
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_uneven_shapes(world: int) -> None:
     run_threaded(world, _parity_body, DIMS_UNEVEN, True, (0.003, 0.004), 3, 1, False, True)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("raf", [True, False])
 def test_parity_mixed_precision(raf: bool) -> None:
     run_threaded(4, _parity_body, DIMS_UNEVEN, raf, (ALL, 0.002), 3, 1, True)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("raf", [True, False])
 def test_parity_gradient_accumulation(raf: bool) -> None:
     run_threaded(2, _parity_body, DIMS_UNEVEN, raf, (ALL, ALL), 2, 3, False, True)
     run_threaded(4, _parity_body, DIMS_EVEN, raf, (0.01, 0.01), 2, 3, True)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.integers(2, 4),
@@ -252,6 +257,7 @@ def _counts_body(dims: list[int], raf: bool, cap_mb: float) -> list[Counter[str]
     return counts
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("raf", [True, False])
 @pytest.mark.parametrize("cap_mb", [ALL, 0.013, 0.03])
 def test_collective_counts(raf: bool, cap_mb: float) -> None:
@@ -449,6 +455,7 @@ def _one_block_keeps_its_params(model: Blocks) -> None:
     model.blocks[2].set_reshard_after_forward(False)  # type: ignore[operator]
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     "configure",
     [
@@ -546,6 +553,7 @@ def _shard_in_pairs(model: Blocks) -> None:
     fsdp2.fully_shard(model, reshard_after_forward=True)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("world", "build", "shard"),
     [

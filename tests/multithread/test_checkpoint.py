@@ -198,6 +198,7 @@ def _dcp_load(impl: str, path: str, expected: dict[str, Any]) -> None:
     _assert_matches(model, optim, expected)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("save_impl", "save_world", "load_impl", "load_world"),
     [

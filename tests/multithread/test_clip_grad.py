@@ -99,6 +99,7 @@ def test_clip_grad_norm_with_empty_shards(impl: Impl) -> None:
     run_threaded(4, _clip, impl.name, 2.0, "fsdp", UNEVEN_ARGS)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 @pytest.mark.parametrize("mesh_kind", ["hsdp", "shard1"])
 def test_clip_grad_norm_other_layouts(impl: Impl, mesh_kind: str, norm_type: float) -> None:

@@ -38,7 +38,7 @@ WORLD_SIZE = 128
 PARAM_SIZES = [(17, 257), (17,), (64, 312), (64,), (64, 64), (512, 64), (256,), (64, 297)]
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # world sizes up to 128
 
 
 def _originals() -> list[torch.Tensor]:

@@ -50,6 +50,7 @@ def _train_compiled(reshard_after_forward: bool) -> None:
     assert_sharded_parity(ref, model)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 def test_compiled_blocks_match_reference(reshard_after_forward: bool) -> None:
     torch._dynamo.reset()

@@ -79,6 +79,7 @@ def test_same_models_pass_with_one_extra_collective(debug: list[str]) -> None:
     assert checked[0] == plain[0] + 2  # all_gather_object of the fingerprint: sizes, then payloads
 
 
+@pytest.mark.slow
 def test_a_stuck_collective_is_reported_with_its_group_and_state(debug: list[str]) -> None:
     def body(rank: int, world_size: int) -> None:
         model = _model(rank, wide_on_rank=None)

@@ -278,6 +278,7 @@ def test_a_module_skipped_on_one_rank(debug: None) -> None:
     assert "The ranks run different FSDP modules here (a module skipped or repeated" in messages[0]
 
 
+@pytest.mark.slow  # waits for the guard's timeout on purpose
 def test_a_rank_that_never_arrives_is_named(debug: None, transport: str) -> None:
     def body(rank: int, world_size: int) -> str | None:
         model = small_sharded_mlp()
@@ -381,6 +382,7 @@ def _steps_counted(model: nn.Module) -> int:
     return next(s.count for s in list(fsdp2_guard._all_steps) if groups & set(s.members))
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     "pattern",
     [
@@ -400,6 +402,7 @@ def test_the_same_micro_batches_on_every_rank_pass(debug: None, pattern: str) ->
     assert run_ranks(2, _same_micro_batches_everywhere(pattern), timeout=60) == [(3, 2), (3, 2)]
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", ["fsdp-2", "hsdp-2x2"])
 def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None:
     """Three AdamW steps (bucketed with explicit prefetch; HSDP): bit-equal with debug mode off."""

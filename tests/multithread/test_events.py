@@ -169,6 +169,7 @@ def _a_cases() -> list[Any]:
 A_CASES = _a_cases()
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(("world_size", "raf", "ac"), A_CASES)
 def test_a_forward_backward(impl: Impl, world_size: int, raf: bool | int | None, ac: str | None) -> None:
     results = run_threaded(world_size, _sequence_a, impl, raf, ac, UNSHARD_ONLY, UNSHARD_AND_POST_BACKWARD)
@@ -233,6 +234,7 @@ def _sequence_b(impl: Impl, raf: bool | int | None, ac: str | None) -> Phases:
         return _train_and_record(impl, model, 2, step)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("ac", AC_CASES)
 @pytest.mark.parametrize(
     ("world_size", "raf"), [p for p in RAF_CASES if p.id.startswith("ws2") or p.id == "ws4-2"]

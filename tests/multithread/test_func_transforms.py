@@ -194,6 +194,7 @@ def _cases() -> Iterator[Any]:
                 yield pytest.param(name, transform, raf, id=f"{name}-{transform_id}-{raf_id}", marks=marks)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("name", "transform", "raf"), list(_cases()))
 def test_first_forward_under_transform_then_training(

@@ -119,6 +119,7 @@ def _accumulate(impl_name: str, spec: Spec, toggle_last_backward: bool, steps: i
     return reduce_scatters
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("toggle_last_backward", [False, True], ids=["sync_only", "with_is_last_backward"])
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -35,6 +35,8 @@ from tests._harness import run_threaded
 from tests._impls import get_impl
 from tests._training import EXACT
 
+pytestmark = pytest.mark.slow  # a real client (transformers' models): the whole suite runs it
+
 WORLD_SIZE = 2
 VOCAB = 96
 

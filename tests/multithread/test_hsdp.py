@@ -116,6 +116,7 @@ def _train(spec: Spec, raf: bool | None, steps: int) -> list[float]:
     return train_in_lockstep(model, ref, spec.inputs, steps, partial(_assert_parity, tol=TIGHT))
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("raf", [None, False], ids=["raf_None", "raf_False"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_hsdp_parity_with_unsharded_reference(spec: Spec, raf: bool | None) -> None:
@@ -146,6 +147,7 @@ def _differential(spec: Spec, steps: int) -> None:
         )
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("spec", SPECS)
 def test_hsdp_differential_against_torch(spec: Spec) -> None:
     run_threaded(WORLD, _differential, spec, 3)
@@ -188,6 +190,7 @@ def _deferred_all_reduce(impl_name: str, spec: Spec, steps: int) -> list[list[tu
     return counts
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("impl_name", ["fsdp2", "torch"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_requires_all_reduce_false_accumulates_partial_grads(spec: Spec, impl_name: str) -> None:

@@ -279,27 +279,19 @@ def test_partial_gradients_fall_back_to_the_dtensor_path() -> None:
     run_ranks(2, _partial_gradient)
 
 
-def test_environment_variable_turns_the_automatic_path_off() -> None:
-    import subprocess
-    import sys
+def _steps_with_the_variable_set(rank: int, world_size: int) -> bool:
+    model = torch.nn.Linear(4, 4)
+    fsdp2.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    return getattr(opt, "_fsdp2_local_step", False)
 
-    code = (
-        "import torch, fsdp2\n"
-        "from fsdp2.testing import run_ranks\n"
-        "def body(rank, world):\n"
-        "    model = torch.nn.Linear(4, 4)\n"
-        "    fsdp2.fully_shard(model)\n"
-        "    opt = torch.optim.AdamW(model.parameters())\n"
-        "    for _ in range(2):\n"
-        "        model(torch.ones(2, 4)).sum().backward()\n"
-        "        opt.step()\n"
-        "    return getattr(opt, '_fsdp2_local_step', False)\n"
-        "print(run_ranks(2, body))\n"
-    )
-    env = {**__import__("os").environ, "FSDP2_LOCAL_STEP": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[False, False]"
+
+def test_environment_variable_turns_the_automatic_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDP2_LOCAL_STEP", "0")  # read at each optimizer's first step
+    assert run_ranks(2, _steps_with_the_variable_set) == [False, False]
 
 
 def _deepcopied_optimizer(rank: int, world_size: int, base: nn.Module) -> None:
@@ -356,6 +348,7 @@ def _compiled_optimizer_step(rank: int, world_size: int, base: nn.Module) -> Non
         torch.testing.assert_close(p.to_local(), q.to_local())  # compiled kernels may round differently
 
 
+@pytest.mark.slow
 def test_compiled_optimizer_step() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
@@ -455,6 +448,7 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
         _assert_same_params_and_state(opt, ref_opt, params, ref_params, msg=f"step {step} {name}")
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     edits=st.lists(st.sampled_from(EDITS), min_size=3, max_size=12),

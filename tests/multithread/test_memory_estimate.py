@@ -228,6 +228,7 @@ def _plan_step(built: tuple[nn.Module, torch.optim.Optimizer]) -> None:
     optim.zero_grad()
 
 
+@pytest.mark.slow
 def test_plan_fewest_collectives_that_fit_and_measured_peak_agrees() -> None:
     world = 4
     roomy = fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=2**30)
@@ -294,6 +295,7 @@ def test_plan_errors() -> None:
         fsdp2.plan(lambda: Blocks(n=2), _plan_step, world_size=2, budget_bytes=2**30, candidates=["nope"])
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("variant", ["cpu-offload", "bucketed", "reshard-after-forward-false"])
 def test_estimate_matches_measured_with_engine_options(variant: str) -> None:
     world = 4
@@ -331,6 +333,7 @@ def test_a_model_left_on_meta_is_a_clear_error() -> None:
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_estimate_matches_measured_with_tensor_parallelism() -> None:
     """A (dp=2, tp=2) mesh: torch's parallelize_module inside each block, fully_shard over dp."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -311,6 +311,7 @@ POLICIES = [
 ]
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -189,6 +189,7 @@ def _deterministic(layout: str, steps: int = 3) -> tuple[list[torch.Tensor], lis
     return first_grads, [p.full_tensor() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_deterministic_reduction_is_bit_identical_across_layouts_and_runs() -> None:
     results = {layout: run_threaded(4, _deterministic, layout) for layout in LAYOUTS}
     results["fsdp-again"] = run_threaded(4, _deterministic, "fsdp")

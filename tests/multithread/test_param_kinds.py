@@ -422,6 +422,7 @@ def _random_stack(case: dict[str, Any]) -> None:
     _train(model, ref, lambda rank, step: make_input((3, case["widths"][0]), rank, seed=step), steps=2)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(case=stacks())
 def test_random_frozen_trainable_stacks(case: dict[str, Any]) -> None:

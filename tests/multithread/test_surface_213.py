@@ -191,6 +191,7 @@ def _compare_with_torch(case: str, base: nn.Module) -> None:
         torch.testing.assert_close(param, theirs["params"][name], **TIGHT, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_dp_mesh_dims_matches_torch(case: str) -> None:
     torch.manual_seed(0)  # one model for every run, built here (rank threads would race on the RNG)
@@ -504,6 +505,7 @@ def _setter_refuses(impl: Impl, setter: str, value: Any, error: type[Exception])
         _step(model)  # and the model still trains
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("setter", "value", "error"),
     SETTER_CASES,

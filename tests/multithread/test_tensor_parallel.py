@@ -204,6 +204,7 @@ def test_tensor_parallel_gradient_accumulation(impl_name: str) -> None:
     run_threaded(4, _train, impl_name, "2d", True, False, True)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_fsdp_on_dim1_trains_like_the_reference_and_torch() -> None:
     """``shard_placement_fn`` -> ``Shard(1)`` for the TP matrices: FSDP splits their TP-local columns."""
     torch.manual_seed(0)
@@ -280,6 +281,7 @@ def _state_dicts_and_clipping(dim1: bool) -> None:
     _assert_full_equal(ref, model, grads=True, tol=TIGHT)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("dim1", [False, True], ids=["fsdp-dim0", "fsdp-dim1"])
 def test_state_dicts_and_clip_grad_norm_over_2d_parameters(dim1: bool) -> None:
     run_threaded(4, _state_dicts_and_clipping, dim1)
@@ -343,5 +345,6 @@ def _dcp_round_trip(path: str) -> None:
     torch.testing.assert_close(other(x).sum(), model(x).sum(), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_dcp_save_and_load_of_2d_parameters(tmp_path: Any) -> None:
     run_threaded(4, _dcp_round_trip, str(tmp_path / "ckpt"))

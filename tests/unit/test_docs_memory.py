@@ -7,9 +7,12 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 
 
+@pytest.mark.slow
 def test_the_memory_page_runs_and_prints_what_it_shows() -> None:
     text = PAGE.read_text()
     code = re.findall(r"```python\n(.*?)```", text, re.S)
