@@ -30,6 +30,13 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def quick(session: nox.Session) -> None:
+    """The quick loop: every behaviour once at world 2, no spawns (about 3 minutes on 2 cores)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "not slow", *session.posargs)
+
+
+@nox.session
 def multiprocess(session: nox.Session) -> None:
     """Tests that spawn real gloo ranks (about 10 s per spawn on 2 cores)."""
     _install(session, "test")
