@@ -1,11 +1,11 @@
-"""Foreach collectives over the parameters of one group: pure functions, no module state.
+"""Foreach collectives over the parameters of one group: functions, tensors in and tensors out.
 
 Owns: the all-gather copy-in (every parameter's 1-D input into one flat buffer), the all-gather,
 the copy-out into per-parameter outputs, the reduce-scatter copy-in (chunk-concatenation of padded
 gradients), the reduce-scatter, and the view-out into per-parameter shards; plus the reduce ops and
 divide factors. Buffers are allocated by, and collectives issued through, the comm objects passed in
-(``_comms``; the defaults when none is given). Does not own: streams' lifetimes (``CommContext``) or
-registering parameters.
+(``_comms``; the defaults when none is given). Module state: one cache of contiguous strides by shape
+(``_STRIDES``). Does not own: streams' lifetimes (``CommContext``) or registering parameters.
 
 Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n_i``):
 - all-gather buffer: ``[rank 0: p0 | p1 | ...][rank 1: p0 | p1 | ...]...``, ``W * B`` elements; this

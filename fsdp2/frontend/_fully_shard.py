@@ -87,7 +87,8 @@ def fully_shard(
             again in backward; ``False`` keeps them until backward; ``None`` means ``True`` except for
             the root, which keeps them (its backward starts right away); an ``int`` k reshards to a
             k-rank slice after forward so backward gathers over k ranks only.
-        shard_placement_fn: returns the placement for a parameter; ``None`` or ``Shard(0)`` only.
+        shard_placement_fn: returns the placement for a parameter: ``None`` (``Shard(0)``), ``Shard(d)``
+            for any dim of the parameter, or a ``ShardPlacementResult`` (a placement and its own mesh).
         mp_policy: mixed-precision dtypes.
         offload_policy: where sharded parameters live.
         ignored_params: parameters left unsharded and unreduced.

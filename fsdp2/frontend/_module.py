@@ -3,8 +3,10 @@
 Owns: the dynamic ``FSDP<Name>`` classes (cached per original class), the ``FSDPModule`` methods
 (unshard/reshard and every setter), ``UnshardHandle``, ``register_fsdp_forward_method`` and
 ``share_comm_ctx``, and the errors the setters raise for bad arguments (before any change, with torch's
-exception types). Each method only translates the call into ``FSDPState``/``FSDPParamGroup`` fields
-or calls. Does not own: hooks or communication.
+exception types). Most methods translate the call into ``FSDPState``/``FSDPParamGroup`` fields or
+calls; two setters also communicate: ``set_separate_reduce_scatter_group`` creates a process group
+per shard group, and ``set_bucket_cap_mb("auto")`` measures collectives to choose the caps
+(``_autocap``). Does not own: hooks, or the collectives of a step.
 """
 
 from __future__ import annotations

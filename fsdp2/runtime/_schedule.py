@@ -1,4 +1,4 @@
-"""Work across the groups of one root: the only place that holds lists of groups.
+"""Work across the groups of one root: their orders, the bucket plans and the reduce-scatter queue.
 
 Owns: ``Schedule``, one per root (created with the root's shared context): the execution orders of
 the current iteration (pre-forward order for the forward bucket plan, post-forward order for the
