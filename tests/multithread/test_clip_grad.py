@@ -89,7 +89,7 @@ NORM_TYPES = [pytest.param(2.0, id="l2"), pytest.param(float("inf"), id="inf")]
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])
 def test_clip_grad_norm_matches_reference(impl: Impl, world_size: int, norm_type: float) -> None:
     norms = run_threaded(world_size, _clip, impl.name, norm_type, "fsdp")
     assert all(n == norms[0] for n in norms)  # one global norm, the same on every rank
@@ -134,7 +134,7 @@ def _clip_with_frozen(impl_name: str) -> None:
             )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])
 def test_clip_grad_norm_skips_frozen(impl: Impl, world_size: int) -> None:
     run_threaded(world_size, _clip_with_frozen, impl.name)
 

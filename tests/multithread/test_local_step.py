@@ -105,7 +105,7 @@ def _compare(rank: int, world_size: int, base: nn.Module, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])
 def test_local_step_equals_the_dtensor_path(name: str, world_size: int) -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))  # 3 rows over 4 ranks: one empty
