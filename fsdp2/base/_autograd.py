@@ -157,19 +157,26 @@ def register_post_backward(
     return new_args, new_kwargs
 
 
+# The nodes of inputs routed through a post-backward node (keyword inputs, several positional ones).
+_ROUTED = frozenset({"_PostBackwardNodeBackward", "_PostBackwardNodeEagerBackward"})
+
+
 def register_pre_backward(
     tensor: torch.Tensor,
     tensor_hook: Callable[[torch.Tensor], torch.Tensor],
     node_hook: Callable[[tuple[torch.Tensor | None, ...]], None],
+    inputs: Callable[[], set[int]] | None = None,
 ) -> bool:
     """Run a hook when backward reaches ``tensor`` (which requires grad); whether in-place ops keep it.
 
     On the node that produced it (``node_hook(grad_outputs)``, registered in C++) where there is one;
     on the tensor itself (``tensor_hook(grad)``) for a leaf or under torch.func transforms. For a view
-    (an LM head's ``Linear`` on 3-D activations returns one), the node of its base: an in-place op on
-    the view (``out += y``) gives the view a new node but keeps the base's, and the view nodes in
-    between compute nothing with parameters, so the hook runs at the same point. Returns ``False``
-    only for a view whose hook an in-place op would drop (a view of a leaf, or under torch.func).
+    (an LM head's ``Linear`` on 3-D activations returns one) of a tensor the module computed, the node
+    of its base: an in-place op on the view (``out += y``) gives the view a new node but keeps the
+    base's, and the view nodes in between compute nothing with parameters, so the hook runs at the
+    same point. ``inputs`` gives the ids of the module's input tensors (their bases): a view of one of
+    them keeps the hook on its own node, since the base's node runs after the module's post-backward.
+    Returns ``False`` for a view whose hook an in-place op would drop.
     """
     node = tensor.grad_fn
     if node is None or functorch_active():
@@ -177,13 +184,24 @@ def register_pre_backward(
         return not is_view(tensor)
     base = tensor._base  # noqa: SLF001 - no public API for a view's base
     # A full backward hook's views (BackwardHookFunctionBackward) must keep the hook on their own node.
-    if base is not None and type(node).__name__ != "BackwardHookFunctionBackward":
-        if base.grad_fn is None:
-            node.register_prehook(node_hook)
-            return False
-        node = base.grad_fn
-    node.register_prehook(node_hook)
+    if base is None or type(node).__name__ == "BackwardHookFunctionBackward":
+        node.register_prehook(node_hook)
+        return True
+    if base.grad_fn is None or inputs is None or id(base) in inputs() or not _computed_here(node, base):
+        node.register_prehook(node_hook)
+        return False
+    base.grad_fn.register_prehook(node_hook)
     return True
+
+
+def _computed_here(node: Any, base: torch.Tensor) -> bool:
+    """Whether the view chain from ``node`` reaches ``base``'s node without passing a routed input."""
+    target, steps = base.grad_fn, 0
+    while node is not None and node is not target and steps < 64:
+        if type(node).__name__ in _ROUTED or not node.next_functions:
+            return False
+        node, steps = node.next_functions[0][0], steps + 1
+    return node is target
 
 
 class _PreBackwardNode(torch.autograd.Function):

@@ -40,6 +40,7 @@ from ..comm._comms import (
 from ..group._param_group import FSDPParamGroup
 from ..runtime._autocap import BucketCaps, CapMB, CapMBOrUnset, choose_caps, read_caps
 from ..runtime._state import FSDPState, get_state
+from ..runtime._step_guard import drop_held_gradients
 
 
 def describe(value: Any) -> str:
@@ -186,9 +187,7 @@ class FSDPModule(_ModuleBase):
         """
         super().zero_grad(set_to_none)
         for module in self._fsdp_modules(True):
-            for group in _require_state(module).groups:
-                if group.unreduced_grads or group.partial_grads:
-                    group.drop_unreduced_grads()
+            drop_held_gradients(list(_require_state(module).groups))  # what optimizer.zero_grad does
 
     def _single_group(self, method: str) -> FSDPParamGroup | None:
         """This module's only group (``None`` without parameters); ambiguous with per-parameter meshes."""

@@ -43,6 +43,7 @@ at once. The end-of-backward callback clears the unfinished member set and the i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -278,7 +279,7 @@ class FSDPState(TorchStateNames):
             return self.cast_output(output)
         self.group_post_forward()
         if torch.is_grad_enabled():
-            output = self.register_pre_backward_hooks(output)
+            output = self.register_pre_backward_hooks(output, args)
         self.set_state(_IDLE)
         ctx = self.ctx
         if ctx is not None and ctx.iteration_root is self:
@@ -323,11 +324,15 @@ class FSDPState(TorchStateNames):
 
     # ---- backward --------------------------------------------------------------------------------
 
-    def register_pre_backward_hooks(self, output: Any) -> Any:
-        """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func)."""
+    def register_pre_backward_hooks(self, output: Any, inputs: Any = None) -> Any:
+        """Hook ``output``'s tensors that require grad; returns ``output`` (rerouted under torch.func).
+
+        ``inputs``: the forward's arguments (``None``: unknown), read only for an output that is a view.
+        """
         hook = self._pre_backward_hook
+        bases = None if inputs is None else functools.partial(_input_bases, inputs)
         for tensor in _tensors_requiring_grad(output):
-            if not register_pre_backward(tensor, hook, self._pre_backward_node_hook):
+            if not register_pre_backward(tensor, hook, self._pre_backward_node_hook, bases):
                 warn_user(_fragile_view_message(self))
         return route_untracked_outputs(hook, output)
 
@@ -380,6 +385,19 @@ class FSDPState(TorchStateNames):
     def reset_iteration(self) -> None:
         """Root only: recover from an exception in forward or backward."""
         self.shared_context().reset(self)
+
+
+def _input_bases(inputs: Any) -> set[int]:
+    """Ids of the forward's input tensors and of their bases.
+
+    An input routed through the post-backward node is a view of the caller's tensor.
+    """
+    found: set[int] = set()
+    for tensor in _tensors_requiring_grad(inputs):
+        found.add(id(tensor))
+        if tensor._base is not None:  # noqa: SLF001 - no public API for a view's base
+            found.add(id(tensor._base))  # noqa: SLF001
+    return found
 
 
 def _fragile_view_message(state: FSDPState) -> str:

@@ -549,6 +549,49 @@ def _in_place_on_view_outputs() -> list[str]:
     return [str(w.message) for w in caught or [] if "returned a view" in str(w.message)]
 
 
+class _ReturnsInputView(nn.Module):
+    """Returns a view of an input next to its own output: that view's base is computed outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), x[:, :4], y[:, 2:]
+
+
+class _InputViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(8, 8), _ReturnsInputView(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        out, first, last = self.inner(h, y=h * 2)
+        return self.post(out).sum() + first.sum() + last.sum()
+
+
+def _views_of_inputs() -> int:
+    fsdp2 = get_impl("fsdp2")
+    base = seeded(_InputViews)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    fsdp2.fully_shard(model.inner)  # reshards after forward: one all-gather in backward
+    fsdp2.fully_shard(model)
+    x = make_input((3, 8), dist.get_rank())
+    with count_collectives() as counts:
+        model(x).backward()
+    ref(x).backward()
+    average_grads(ref)
+    assert_sharded_parity(ref, model, grads=True)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return counts["all_gather"]
+
+
+def test_a_view_of_an_input_keeps_the_hook_on_its_own_node() -> None:
+    # The input's node runs after the module's post-backward: a pre-backward there would gather again.
+    assert run_threaded(2, _views_of_inputs) == [3, 3]  # forward: root, inner; backward: inner
+
+
 def _leaf_view_warning() -> list[Any]:
     import warnings
 
