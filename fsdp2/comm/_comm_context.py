@@ -36,6 +36,16 @@ _Staged = TypeVar("_Staged")
 _Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input: often a view of it)
 
 
+def gathers_on_streams(ctx: CommContext | None, async_op: bool, serves_use: bool) -> bool:
+    """Whether an all-gather runs on the side streams (``CommContext.all_gather_on_streams``).
+
+    Only on CUDA, for a use in forward or backward (``serves_use``) that waits for it on the compute
+    stream; an ``async_op`` unshard (the user waits on its work) and other all-gathers run in program
+    order. The one place this choice is made, for single groups and buckets alike.
+    """
+    return ctx is not None and ctx.use_streams and serves_use and not async_op
+
+
 class CommContext:
     """Streams and in-flight buffers shared by all parameter groups of one root."""
 
@@ -84,6 +94,25 @@ class CommContext:
             issue(staged)
             event = gather_stream.record_event()
         return staged, event
+
+    def reduce_on_stream(self, buffer: torch.Tensor, work: Callable[[], None]) -> torch.Event | None:
+        """The reduce-scatter protocol, for single groups and buckets alike.
+
+        On the side streams, ``work`` (reduce ``buffer`` and assign the shards) runs on the
+        reduce-scatter stream after the current stream's writes; ``buffer`` stays referenced until
+        the returned post-reduce event is waited on. Elsewhere ``work`` runs now and the result is
+        ``None``.
+        """
+        stream = self.reduce_scatter_stream
+        if not self.use_streams or stream is None:
+            work()
+            return None
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            work()
+            event = stream.record_event()
+        self.pending_reduce_scatters.append((buffer, event))
+        return event
 
     def wait_for_current_stream(self, event: torch.Event | None = None) -> None:
         """All-gather streams wait for the optimizer: on ``event`` if given, else the current stream."""

@@ -219,11 +219,16 @@ class FSDPModule(_ModuleBase):
         Returns:
             An :class:`UnshardHandle` if ``async_op``, else ``None`` once the parameters are registered.
         """
-        groups = self._get_fsdp_state().groups
+        state = self._get_fsdp_state()
+        groups = state.groups
         if not groups:
             return UnshardHandle() if async_op else None
-        for group in groups:
-            group.unshard(async_op)  # lazy-initializes the group first if it is not
+        schedule = state.ctx.schedule if state.ctx is not None else None  # None before the first forward
+        for group in groups:  # each lazy-initializes first if it is not
+            if schedule is not None:
+                schedule.unshard(group, async_op)
+            else:
+                group.unshard(async_op)
         handle = _GroupUnshardHandle(groups)
         if async_op:
             return handle

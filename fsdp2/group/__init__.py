@@ -2,13 +2,14 @@
 
 One ``fully_shard`` group over its own parameters: the packed shards (all-gather input), the
 pending all-gather, the unsharded buffer and its registrations, the gradient reduction (ordered,
-skipping unused parameters, the usage rows) and the group's side of bucketing. A group reads its root
-only through ``GroupRoot``. Imports the floors below.
+skipping unused parameters, the usage rows, the one reduce path that buckets share) and the group's
+side of bucketing. A group holds what it works with (the root's streams and event scope, handed over
+by ``attach``), never its root, its schedule or a sibling: ``runtime``'s schedule calls it.
+Imports the floors below.
 
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """
 
-from ._environment import GroupRoot
 from ._param_group import FSDPParamGroup
 
-__all__ = ["FSDPParamGroup", "GroupRoot"]
+__all__ = ["FSDPParamGroup"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,9 +27,6 @@ from ..trace import _events
 from ..trace._events import EventScope
 from ._gather import AllGatherer
 from ._reduce import GradientReducer, bucket_key
-
-if TYPE_CHECKING:
-    from ._environment import GroupRoot
 
 
 @dataclass
@@ -51,10 +47,7 @@ class PendingReduceScatter:
 
 
 class BucketMember:
-    """A group's side of bucketing, mixed into ``FSDPParamGroup``; reads only the group's own parts.
-
-    Also the group's view of its root context (``comm_ctx``, ``event_scope``).
-    """
+    """A group's side of bucketing, mixed into ``FSDPParamGroup``; reads only the group's own parts."""
 
     # Set by FSDPParamGroup.__init__ / lazy_init:
     gatherer: AllGatherer
@@ -71,17 +64,8 @@ class BucketMember:
     @property
     def post_forward_mesh_info(self) -> MeshInfo | None: ...
 
-    root: GroupRoot | None  # streams, event scope and schedule; None before the root's lazy init
-
-    @property
-    def comm_ctx(self) -> CommContext | None:
-        root = self.root
-        return root.comm_ctx if root is not None else None
-
-    @property
-    def event_scope(self) -> EventScope | None:
-        root = self.root
-        return root.event_scope if root is not None else None
+    comm_ctx: CommContext | None  # the root's streams, set at its lazy init (``attach``)
+    event_scope: EventScope | None
 
     # ---- what the schedule asks ------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from ..comm._collectives import (
     packed_all_gather_copy_in,
     wait_all_gather,
 )
+from ..comm._comm_context import gathers_on_streams
 from ..comm._comms import comm_type
 from ..param._extension import padded_rule_error
 from ..trace._events import GpuTiming
@@ -183,8 +184,8 @@ class AllGatherer:
         """
         post_forward = info is not self._mesh_info
         comm = all_gather if info.shard_size > 1 else None
-        on_streams = ctx is not None and ctx.use_streams and not async_op
-        if ctx is None or not on_streams or (state is not _FORWARD and state is not _PRE_BACKWARD):
+        serves_use = state is _FORWARD or state is _PRE_BACKWARD
+        if ctx is None or not gathers_on_streams(ctx, async_op, serves_use):
             output, local, splits = self._copy_in(packed, post_forward, info, comm)  # no closures
             work = issue_all_gather(output, local, info.shard_group, info.shard_size, async_op, comm)
             self.result = AllGatherResult(output, splits, info.shard_size, None, work)

@@ -1,15 +1,16 @@
 """A communication group: the parameters of one ``fully_shard`` call.
 
 Owns: the group's ``TrainingState`` and ``ShardedState`` and the sequence of one step over its own
-parameters: unshard (issue one all-gather), wait_for_unshard (copy out, register), reshard, pre/post
-forward and backward, prefetch. Its side of bucketing (bucket keys, inputs, packed gradients for
-the schedule) and its view of the root context are the ``BucketMember`` mixin. Its parts:
+parameters: unshard (issue its own all-gather), wait_for_unshard (copy out, register), reshard,
+pre/post forward and backward (the post-backward takes the gradients), its own reduction. Its side of
+bucketing (bucket keys, inputs, packed gradients) is the ``BucketMember`` mixin. Its parts:
 ``PackedShards`` (the all-gather input, ``_packed.py``), ``AllGatherer`` (the pending all-gather,
-``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``) and
-``GradientReducer`` (``_reduce.py``). Does not own: hooks and prefetch targets (``FSDPState``), the
-iteration's begin and end (``runtime``'s ``RootContext``, read through ``GroupRoot``), the execution
-orders, bucket plan and reduce-scatter queue (``Schedule``): a group asks its schedule whether to
-gather or reduce with others.
+``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``),
+``GradientReducer`` (``_reduce.py``) and, once a root adopts it, ``UseTracker`` (``_skip.py``). What
+it works with under its root (the streams, the event scope) is handed over by ``attach``.
+Does not own: hooks and prefetch targets (``FSDPState``), the iteration's begin and end
+(``RootContext``), the execution orders, bucket plan and reduce-scatter queue (``Schedule``, the one
+caller of a step's gathers and reductions). A group never calls its schedule, root or siblings.
 Invariants: the group's ``ShardedState`` equals every member parameter's; at most one all-gather is
 pending (``gatherer.result``, possibly this group's part of a bucket); an unshard is a no-op while
 one is pending or when unsharded; every training-state change goes through ``_lifecycle.transition``.
@@ -38,10 +39,12 @@ from ._bucket_member import BucketMember
 from ._gather import AllGatherer
 from ._packed import PackedShards, zeroed_shards
 from ._reduce import GradientReducer
+from ._skip import Skip, UseTracker
+from ._unshard_buffer import UnshardedBuffer
 
 if TYPE_CHECKING:
-    from ._environment import GroupRoot
-from ._unshard_buffer import UnshardedBuffer
+    from ..comm._comm_context import CommContext
+    from ..trace._events import EventScope
 
 _IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD
@@ -83,9 +86,10 @@ class FSDPParamGroup(BucketMember):
         self.controls = GroupControls()
         self.comms = GroupComms()
         self.reducer = GradientReducer(config.mesh_info)
-        # The root's context (streams, event scope, schedule), set by the root's lazy init; None
-        # before it: no streams (work runs in program order), no events, no bucketing.
-        self.root: GroupRoot | None = None
+        # What the group works with under its root, handed over by the root's lazy init (``attach``);
+        # None before it: no side streams (work runs in program order), no events.
+        self.comm_ctx: CommContext | None = None
+        self.event_scope: EventScope | None = None
         self.module_fqn = ""
         self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -96,6 +100,9 @@ class FSDPParamGroup(BucketMember):
         self.partial_grads: str | None = None  # why the gradients are partial (fsdp2.accumulate raised)
         self.awaiting_backward = False  # a forward with gradients ran, its backward has not
         self.stepped_after_forward = False  # an optimizer stepped these parameters in between
+        # Which submodules ran forward since the last reduction: made by the first root's usage
+        # agreement that takes the group in (runtime/_agreement.py), then kept with its hooks.
+        self.use_tracker: UseTracker | None = None
 
     def __str__(self) -> str:
         return f"group {self.module_fqn or '<root>'}"
@@ -103,9 +110,9 @@ class FSDPParamGroup(BucketMember):
     def set_state(self, new: TrainingState) -> None:
         self.training_state = transition(self.training_state, new, self)
 
-    def attach(self, root: GroupRoot) -> None:
-        """Work under ``root`` from now on (its lazy init, after validating every group)."""
-        self.root = root
+    def attach(self, comm_ctx: CommContext, event_scope: EventScope) -> None:
+        """Work with the root's streams and event scope from now on (its lazy init, after validation)."""
+        self.comm_ctx, self.event_scope = comm_ctx, event_scope
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -159,44 +166,41 @@ class FSDPParamGroup(BucketMember):
 
     # ---- unshard / reshard -----------------------------------------------------------------------
 
+    def needs_gather(self) -> bool:
+        """Whether an unshard would issue an all-gather (none pending, not unsharded)."""
+        return self.gatherer.result is None and self.sharded_state is not _UNSHARDED
+
+    def ready_to_gather(self) -> None:
+        """Lazy-init again if the parameters were re-adopted since the last step (idempotent)."""
+        if not self.lazy_initialized:
+            self.lazy_init()  # see readopt_sharded_params
+            ctx = self.comm_ctx
+            if ctx is not None:
+                # Lazy init may have (re)packed the shards on the current stream: the copy-in and
+                # all-gather streams read them, so they wait for those writes.
+                ctx.wait_for_current_stream()
+
     @outside_functorch
     def unshard(self, async_op: bool = False, as_state: TrainingState | None = None) -> None:
-        """Issue this group's all-gather, unless one is pending or the group is already unsharded.
+        """Issue this group's own all-gather, unless one is pending or the group is already unsharded.
 
         ``as_state`` is the phase the all-gather serves (a prefetch issues it for the next forward or
         backward use); it picks the streams and labels the event. Default: the group's own state.
+        Whether it gathers with other groups instead is the schedule's call (``Schedule.unshard``).
         """
-        if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
+        if not self.needs_gather():
             return
-        root = self.root
-        if not self.lazy_initialized:
-            self.lazy_init()  # parameters re-adopted since the last step (readopt_sharded_params)
-            if root is not None:
-                # Lazy init may have (re)packed the shards on the current stream: the copy-in and
-                # all-gather streams read them, so they wait for those writes.
-                root.comm_ctx.wait_for_current_stream()
+        self.ready_to_gather()
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        schedule = root.schedule if root is not None else None
-        scope = root.event_scope if root is not None else None
+        scope = self.event_scope
         start = _events.span_start(scope)  # the thread blocks from here until the issue returns
-        if (
-            schedule is not None
-            and schedule.bucket_gathers
-            and not (async_op or post_forward)
-            and schedule.gather(self, state)
-        ):
-            # One all-gather with the other members of its bucket (records every unshard); its wait is
-            # this group's (from its span's start): the members needed later find their part there.
-            _events.wait_end(self.gatherer.span[0], "all-gather", self.module_fqn, state, scope)
-            return
         _events.record("unshard", self.module_fqn, state, scope)
         self.gatherer.span = (start, state)
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
-        ctx = root.comm_ctx if root is not None else None
         with watch_collective("all-gather", self.module_fqn, state):
-            self.gatherer.issue(self.packed, info, self.comms.all_gather, ctx, async_op, state)
+            self.gatherer.issue(self.packed, info, self.comms.all_gather, self.comm_ctx, async_op, state)
         _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
 
     @outside_functorch
@@ -218,10 +222,9 @@ class FSDPParamGroup(BucketMember):
         self._register_unsharded()
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
-        root = self.root
         gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
         _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
-        ctx = root.comm_ctx if root is not None else None
+        ctx = self.comm_ctx
         if ctx is not None and ctx.use_streams:
             ctx.defer_all_gather_buffers(
                 result.output, result.input, self.device, self.training_state is _FORWARD
@@ -269,24 +272,16 @@ class FSDPParamGroup(BucketMember):
         sync = self.training_state is not _PRE_BACKWARD
         self.buffer.register_unsharded(self.fsdp_params, sync, batch)
 
-    def prefetch(self, as_state: TrainingState) -> None:
-        """Unshard ahead of a use in ``as_state`` (``FORWARD`` or ``PRE_BACKWARD``)."""
-        if as_state is _PRE_BACKWARD and not self.controls.unshard_in_backward:
-            return
-        self.unshard(False, as_state)
-
     # ---- forward ---------------------------------------------------------------------------------
 
     def pre_forward(self) -> None:
-        """Enter ``FORWARD`` and make the unsharded parameters available."""
+        """Enter ``FORWARD`` (the schedule then unshards the group for it: ``Schedule.use``)."""
         self.set_state(_FORWARD)
         self.stepped_after_forward = False
         if self.sharded_state is _UNSHARDED:
             # Still unsharded (reshard_after_forward=False): register the unsharded parameters again,
             # since a restore such as torch.func.functional_call's may have put the sharded ones back.
             self._register_unsharded()
-        self.unshard(self.controls.unshard_async_op)
-        self.wait_for_unshard()
 
     def post_forward(self) -> bool:
         """Reshard per policy and return to ``IDLE``; returns whether a backward may use this forward."""
@@ -309,20 +304,22 @@ class FSDPParamGroup(BucketMember):
     # ---- backward --------------------------------------------------------------------------------
 
     def pre_backward(self) -> bool:
-        """Enter ``PRE_BACKWARD`` and unshard for backward; ``False`` if already in it (nothing done)."""
+        """Enter ``PRE_BACKWARD`` (the schedule then unshards); ``False`` if already in it (nothing done)."""
         if self.training_state is _PRE_BACKWARD:
             return False
         if self.stepped_after_forward:
             self.stepped_after_forward = False
             raise stepped_before_backward(self.module_fqn)
         self.set_state(_PRE_BACKWARD)
-        if self.controls.unshard_in_backward:
-            self.unshard(self.controls.unshard_async_op)
-        self.wait_for_unshard()
         return True
 
-    def post_backward(self) -> None:
-        """Reshard and reduce-scatter the gradients autograd left on the unsharded parameters."""
+    def post_backward(self, skip: Skip | None = None) -> tuple[list[FSDPParam], list[torch.Tensor]] | None:
+        """Reshard and take the gradients autograd left on the unsharded parameters.
+
+        Returns ``(parameters, gradients)`` to reduce (the schedule reduces them: ``Schedule.reduce``),
+        or ``None`` in a no-sync backward, which keeps them for a later one. ``skip``: the parameters
+        no rank used, agreed by every rank (see ``_skip.py``).
+        """
         self.set_state(_POST_BACKWARD)
         self.awaiting_backward = False
         controls = self.controls
@@ -332,27 +329,20 @@ class FSDPParamGroup(BucketMember):
             self.unreduced_grads = self.reducer.stash_grads(self.fsdp_params)
             if controls.reshard_after_backward:
                 self.reshard()
-            _events.record("post_backward", self.module_fqn, self.training_state, self.event_scope)
-            return
+            return None
         self.unreduced_grads = False
-        root = self.root
-        skip = root.use_agreement.skip(self) if root is not None else None  # see _skip.py
-        reduced, grads = self.reducer.take_grads(
-            self.fsdp_params, controls.reduce_scatter_unused_params, skip=skip
-        )
+        taken = self.reducer.take_grads(self.fsdp_params, controls.reduce_scatter_unused_params, skip=skip)
         if controls.reshard_after_backward:
             self.reshard()
-        # With a reduce-scatter cap, the root's queue reduces them (at the cap or the end of backward).
-        scope = root.event_scope if root is not None else None
-        schedule = root.schedule if root is not None else None
-        if grads and not (
-            schedule is not None and schedule.bucket_reduces and schedule.reduce(self, reduced, grads)
-        ):
-            start = _events.span_start(scope)
-            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
-                self.reducer.reduce(reduced, grads, root.comm_ctx if root else None, controls, self.comms)
-            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
-        _events.record("post_backward", self.module_fqn, self.training_state, scope)
+        return taken
+
+    def reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """Reduce-scatter this group's gradients with its own collective and assign the shards."""
+        scope = self.event_scope
+        start = _events.span_start(scope)
+        with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+            self.reducer.reduce(params, grads, self.comm_ctx, self.controls, self.comms)
+        _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
 
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
@@ -360,12 +350,10 @@ class FSDPParamGroup(BucketMember):
         self.unreduced_grads, self.partial_grads = False, None
 
     def finish_backward(self, last: bool) -> None:
-        """End-of-backward callback: post-backward if autograd never reached it, then ``IDLE``.
+        """End-of-backward callback, after the post-backward: back to ``IDLE``.
 
         On the ``last`` backward of a step, also drain a mis-targeted prefetch and wait for reductions.
         """
-        if self.training_state is not _POST_BACKWARD:
-            self.post_backward()
         self.set_state(_IDLE)
         if last:
             self.finalize_backward()

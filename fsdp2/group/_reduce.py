@@ -15,7 +15,7 @@ while ``all_reduce_grads`` is off.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -225,20 +225,12 @@ class GradientReducer:
         comms: GroupComms,
         dtype: torch.dtype,
     ) -> None:
-        """Reduce-scatter one packed buffer (on the reduce-scatter stream, if any) and assign the shards.
+        """Reduce-scatter one packed buffer of this group (a bucket of one) and assign the shards.
 
         ``dtype`` is the reduce dtype (the buffer's, unless packed in a wire dtype).
         """
-        stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
-        if stream is None or comm_ctx is None:
-            self._reduce_and_assign(buffer, params, controls, comms, dtype)
-            return
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
-            self._reduce_and_assign(buffer, params, controls, comms, dtype)
-            event = stream.record_event()
-        comm_ctx.pending_reduce_scatters.append((buffer, event))
-        self._post_reduce_event = event
+        width = buffer.numel() // self.mesh_info.shard_size
+        reduce_shared(buffer, [ReducePart(self, params, controls, width)], comm_ctx, comms, dtype)
 
     def assign_empty(self, params: list[FSDPParam]) -> None:
         """Give zero-element parameters their (empty) sharded gradient."""
@@ -246,29 +238,25 @@ class GradientReducer:
             if fsdp_param.padded_shard_numel == 0:
                 fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
 
-    def _reduce_and_assign(
+    def finish_reduce_scatter(
         self,
-        buffer: torch.Tensor,
+        output: torch.Tensor,
         params: list[FSDPParam],
         controls: GroupControls,
         comms: GroupComms,
-        dtype: torch.dtype,
+        factors: DivideFactors,
     ) -> None:
+        """Finish this group's reduce-scattered shards (``output``, 1-D) and assign them.
+
+        HSDP's replica all-reduce (or its partial sum while all-reduce is off), the user's all-reduce
+        hook, then the sharded gradients.
+        """
         info = self.mesh_info
-        group = comms.reduce_scatter_group or info.shard_group
-        ordered = self.ordered(controls)
-        if ordered is not None:
-            output = ordered_reduce(buffer, info, group, ordered, comms, dtype)
-            self.finish_ordered(output, params, controls)
-            return
-        factors = self.divide_factors(buffer.dtype, controls)
-        comm = comms.reduce_scatter if info.shard_size > 1 else None
-        output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
         if info.replicate_group is not None:
-            partial = self._partial_outputs.pop(buffer.dtype, None)
+            partial = self._partial_outputs.pop(output.dtype, None)
             if not controls.all_reduce_grads:
                 # HSDP without all-reduce: keep summing shard-reduced gradients until one that syncs.
-                self._partial_outputs[buffer.dtype] = output if partial is None else partial.add_(output)
+                self._partial_outputs[output.dtype] = output if partial is None else partial.add_(output)
                 return
             if partial is not None:
                 output.add_(partial)
@@ -355,6 +343,65 @@ class GradientReducer:
         self.usage.forget()
         self.finalize(device)
         self._partial_outputs.clear()
+
+
+class ReducePart(NamedTuple):
+    """One group's columns of a reduce-scatter input (``width`` elements of every rank's row)."""
+
+    reducer: GradientReducer
+    params: list[FSDPParam]  # the parameters packed into those columns, in order
+    controls: GroupControls
+    width: int
+
+
+def reduce_shared(
+    buffer: torch.Tensor,
+    parts: list[ReducePart],
+    comm_ctx: CommContext | None,
+    comms: GroupComms,
+    dtype: torch.dtype,
+) -> None:
+    """The one reduce path: reduce-scatter ``buffer`` and assign each part its columns of the result.
+
+    ``buffer`` is ``(W, sum of the parts' widths)`` flattened: a group alone is a bucket of one part
+    (see [Note: Bucket layouts] in ``runtime/_bucket.py``). Parts share the process group, dtype,
+    divide factors and collective (the bucket key), so the first part's reducer reduces for all. On
+    the reduce-scatter stream where there is one (``CommContext.reduce_on_stream``).
+    """
+
+    def work() -> None:
+        first = parts[0]
+        info = first.reducer.mesh_info
+        group = comms.reduce_scatter_group or info.shard_group
+        ordered = first.reducer.ordered(first.controls)
+        if ordered is not None:
+            total = ordered_reduce(buffer, info, group, ordered, comms, dtype)
+            for part, piece in zip(parts, _pieces(total, parts), strict=True):
+                part.reducer.finish_ordered(piece, part.params, part.controls)
+            return
+        factors = first.reducer.divide_factors(buffer.dtype, first.controls)
+        comm = comms.reduce_scatter if info.shard_size > 1 else None  # none for one rank
+        output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
+        for part, piece in zip(parts, _pieces(output, parts), strict=True):
+            part.reducer.finish_reduce_scatter(piece, part.params, part.controls, comms, factors)
+
+    if comm_ctx is None:
+        work()
+        return
+    event = comm_ctx.reduce_on_stream(buffer, work)
+    for part in parts:
+        part.reducer.reduced_by(event)
+
+
+def _pieces(output: torch.Tensor, parts: list[ReducePart]) -> list[torch.Tensor]:
+    """Each part's consecutive piece of a reduced output (this rank's shard of every part)."""
+    if len(parts) == 1:
+        return [output]
+    pieces, offset = [], 0
+    for part in parts:
+        pieces.append(output.narrow(0, offset, part.width))
+        offset += part.width
+    return pieces
 
 
 def _without_usage_row(output: torch.Tensor, width: int) -> torch.Tensor:

@@ -33,10 +33,10 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
-from ..comm._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather, reduce_scatter
-from ..comm._comm_context import CommContext
+from ..comm._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather
+from ..comm._comm_context import CommContext, gathers_on_streams
 from ..group._bucket_member import PendingReduceScatter
-from ..group._ordered import ordered_reduce
+from ..group._reduce import ReducePart, reduce_shared
 from ..trace import _events
 from ..trace._debug import watch_collective
 
@@ -113,7 +113,7 @@ def all_gather_bucket(
         issue_all_gather(output, local, group, world_size, False, comm)
 
     event: torch.Event | None = None
-    if comm_ctx is not None and comm_ctx.use_streams:
+    if comm_ctx is not None and gathers_on_streams(comm_ctx, False, True):  # a forward or backward use
         staged, event = comm_ctx.all_gather_on_streams(copy_in, issue)
     else:
         staged = copy_in()
@@ -209,53 +209,21 @@ def _finish_bucket(pending: list[PendingReduceScatter], waited: float | None, si
 
 
 def _reduce_bucket(pending: list[PendingReduceScatter], comm_ctx: CommContext | None) -> None:
+    """Pack every entry's rows side by side into one buffer and reduce it (the one reduce path)."""
     first = pending[0]
-    info = first.reducer.mesh_info
-    world = info.shard_size
-    comm = first.comms.reduce_scatter
+    world = first.reducer.mesh_info.shard_size
     widths = [e.buffer.numel() // world for e in pending]
-    buffer: torch.Tensor = comm.allocate(
+    buffer: torch.Tensor = first.comms.reduce_scatter.allocate(
         (world * sum(widths),), dtype=first.buffer.dtype, device=first.buffer.device
     )
     # Row j of the bucket is row j of every group's buffer, side by side.
     torch.cat([e.buffer.view(world, -1) for e in pending], dim=1, out=buffer.view(world, -1))
     for entry in pending:
         entry.buffer = buffer  # drop the per-group buffers once packed into the bucket
-    stream = comm_ctx.reduce_scatter_stream if comm_ctx is not None and comm_ctx.use_streams else None
-    if stream is None or comm_ctx is None:
-        _reduce_and_assign_bucket(buffer, pending, widths)
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        _reduce_and_assign_bucket(buffer, pending, widths)
-        event = stream.record_event()
-    comm_ctx.pending_reduce_scatters.append((buffer, event))
-    for entry in pending:
-        entry.reducer.reduced_by(event)
-
-
-def _reduce_and_assign_bucket(
-    buffer: torch.Tensor, pending: list[PendingReduceScatter], widths: list[int]
-) -> None:
-    first = pending[0]
-    info = first.reducer.mesh_info
-    group = first.comms.reduce_scatter_group or info.shard_group
-    ordered = first.reducer.ordered(first.controls)  # the same for every entry: it is in the key
-    if ordered is not None:
-        total = ordered_reduce(buffer, info, group, ordered, first.comms, first.dtype)
-        offset = 0
-        for entry, width in zip(pending, widths, strict=True):
-            entry.reducer.finish_ordered(total.narrow(0, offset, width), entry.reduced_params, entry.controls)
-            offset += width
-        return
-    factors = first.reducer.divide_factors(buffer.dtype, first.controls)
-    output = reduce_scatter(
-        buffer, group, info.shard_size, factors.op, factors.predivide, first.comms.reduce_scatter
-    )
-    offset = 0
-    for entry, width in zip(pending, widths, strict=True):
-        entry.reducer.assign_reduced(output.narrow(0, offset, width), entry.reduced_params, entry.controls)
-        offset += width
+    parts = [
+        ReducePart(e.reducer, e.reduced_params, e.controls, w) for e, w in zip(pending, widths, strict=True)
+    ]
+    reduce_shared(buffer, parts, comm_ctx, first.comms, first.dtype)
 
 
 class Bucketing:

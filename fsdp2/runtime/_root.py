@@ -22,29 +22,17 @@ from torch import nn
 from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
 from ..base._lifecycle import TrainingState
 from ..comm._comm_context import CommContext
-from ..group._skip import UseAgreement
+from ..group._param_group import FSDPParamGroup
 from ..param._late_params import check_late_parameters
+from ..trace import _events
 from ..trace._events import EventScope
+from ._agreement import UseAgreement
 from ._schedule import Schedule
 
 __all__ = ["RootContext"]
 
 _IDLE = TrainingState.IDLE
 _POST_BACKWARD = TrainingState.POST_BACKWARD
-
-
-class _Group(Protocol):
-    """What the root context asks of a group (``_param_group.FSDPParamGroup``)."""
-
-    training_state: TrainingState
-
-    def attach(self, root: RootContext) -> None: ...
-    def post_backward(self) -> None: ...
-    def finish_backward(self, last: bool) -> None: ...
-    def reset(self) -> None: ...
-    def wait_for_unshard(self) -> None: ...
-    def set_state(self, new: TrainingState) -> None: ...
-    def reshard(self) -> None: ...
 
 
 class _State(Protocol):
@@ -58,7 +46,7 @@ class _State(Protocol):
     eager_finish_backward: Any  # finish_backward, run eagerly (the end-of-backward callback)
 
     @property
-    def groups(self) -> Sequence[_Group]: ...
+    def groups(self) -> Sequence[FSDPParamGroup]: ...
     def set_state(self, new: TrainingState) -> None: ...
     def group_post_forward(self) -> None: ...
     def register_pre_backward_hooks(self, output: Any) -> Any: ...
@@ -78,7 +66,7 @@ class RootContext:
     - ``is_last_backward``: the next backward ends the step (``set_is_last_backward``).
     - ``post_optim_event``: recorded after the optimizer step; the next all-gathers wait on it.
     - ``iterations``: how many iterations (forwards of the root) have begun; the debug mode names them.
-    - ``use_agreement``: which parameters no rank used, agreed once per backward (``_skip.py``).
+    - ``use_agreement``: which parameters no rank used, agreed once per backward (``_agreement.py``).
     """
 
     def __init__(self) -> None:
@@ -91,7 +79,7 @@ class RootContext:
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
         self.iterations = 0
-        self.use_agreement = UseAgreement([])  # built at adoption (see _skip.py)
+        self.use_agreement = UseAgreement([])  # built at adoption (see _agreement.py)
 
     def adopt(self, root: _State, states: list[Any], device: torch.device) -> None:
         """Root's lazy init, after validation: every state and group under ``root`` refers here."""
@@ -99,7 +87,7 @@ class RootContext:
             state.is_root = state is root
             state.ctx = self
             for group in state.groups:
-                group.attach(self)
+                group.attach(self.comm_ctx, self.event_scope)
         self.comm_ctx.lazy_init(device)
         self.all_states = states
         self.use_agreement = UseAgreement([group for state in states for group in state.groups])
@@ -170,6 +158,14 @@ class RootContext:
             queue_end_of_backward_callback(root.eager_finish_backward)
             self.use_agreement.begin_backward()
 
+    def post_backward(self, group: FSDPParamGroup) -> None:
+        """``group``'s post-backward: reshard, then the schedule reduces its gradients."""
+        skip = self.use_agreement.skip(group) if group.controls.reduce_grads else None
+        taken = group.post_backward(skip)
+        if taken is not None:
+            self.schedule.reduce(group, *taken)
+        _events.record("post_backward", group.module_fqn, group.training_state, group.event_scope)
+
     def finish_backward(self) -> None:
         """End of backward: post-backward for groups autograd never reached, then end the iteration."""
         self.iteration_root = None
@@ -181,11 +177,13 @@ class RootContext:
             for state in self.all_states:
                 for group in state.groups:
                     if group.training_state is not _POST_BACKWARD:
-                        group.post_backward()
+                        self.post_backward(group)
             queue.flush(self.comm_ctx)
         for state in self.all_states:
             state.modules_to_run.clear()
             for group in state.groups:
+                if group.training_state is not _POST_BACKWARD:
+                    self.post_backward(group)  # autograd never reached it (inputs without gradients)
                 group.finish_backward(last)
             if last:
                 state.post_forward_indices.clear()

@@ -1,73 +1,42 @@
-"""Work across the groups of one root: their orders, the bucket plans and the reduce-scatter queue.
+"""Work across the groups of one root: the one caller of gathers and reductions.
 
-Owns: ``Schedule``, one per root (created with the root's shared context): the execution orders of
-the current iteration (pre-forward order for the forward bucket plan, post-forward order for the
-default backward prefetch, see [Note: Prefetch order] in ``_state.py``), the all-gather bucket plan
-(which groups gather together in forward and in backward, see [Note: Bucket plan]), and the
-bucketing caps with the reduce-scatter queue (``_bucket.Bucketing``). A group asks its schedule whether
-its all-gather or its gradients go with others; the schedule issues the shared all-gather (each group
-then waits for and copies out its own part) or queues the packed gradients. Groups never call or hold
-their siblings.
+Owns: ``Schedule``, one per root (created with the root's shared context): the entry for every
+all-gather and every reduction a step runs (``unshard``, ``use``, ``prefetch``, ``reduce``: a group
+alone is a bucket of one), the execution orders of the current iteration (pre-forward order for the
+forward bucket plan, post-forward order for the default backward prefetch, see [Note: Prefetch order]
+in ``_state.py``), the all-gather bucket plan (which groups gather together in forward and in
+backward, see [Note: Bucket plan]), and the bucketing caps with the reduce-scatter queue
+(``_bucket.Bucketing``). The state's hooks ask the schedule; the schedule issues a shared all-gather
+(each group then waits for and copies out its own part) or the group's own, and queues packed
+gradients or has the group reduce them. Groups never call the schedule, a sibling, or their root.
 Does not own: a group's own all-gather, copy-out or reduction (``FSDPParamGroup`` and its parts),
-hooks or root discovery (``FSDPState``).
+hooks or root discovery (``FSDPState``, ``RootContext``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
-from ..base._lifecycle import TrainingState
-from ..comm._collectives import AllGatherResult
+from ..base._lifecycle import ShardedState, TrainingState
+from ..group._param_group import FSDPParamGroup
+from ..trace import _events
 from ..trace._debug import watch_collective
-from ._bucket import Bucketing, PendingReduceScatter, all_gather_bucket, split_into_buckets
+from ._bucket import Bucketing, all_gather_bucket, split_into_buckets
 
 if TYPE_CHECKING:
-    from ..base._config import GroupControls
-    from ..base._mesh import MeshInfo
-    from ..comm._comm_context import CommContext
-    from ..group._gather import AllGatherer
     from ..param._param import FSDPParam
 
 __all__ = ["Schedule"]
-
-
-class GroupLike(Protocol):
-    """What the schedule asks of a group (``_param_group.FSDPParamGroup``).
-
-    Described here rather than imported, so that the group can hold its schedule without an import
-    cycle.
-    """
-
-    mesh_info: MeshInfo
-    controls: GroupControls
-    gatherer: AllGatherer
-    comms: Any
-    module_fqn: str
-
-    @property
-    def post_forward_mesh_info(self) -> MeshInfo | None: ...
-    @property
-    def comm_ctx(self) -> CommContext | None: ...
-
-    def all_gather_bucket_key(self) -> Hashable | None: ...
-    def all_gather_bytes(self) -> int: ...
-    def joins_bucket(self, state: TrainingState, key: Hashable) -> bool: ...
-    def bucket_inputs(self, state: TrainingState) -> list[torch.Tensor]: ...
-    def set_bucket_result(self, result: AllGatherResult) -> None: ...
-    def reduce_scatter_bucket_key(
-        self, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> Hashable | None: ...
-    def pack_gradients(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> PendingReduceScatter: ...
 
 
 class StateLike(Protocol):
     """What the schedule reads of a ``fully_shard`` state (``_state.FSDPState``): its groups."""
 
     @property
-    def groups(self) -> Sequence[GroupLike]: ...
+    def groups(self) -> Sequence[FSDPParamGroup]: ...
 
 
 _State = TypeVar("_State", bound=StateLike)
@@ -75,6 +44,7 @@ _State = TypeVar("_State", bound=StateLike)
 
 _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_SHARDED = ShardedState.SHARDED
 
 
 class Schedule(Generic[_State]):
@@ -98,8 +68,8 @@ class Schedule(Generic[_State]):
         self.pre_forward_order: list[_State] = []
         self.post_forward_order: list[_State] = []
         self.iteration_start = 0
-        self._forward: dict[int, list[GroupLike]] = {}
-        self._backward: dict[int, list[GroupLike]] = {}
+        self._forward: dict[int, list[FSDPParamGroup]] = {}
+        self._backward: dict[int, list[FSDPParamGroup]] = {}
 
     def set_caps(self, all_gather: int | None, reduce_scatter: int | None) -> None:
         self.bucketing.all_gather_cap = all_gather
@@ -143,6 +113,43 @@ class Schedule(Generic[_State]):
         self.pre_forward_order.clear()
         self.bucketing.queue.reset()
 
+    # ---- the one entry for unsharding a group ----------------------------------------------------
+
+    def unshard(
+        self, group: FSDPParamGroup, async_op: bool = False, as_state: TrainingState | None = None
+    ) -> None:
+        """Issue ``group``'s all-gather: with its bucket where the plan has one, else its own.
+
+        A group alone is a bucket of one. Nothing while one is pending or the group is unsharded.
+
+        ``as_state``: the phase the all-gather serves (a prefetch's), default the group's own state.
+        """
+        if not group.needs_gather():
+            return
+        if self.bucket_gathers and not async_op and group.sharded_state is _SHARDED:
+            group.ready_to_gather()  # its bucket key is known after lazy init
+            state = group.training_state if as_state is None else as_state
+            if self.gather(group, state):
+                # Its wait (from its span's start, see ``bucket_inputs``) is this group's.
+                _events.wait_end(
+                    group.gatherer.span[0], "all-gather", group.module_fqn, state, group.event_scope
+                )
+                return
+        group.unshard(async_op, as_state)
+
+    def use(self, group: FSDPParamGroup) -> None:
+        """Make ``group``'s unsharded parameters ready for the forward or backward it just entered."""
+        controls = group.controls
+        if group.training_state is not _PRE_BACKWARD or controls.unshard_in_backward:
+            self.unshard(group, controls.unshard_async_op)
+        group.wait_for_unshard()
+
+    def prefetch(self, group: FSDPParamGroup, as_state: TrainingState) -> None:
+        """Unshard ``group`` ahead of a use in ``as_state`` (``FORWARD`` or ``PRE_BACKWARD``)."""
+        if as_state is _PRE_BACKWARD and not group.controls.unshard_in_backward:
+            return
+        self.unshard(group, False, as_state)
+
     # ---- all-gather buckets ----------------------------------------------------------------------
 
     def plan(self, backward: bool) -> None:
@@ -164,7 +171,7 @@ class Schedule(Generic[_State]):
         ]
         self._backward = _buckets(regathered, cap)
 
-    def gather(self, group: GroupLike, state: TrainingState) -> bool:
+    def gather(self, group: FSDPParamGroup, state: TrainingState) -> bool:
         """Issue one all-gather for ``group`` and the members of its bucket that need one now.
 
         ``False`` (nothing done) where ``group`` gathers alone: no plan for it, or no member joins.
@@ -189,7 +196,7 @@ class Schedule(Generic[_State]):
             member.set_bucket_result(result)
         return True
 
-    def _members(self, group: GroupLike, state: TrainingState) -> list[GroupLike] | None:
+    def _members(self, group: FSDPParamGroup, state: TrainingState) -> list[FSDPParamGroup] | None:
         if self.bucketing.all_gather_cap is None or state not in (_FORWARD, _PRE_BACKWARD):
             return None
         bucket = (self._forward if state is _FORWARD else self._backward).get(id(group))
@@ -204,24 +211,27 @@ class Schedule(Generic[_State]):
 
     # ---- reduce-scatter queue --------------------------------------------------------------------
 
-    def reduce(self, group: GroupLike, params: list[FSDPParam], grads: list[torch.Tensor]) -> bool:
-        """Queue ``group``'s gradients for a shared reduce-scatter; ``False``: it reduces them now.
+    def reduce(self, group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """Reduce ``group``'s gradients: queued for a shared reduce-scatter, or its own collective now.
+
+        Queued where a cap is set and the group may share; else alone (a bucket of one).
 
         A group that cannot share reduces after the queue, so buckets stay runs of consecutive
         post-backwards.
         """
+        if not grads:
+            return
         cap = self.bucketing.reduce_scatter_cap
-        if cap is None:
-            return False
-        key = group.reduce_scatter_bucket_key(params, grads)
-        if key is None:
+        if cap is not None:
+            key = group.reduce_scatter_bucket_key(params, grads)
+            if key is not None:
+                self.bucketing.queue.add(group.pack_gradients(params, grads), key, cap, group.comm_ctx)
+                return
             self.bucketing.queue.flush(group.comm_ctx)
-            return False
-        self.bucketing.queue.add(group.pack_gradients(params, grads), key, cap, group.comm_ctx)
-        return True
+        group.reduce(params, grads)
 
 
-def _groups_in(states: Sequence[StateLike]) -> list[tuple[GroupLike, bool]]:
+def _groups_in(states: Sequence[StateLike]) -> list[tuple[FSDPParamGroup, bool]]:
     """The groups of ``states`` in order, each with whether it must stand alone (its state repeats)."""
     seen: dict[StateLike, int] = {}
     for state in states:
@@ -229,10 +239,10 @@ def _groups_in(states: Sequence[StateLike]) -> list[tuple[GroupLike, bool]]:
     return [(group, seen[state] > 1) for state in states for group in state.groups]
 
 
-def _buckets(order: list[tuple[GroupLike, bool]], cap: int) -> dict[int, list[GroupLike]]:
+def _buckets(order: list[tuple[FSDPParamGroup, bool]], cap: int) -> dict[int, list[FSDPParamGroup]]:
     keys: list[Hashable | None] = [None if alone else group.all_gather_bucket_key() for group, alone in order]
     sizes = [group.all_gather_bytes() for group, _ in order]
-    plan: dict[int, list[GroupLike]] = {}
+    plan: dict[int, list[FSDPParamGroup]] = {}
     for positions in split_into_buckets(sizes, keys, cap):
         if len(positions) < 2:
             continue

@@ -238,8 +238,9 @@ class FSDPState(TorchStateNames):
         groups = self.groups
         if self.training_state is _PRE_BACKWARD and in_backward_task_id() != -1:
             # Activation-checkpoint recompute inside backward: parameters must be unsharded, nothing else.
+            schedule = self.shared_context().schedule
             for group in groups:
-                group.unshard()
+                schedule.unshard(group)
             for group in groups:
                 group.wait_for_unshard()
             args, kwargs = self.cast_inputs(args, kwargs)
@@ -251,19 +252,20 @@ class FSDPState(TorchStateNames):
                 args, kwargs = move_to_device((args, kwargs), self._input_device)
         self.set_state(_FORWARD)
         args, kwargs = self.cast_inputs(args, kwargs)
+        schedule = self.shared_context().schedule
         if groups:
             entering = groups[0].training_state is not _FORWARD
-            shared = self.ctx
-            if entering and shared is not None and shared.schedule.bucket_gathers:
-                shared.schedule.record_pre_forward(self)
+            if entering and schedule.bucket_gathers:
+                schedule.record_pre_forward(self)
             for group in groups:
                 group.pre_forward()
+                schedule.use(group)
             if entering and torch.is_grad_enabled():
                 args, kwargs = register_post_backward(self._post_backward, args, kwargs)
         if first:
             for target in self.forward_prefetch:
                 for target_group in target.groups:
-                    target_group.prefetch(_FORWARD)
+                    schedule.prefetch(target_group, _FORWARD)
         return args, kwargs
 
     def _root_pre_forward(self) -> RootContext:
@@ -352,22 +354,28 @@ class FSDPState(TorchStateNames):
             # A grouped pass some members never ran (see [Note: Partial grouped pass]): it ends here.
             self.modules_to_run.clear()
             self.pre_backward(prefetch=False)
+        ctx = self.shared_context()
         for group in self.groups:
-            group.post_backward()
+            ctx.post_backward(group)
 
     def pre_backward(self, prefetch: bool = True) -> None:
         self.set_state(_PRE_BACKWARD)
         ctx = self.shared_context()
         if not ctx.callback_queued:
             ctx.queue_end_of_backward(self)
-        entered = [group.pre_backward() for group in self.groups]
+        schedule = ctx.schedule
+        entered = False
+        for group in self.groups:
+            if group.pre_backward():
+                entered = True
+                schedule.use(group)
         if not prefetch:
             return
-        if any(entered) and not self.backward_prefetch:
+        if entered and not self.backward_prefetch:
             self._default_backward_prefetch(ctx)
         for target in self.backward_prefetch:
             for target_group in target.groups:
-                target_group.prefetch(_PRE_BACKWARD)
+                schedule.prefetch(target_group, _PRE_BACKWARD)
 
     def _default_backward_prefetch(self, ctx: RootContext) -> None:
         """Unshard the group whose forward ran just before this one's latest (see [Note: Prefetch order])."""
@@ -376,7 +384,7 @@ class FSDPState(TorchStateNames):
         before = ctx.schedule.ran_before(self.post_forward_indices.pop())
         if before is not None:
             for target in before.groups:
-                target.prefetch(_PRE_BACKWARD)
+                ctx.schedule.prefetch(target, _PRE_BACKWARD)
 
     def finish_backward(self) -> None:
         """Final callback (on the root's state): see ``RootContext.finish_backward``."""

@@ -1,7 +1,8 @@
 """The private names torch's own code reads from an FSDP state, answered by fsdp2's state.
 
 Owns: ``TorchStateNames``, a base of ``FSDPState`` that maps the attributes torch's modules read past
-the public API onto fsdp2's own fields and calls. The readers, in torch 2.13:
+the public API onto fsdp2's own fields and calls, and ``TorchGroupView``, a group as torch's code
+sees it. The readers, in torch 2.13:
 
 - ``torch.distributed.pipelining`` (``_PipelineStageBase.perform_reduce_grad``): ``fully_shard.state(m)``,
   then ``_state_ctx.all_states``, each state's ``_fsdp_param_groups`` and their ``post_backward()``,
@@ -43,12 +44,12 @@ class TorchStateNames:
     """Torch's private FSDP-state names, forwarded to fsdp2's ``FSDPState`` (see the module docstring)."""
 
     @property
-    def _fsdp_param_groups(self: _State) -> list[FSDPParamGroup]:
-        return list(self.groups)
+    def _fsdp_param_groups(self: _State) -> list[TorchGroupView]:
+        return [TorchGroupView(group, self) for group in self.groups]
 
     @property
-    def _fsdp_param_group(self: _State) -> FSDPParamGroup | None:
-        return self.groups[0] if len(self.groups) == 1 else None
+    def _fsdp_param_group(self: _State) -> TorchGroupView | None:
+        return TorchGroupView(self.groups[0], self) if len(self.groups) == 1 else None
 
     @property
     def _state_ctx(self: _State) -> Any:
@@ -77,3 +78,28 @@ class TorchStateNames:
         # A backward driven by hand (pipelining's REDUCE_GRAD action after manual post_backward calls):
         # the same end-of-backward work the autograd callback does.
         self.finish_backward()
+
+
+class TorchGroupView:
+    """A group as torch's own code sees it (``_fsdp_param_groups``): torch's calls on its groups.
+
+    Attributes are the group's (read and written through). ``post_backward()`` is torch's meaning
+    of the name, which also reduces the gradients: pipelining's manual reduction calls it on every
+    group before the end-of-backward callback. In fsdp2 the root's context runs a post-backward and
+    its schedule reduces (``RootContext.post_backward``); the group only takes the gradients.
+    """
+
+    __slots__ = ("_fsdp2_group", "_fsdp2_state")
+
+    def __init__(self, group: FSDPParamGroup, state: _State) -> None:
+        object.__setattr__(self, "_fsdp2_group", group)
+        object.__setattr__(self, "_fsdp2_state", state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fsdp2_group, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._fsdp2_group, name, value)
+
+    def post_backward(self, *args: Any, **kwargs: Any) -> None:
+        self._fsdp2_state.shared_context().post_backward(self._fsdp2_group)

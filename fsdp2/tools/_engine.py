@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +37,6 @@ from ..base._lifecycle import TrainingState
 from ..frontend._composable import pop_torch_state, restore_torch_state
 from ..frontend._module import original_class
 from ..group._param_group import FSDPParamGroup
-from ..runtime._root import RootContext
 from ..runtime._state import FSDPState, get_state
 from ..trace._debug import watch_collective
 
@@ -217,10 +216,11 @@ _COMM_KINDS = (
 class GroupFacts:
     """What a comm wrapper may read about its group, at call time; calling it gives the module name."""
 
-    __slots__ = ("_group",)
+    __slots__ = ("_group", "_state")
 
-    def __init__(self, group: FSDPParamGroup) -> None:
+    def __init__(self, group: FSDPParamGroup, state: FSDPState) -> None:
         self._group = group
+        self._state = state  # its root context (known from the root's first forward on)
 
     def __call__(self) -> str:
         """The group's module name (known from the root's first forward on)."""
@@ -233,7 +233,7 @@ class GroupFacts:
         """
         if in_backward_task_id() != -1:
             return "backward"
-        root = cast("RootContext | None", self._group.root)
+        root = self._state.ctx
         return "forward" if root is not None and root.iteration_root is not None else "idle"
 
     def gradient_sync(self) -> bool:
@@ -246,7 +246,7 @@ class GroupFacts:
 
     def iteration(self) -> int:
         """How many forwards of the root have begun (0 before the first)."""
-        root = cast("RootContext | None", self._group.root)
+        root = self._state.ctx
         return root.iterations if root is not None else 0
 
 
@@ -273,7 +273,7 @@ def wrap_comms(states: list[FSDPState], wrap: Callable[[str, Any, GroupFacts], A
         for group in state.groups:
             for attr, kind in _COMM_KINDS:
                 original = getattr(group.comms, attr)
-                wrapper = wrap(kind, original, GroupFacts(group))
+                wrapper = wrap(kind, original, GroupFacts(group, state))
                 assert getattr(wrapper, "wrapped", None) is original, "a comm wrapper must name what it wraps"
                 setattr(group.comms, attr, wrapper)
                 swapped.append((group.comms, attr, original, wrapper))

@@ -246,7 +246,9 @@ def _reduce_scatter(reduce_dtype: torch.dtype) -> None:
             fsdp_param.sharded_param.grad = None
             assert fsdp_param.unsharded_param is not None
             fsdp_param.unsharded_param.grad = grad.clone()
-        group.post_backward()
+        taken = group.post_backward()  # takes the gradients; the group's own collective reduces them
+        assert taken is not None
+        group.reduce(*taken)
         group.training_state = TrainingState.IDLE
         for i, (fsdp_param, ref) in enumerate(zip(group.fsdp_params, references, strict=True)):
             sharded_grad = fsdp_param.sharded_param.grad
