@@ -110,7 +110,7 @@ class CommContext:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             work()
-            event = stream.record_event()
+            event: torch.Event = stream.record_event()
         self.pending_reduce_scatters.append((buffer, event))
         return event
 

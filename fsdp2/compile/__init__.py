@@ -1,8 +1,8 @@
-"""Floor 3: the traced (torch.compile) path.
+"""Floor 4: the traced (torch.compile) path.
 
 The traced path: the hooks a top-level module takes when dynamo traces it (collectives in the
-graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler. Imports ``base``
-and ``param``.
+graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler. Imports ``base``,
+``param`` and ``group`` (what it reads of a group).
 
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """

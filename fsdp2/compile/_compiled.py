@@ -53,32 +53,10 @@ from torch.utils.checkpoint import checkpoint
 from ..base._api import CPUOffloadPolicy
 from ..base._autograd import eager
 from ..base._lifecycle import ShardedState
-from ..param._param import FSDPParam
+from ..group._param_group import FSDPParamGroup
 from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 
 __all__ = ["recover_hook", "torch_too_old", "traced_hooks", "untraceable"]
-
-
-class _Policy(Protocol):
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-
-
-class _Config(Protocol):
-    mp_policy: _Policy
-    offload_policy: Any
-
-
-class _Group(Protocol):
-    """What the traced hooks read of a group (``_param_group.FSDPParamGroup``)."""
-
-    fsdp_params: list[FSDPParam]
-    config: _Config
-    controls: Any
-    comms: Any
-    sharded_state: ShardedState
-    post_forward_mesh_info: Any  # None: keeps the gathered parameters after forward
-    mesh_info: Any  # _mesh.MeshInfo: the shard and replicate groups
 
 
 class _State(Protocol):
@@ -89,7 +67,7 @@ class _State(Protocol):
     descendants: list[Any]  # the states under this one (for a top-level one)
 
     @property
-    def groups(self) -> Sequence[Any]: ...  # _Group each
+    def groups(self) -> Sequence[FSDPParamGroup]: ...
     def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]: ...
     def cast_output(self, output: Any) -> Any: ...
 
@@ -168,7 +146,7 @@ def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> Any:
     return state.cast_inputs(args, kwargs)
 
 
-def _reshards(state: _State, group: _Group) -> bool:
+def _reshards(state: _State, group: FSDPParamGroup) -> bool:
     """Whether the traced forward gathers ``group`` again in backward instead of keeping it.
 
     ``reshard_after_forward`` (``True``, or an int: the same numbers, gathered over the full shard
@@ -179,7 +157,7 @@ def _reshards(state: _State, group: _Group) -> bool:
     return state.nested and group.post_forward_mesh_info is not None
 
 
-def _gather_group(group: _Group, *shards: torch.Tensor) -> list[torch.Tensor]:
+def _gather_group(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
     return [_gathered(shard, group) for shard in shards]
 
 
@@ -219,7 +197,7 @@ def recover_hook(state: _State) -> Callable[..., None]:
     return hook
 
 
-def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
+def _gathered(sharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:
     """The unsharded parameter as a traced all-gather whose backward reduce-scatters (averaged)."""
     assert isinstance(sharded, DTensor), "a sharded parameter is a DTensor"
     policy = group.config.mp_policy
@@ -238,7 +216,7 @@ def _gathered(sharded: torch.Tensor, group: _Group) -> torch.Tensor:
 
 
 def _two_dtype_gather(
-    sharded: DTensor, group: _Group, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    sharded: DTensor, group: FSDPParamGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> torch.Tensor:
     """``param_dtype`` all-gather whose backward reduce-scatters in ``reduce_dtype``, as eagerly.
 
@@ -249,7 +227,11 @@ def _two_dtype_gather(
     info = group.mesh_info
     rows = sharded.shape[0]
     padded_rows = -(-rows // info.shard_size)
-    replicas = info.replicate_group.group_name if info.replicate_size > 1 else None
+    replicas = (
+        info.replicate_group.group_name
+        if info.replicate_group is not None and info.replicate_size > 1
+        else None
+    )
     spec = (
         rows,
         padded_rows,
@@ -346,7 +328,7 @@ def _states_of(model: Any) -> list[_State]:
     return list(states.values())
 
 
-def _problem(group: _Group) -> str | None:
+def _problem(group: FSDPParamGroup) -> str | None:
     if group.sharded_state is not ShardedState.SHARDED:
         return "its parameters are unsharded (call model.reshard() first)"
     if any(p.is_tensor_parallel or p.has_extension for p in group.fsdp_params):

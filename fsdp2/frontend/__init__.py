@@ -1,4 +1,4 @@
-"""Floor 5: what a user calls to shard.
+"""Floor 6: what a user calls to shard.
 
 What a user calls to shard: ``fully_shard`` (validation, then the state and groups),
 ``FSDPModule`` (the methods mixed into the module's class), recognition by torch's composable

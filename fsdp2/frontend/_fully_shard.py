@@ -176,7 +176,8 @@ def fully_shard(
         group.controls.update(reshard_after_no_grad_forward=reshard_after_forward is not False)
         groups.append(group)
     state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
-    watch_optimizer_steps(groups)
+    if groups:
+        watch_optimizer_steps()
     watch_registrations()
     # The same set is often passed to every call; ones in none of these modules are checked against
     # the whole tree at the root's first forward.

@@ -1,4 +1,4 @@
-"""Floor 4: a training step across groups.
+"""Floor 5: a training step across groups.
 
 A training step across groups: each ``fully_shard`` call's state (its hooks), the root's
 context (lazy init, iteration boundaries, recovery), the schedule (execution orders, bucket plans and

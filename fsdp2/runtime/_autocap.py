@@ -31,12 +31,12 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ..base._mesh import MeshInfo
+from ..group._param_group import FSDPParamGroup
 from ._bucket import MIB, cap_bytes
 
 __all__ = [
@@ -111,14 +111,6 @@ class BucketCaps:
         return None if self.reduce_scatter is None else self.reduce_scatter / MIB
 
 
-class _Group(Protocol):
-    """What the measurement reads of a group (``FSDPParamGroup``): its process groups and collectives."""
-
-    mesh_info: MeshInfo
-    comms: Any
-    device: torch.device
-
-
 def read_caps(all_gather: object, reduce_scatter: object) -> tuple[CapRequest, CapRequest]:
     """Validate ``set_bucket_cap_mb``'s arguments: bytes, ``None`` or ``AUTO`` for each.
 
@@ -140,7 +132,7 @@ def _read_one(value: object, name: str) -> CapRequest:
     return cap_bytes(value, name)
 
 
-def choose_caps(requests: tuple[CapRequest, CapRequest], groups: Iterable[_Group]) -> BucketCaps:
+def choose_caps(requests: tuple[CapRequest, CapRequest], groups: Iterable[FSDPParamGroup]) -> BucketCaps:
     """The caps for ``requests``, measuring the groups' process groups for each ``"auto"`` one.
 
     Collective for ``"auto"``: every rank of the groups' meshes must call it at the same point.
@@ -177,13 +169,13 @@ def _pick(request: CapRequest, fits: list[CollectiveFit]) -> tuple[int | None, C
     return best.cap(), best
 
 
-def _targets(groups: Iterable[_Group]) -> list[_Group]:
+def _targets(groups: Iterable[FSDPParamGroup]) -> list[FSDPParamGroup]:
     """One group per distinct (shard group, reduce-scatter group), in module order.
 
     A group with the default collectives stands for its process group where one exists: it is the kind
     that buckets. Single-rank shard groups issue no collective and are skipped.
     """
-    chosen: dict[tuple[int, int], _Group] = {}
+    chosen: dict[tuple[int, int], FSDPParamGroup] = {}
     for group in groups:
         info = group.mesh_info
         if info.shard_size < 2:
@@ -196,7 +188,7 @@ def _targets(groups: Iterable[_Group]) -> list[_Group]:
 
 
 def measure_fit(
-    group: _Group,
+    group: FSDPParamGroup,
     kind: Literal["all_gather", "reduce_scatter"],
     sizes: Sequence[int] = SIZES,
     repeats: int = REPEATS,

@@ -13,7 +13,7 @@ Described states and groups are protocols here: ``_state`` builds on this module
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -25,9 +25,12 @@ from ..comm._comm_context import CommContext
 from ..group._param_group import FSDPParamGroup
 from ..param._late_params import check_late_parameters
 from ..trace import _events
+from ..trace._debug import debug_enabled, run_root_init_hooks
 from ..trace._events import EventScope
 from ._agreement import UseAgreement
+from ._root_init import TreeState, state_device, validate_tree
 from ._schedule import Schedule
+from ._step_guard import watch_root
 
 __all__ = ["RootContext"]
 
@@ -35,18 +38,14 @@ _IDLE = TrainingState.IDLE
 _POST_BACKWARD = TrainingState.POST_BACKWARD
 
 
-class _State(Protocol):
+class _State(TreeState, Protocol):
     """What the root context asks of a ``fully_shard`` state (``_state.FSDPState``)."""
 
-    modules: tuple[nn.Module, ...]
     modules_to_run: set[nn.Module]
     post_forward_indices: list[int]
-    is_root: bool | None
-    ctx: Any
+    auto_reshard: bool
     eager_finish_backward: Any  # finish_backward, run eagerly (the end-of-backward callback)
 
-    @property
-    def groups(self) -> Sequence[FSDPParamGroup]: ...
     def set_state(self, new: TrainingState) -> None: ...
     def group_post_forward(self) -> None: ...
     def register_pre_backward_hooks(self, output: Any) -> Any: ...
@@ -80,6 +79,29 @@ class RootContext:
         self.post_optim_event: torch.Event | None = None
         self.iterations = 0
         self.use_agreement = UseAgreement([])  # built at adoption (see _agreement.py)
+        # optimizer -> which of this root's groups it steps (the step guard's cache, ``_step_guard``)
+        self.stepped_groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def groups(self) -> list[FSDPParamGroup]:
+        """Every group under the root, in module order (the root's first)."""
+        return [group for state in self.all_states for group in state.groups]
+
+    def init_root(self, root: _State) -> torch.device:
+        """The root's lazy init (its first forward): validate everything, then adopt the states.
+
+        Returns the device the root's groups compute on (CPU without groups).
+        """
+        states = validate_tree(root)  # raises before any change
+        if root.auto_reshard:
+            for group in root.groups:
+                group.post_forward_mesh_info = None  # the root keeps its parameters after forward
+        device = state_device(states)
+        self.adopt(root, states, device)
+        if debug_enabled():
+            run_root_init_hooks(root.modules[0], states)  # the divergence guard (``_guard``)
+        return device
 
     def adopt(self, root: _State, states: list[Any], device: torch.device) -> None:
         """Root's lazy init, after validation: every state and group under ``root`` refers here."""
@@ -90,7 +112,8 @@ class RootContext:
                 group.attach(self.comm_ctx, self.event_scope)
         self.comm_ctx.lazy_init(device)
         self.all_states = states
-        self.use_agreement = UseAgreement([group for state in states for group in state.groups])
+        self.use_agreement = UseAgreement(self.groups())
+        watch_root(self)
 
     # ---- forward ---------------------------------------------------------------------------------
 

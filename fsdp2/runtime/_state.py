@@ -63,12 +63,11 @@ from ..base._warn import warn_user
 from ..comm._comm_context import CommContext
 from ..compile._compiled import recover_hook, traced_hooks
 from ..group._param_group import FSDPParamGroup
-from ..trace._debug import check_same_model, debug_enabled, run_root_init_hooks
 from ._root import RootContext
+from ._root_init import STATE_ATTR
 from ._state_dict import register_state_dict_hooks
 from ._torch_protocol import TorchStateNames
 
-_STATE_ATTR = "_fsdp2_state"
 _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _IDLE = TrainingState.IDLE
@@ -76,7 +75,7 @@ _IDLE = TrainingState.IDLE
 
 def get_state(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` attached to ``module`` by ``fully_shard``, if any."""
-    state: FSDPState | None = module.__dict__.get(_STATE_ATTR)
+    state: FSDPState | None = module.__dict__.get(STATE_ATTR)
     return state
 
 
@@ -119,7 +118,7 @@ class FSDPState(TorchStateNames):
         self._pre_backward_node_hook = eager(self._pre_backward_on_node)
         self.eager_finish_backward = eager(self.finish_backward)
         for module in modules:
-            module.__dict__[_STATE_ATTR] = self
+            module.__dict__[STATE_ATTR] = self
             if len(modules) == 1:
                 pre, post = self.pre_forward, self.post_forward
             else:
@@ -173,60 +172,10 @@ class FSDPState(TorchStateNames):
     # ---- lazy init -------------------------------------------------------------------------------
 
     def lazy_init(self) -> None:
-        """Make this state the root of its module tree (first forward only)."""
+        """Make this state the root of its module tree (first forward only; see ``RootContext.init_root``)."""
         if self.is_root is not None:
             return
-        if len(self.modules) > 1:
-            names = ", ".join(type(m).__name__ for m in self.modules)
-            raise RuntimeError(
-                f"fully_shard on a list of modules ({names}) cannot be the root: FSDP needs a single root "
-                "module. Call fully_shard on the parent module that runs forward."
-            )
-        root_module = self.modules[0]
-        states: list[FSDPState] = []
-        module_names: dict[nn.Module, str] = {}
-        for name, module in root_module.named_modules():
-            module_names[module] = name
-            state = get_state(module)
-            if state is None or state in states:
-                continue
-            if state is not self and state.is_root:
-                raise RuntimeError(
-                    f"The fully_shard module {name!r} already ran forward on its own before its root "
-                    f"{type(root_module).__name__}. Run forward through the root module first."
-                )
-            if state is not self and state.is_root is False:
-                owner = state.ctx.all_states[0].modules[0] if state.ctx and state.ctx.all_states else None
-                raise RuntimeError(
-                    f"The fully_shard module {name!r} of {type(root_module).__name__} already belongs to "
-                    f"another root ({type(owner).__name__ if owner is not None else 'another model'}), "
-                    "which ran forward first: a sharded module has one root, whose iteration drives its "
-                    "gathers and reductions. Do not share a sharded module between two models; give each "
-                    "its own copy (copy.deepcopy), or make one root that holds both."
-                )
-            states.append(state)
-        _check_prefetch_targets(states, module_names)
-        _check_bucketing_on_root(self, states, module_names)
-        _check_ignored_params(states, root_module)
-        # Validate every group before changing any state, so a failed first forward can be retried.
-        owners: dict[int, str] = {}
-        for state in states:
-            for group in state.groups:
-                group.module_fqn = ", ".join(module_names[m] for m in group.modules)
-                _name_params(group, module_names, owners)
-        for state in states:
-            for group in state.groups:
-                group.lazy_init()
-        if debug_enabled():
-            _check_same_model_everywhere(states, type(root_module).__name__)
-        # ---- validation done: hand the root's contexts down ----
-        if self.auto_reshard:
-            for group in self.groups:
-                group.post_forward_mesh_info = None
-        device = _state_device(states)
-        self.shared_context().adopt(self, states, device)
-        if debug_enabled():
-            run_root_init_hooks(root_module, states)  # the divergence guard (``_guard``)
+        device = self.shared_context().init_root(self)
         if device.type != "cpu":
             self._input_device = device
 
@@ -443,86 +392,6 @@ def _recovery(state: FSDPState) -> Any:
             ctx.abandon_forward()
 
     return hook
-
-
-def _check_bucketing_on_root(root: FSDPState, states: list[FSDPState], names: dict[nn.Module, str]) -> None:
-    """Refuse bucket caps set on a module that turned out not to be the root (they would be lost)."""
-    for state in states:
-        if state is not root and state.ctx is not None and state.ctx.schedule.bucketing.enabled:
-            name = names.get(state.modules[0], "?")
-            raise RuntimeError(
-                f"set_bucket_cap_mb was called on {name!r} ({type(state.modules[0]).__name__}), but the "
-                f"root fully_shard module is {type(root.modules[0]).__name__}, which runs forward first. "
-                "Bucket caps apply to the whole tree under the root: call set_bucket_cap_mb on the root "
-                f"module (and set_bucket_cap_mb(None, None) on {name!r} to clear it there)."
-            )
-
-
-def _name_params(group: FSDPParamGroup, module_names: dict[nn.Module, str], seen: dict[int, str]) -> None:
-    """Give parameters root-relative names and refuse a parameter owned by two groups."""
-    for fsdp_param in group.fsdp_params:
-        module, attr = fsdp_param.owners[0]
-        prefix = module_names.get(module, "")
-        fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
-        key = fsdp_param.source_id
-        other = seen.get(key)
-        if other is not None:
-            raise ValueError(
-                f"Parameter {fsdp_param.fqn} is the same tensor as {other}, which another fully_shard "
-                f"group already manages (group {group.module_fqn or '<root>'}). Shard tied parameters "
-                "in one call: fully_shard([module_a, module_b])."
-            )
-        seen[key] = fsdp_param.fqn
-
-
-def _check_prefetch_targets(states: list[FSDPState], module_names: dict[nn.Module, str]) -> None:
-    """Refuse prefetch lists that name modules outside this root (they would never be waited on)."""
-    members = set(states)
-    for state in states:
-        for kind, targets in (("forward", state.forward_prefetch), ("backward", state.backward_prefetch)):
-            for target in targets:
-                if target not in members:
-                    owner = module_names.get(state.modules[0], "?")
-                    raise ValueError(
-                        f"The {kind} prefetch list of {owner or '<root>'} names a "
-                        f"{type(target.modules[0]).__name__} that is not under this root module. Prefetch "
-                        f"only fully_shard modules of the same model (set_modules_to_{kind}_prefetch)."
-                    )
-
-
-def _check_same_model_everywhere(states: list[FSDPState], root_name: str) -> None:
-    """Debug mode: every rank of the root's data-parallel groups manages the same parameters."""
-    groups = [group for state in states for group in state.groups]
-    if not groups:
-        return
-    fingerprint = [
-        (p.fqn, tuple(p.global_size), str(p.sharded_param.dtype), group.module_fqn)
-        for group in groups
-        for p in group.fsdp_params
-    ]
-    info = groups[0].mesh_info
-    process_groups = [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
-    check_same_model(fingerprint, process_groups, root_name)
-
-
-def _check_ignored_params(states: list[FSDPState], root: nn.Module) -> None:
-    """Refuse ``ignored_params`` entries that are not parameters anywhere under the root."""
-    present = {id(p) for p in root.parameters()}
-    strangers = [p for state in states for p in state.foreign_ignored if id(p) not in present]
-    if strangers:
-        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in strangers[:3])
-        raise ValueError(
-            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of the model "
-            f"{type(root).__name__} (shape and dtype: {shapes}), e.g. parameters of another copy of the "
-            "model. Pass this model's own parameters, or drop them from ignored_params."
-        )
-
-
-def _state_device(states: list[FSDPState]) -> torch.device:
-    for state in states:
-        if state.groups:
-            return state.groups[0].device
-    return torch.device("cpu")
 
 
 def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:

@@ -1,9 +1,10 @@
 """What an optimizer step means for the groups that own its parameters.
 
-Owns: the list of every live ``FSDPParamGroup`` (``fully_shard`` hands each new one over), the map
-from an optimizer to the groups whose sharded parameters it steps (rebuilt only when groups or the
-optimizer's parameter lists change), and its part in the optimizer pre-step and post-step hooks
-(``_optimizer_hooks``) that turns silent mistakes into an error or the intended result:
+Owns: the roots it watches (weak references to every ``RootContext``, registered at its lazy init;
+each root holds its own groups and, per optimizer, which of them the optimizer steps: rebuilt only
+when roots are added or the optimizer's parameter lists change), and its part in the optimizer
+pre-step and post-step hooks (``_optimizer_hooks``) that turns silent mistakes into an error or the
+intended result:
 
 - a step while a group still holds gradients that were never reduced (a backward with
   ``set_requires_gradient_sync(False)`` and no synced backward after it): ``RuntimeError`` before the
@@ -20,7 +21,8 @@ optimizer's parameter lists change), and its part in the optimizer pre-step and 
   ``zero_grad`` is wrapped once, at the first ``fully_shard``; ``FSDPModule.zero_grad`` does the same).
 
 Does not own: the flags behind it (``FSDPParamGroup`` sets them; this module reads them and calls the
-group's methods) or the optimizer.
+group's methods), the lists of groups (the roots'), or the optimizer. Every case needs a forward, so
+groups whose root has not run one yet have nothing to guard.
 Cost: one participant in each optimizer-step hook (``_optimizer_hooks``) and one attribute check
 per group of the stepped parameters.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,26 +42,34 @@ from ..base._lifecycle import ShardedState, TrainingState
 from ..group._param_group import FSDPParamGroup
 from ._optimizer_hooks import take_part
 
-_groups: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+_roots: list[weakref.ref[Any]] = []  # the watched RootContexts, in the order they were adopted
 _calls = itertools.count(1)
-_generation = 0  # bumped whenever groups are added
-# optimizer -> ((generation, parameter count), the groups it steps)
-_by_optimizer: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], list[Any]]] = (
-    weakref.WeakKeyDictionary()
-)
+_generation = 0  # bumped whenever a root is added
 _joined: list[Any] = []  # the way out of the optimizer-step hooks, once joined
 
 
-def watch_optimizer_steps(groups: list[FSDPParamGroup]) -> None:
-    """Watch optimizer steps over ``groups``' parameters (called by ``fully_shard``)."""
-    global _generation
-    if not groups:
-        return
-    _groups.update(groups)
-    _generation = next(_calls)
+class _Root(Protocol):
+    """What the guard reads of a root's context (``_root.RootContext``)."""
+
+    # optimizer -> ((generation, parameter count), the root's groups it steps, in its parameter order)
+    stepped_groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], list[Any]]]
+
+    def groups(self) -> list[FSDPParamGroup]: ...
+
+
+def watch_optimizer_steps() -> None:
+    """Join the optimizer-step hooks and wrap ``zero_grad`` (once; called by ``fully_shard``)."""
     if not _joined:
         _joined.append(take_part(before=_before_step, after=_after_step))
         _wrap_zero_grad()
+
+
+def watch_root(root: _Root) -> None:
+    """Guard steps over the groups of ``root`` (its lazy init)."""
+    global _generation
+    _roots[:] = [ref for ref in _roots if ref() is not None]
+    _roots.append(weakref.ref(root))
+    _generation = next(_calls)
 
 
 def _wrap_zero_grad() -> None:
@@ -80,20 +90,28 @@ def drop_held_gradients(groups: list[FSDPParamGroup]) -> None:
 
 
 def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
+    """The groups whose sharded parameters ``optimizer`` steps, root by root."""
     key = (_generation, sum(len(group["params"]) for group in optimizer.param_groups))
-    cached = _by_optimizer.get(optimizer)
-    if cached is not None and cached[0] == key:
-        return list(filter(None, (ref() for ref in cached[1])))
-    owner = {id(p): g for g in list(_groups) for p in sharded_params(g)}
-    found: dict[int, FSDPParamGroup] = {}
-    for param_group in optimizer.param_groups:
-        for param in param_group["params"]:
-            group = owner.get(id(param))
-            if group is not None:
-                found[id(group)] = group
-    groups = list(found.values())
-    _by_optimizer[optimizer] = (key, [weakref.ref(g) for g in groups])
-    return groups
+    found: list[FSDPParamGroup] = []
+    ids: dict[int, int] | None = None  # parameter id -> position in the optimizer, built on a miss
+    for ref in _roots:
+        root = ref()
+        if root is None:
+            continue
+        cached = root.stepped_groups.get(optimizer)
+        if cached is None or cached[0] != key:
+            if ids is None:
+                params = (p for group in optimizer.param_groups for p in group["params"])
+                ids = {id(p): i for i, p in enumerate(params)}
+            positions = {}
+            for group in root.groups():
+                where = [ids[id(p)] for p in sharded_params(group) if id(p) in ids]
+                if where:
+                    positions[id(group)] = (min(where), group)
+            cached = (key, [group for _, group in sorted(positions.values(), key=lambda item: item[0])])
+            root.stepped_groups[optimizer] = cached
+        found.extend(cached[1])
+    return found
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,4 +1,4 @@
-"""Floor 6: everything a user calls beside training.
+"""Floor 7: everything a user calls beside training.
 
 Everything a user calls beside training, built on the engine through ``_engine``'s queries:
 deep copy, the memory estimate and planner, wrapping policies, gradient clipping, full-weight

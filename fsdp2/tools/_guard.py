@@ -444,22 +444,29 @@ class _Steps:
     """The optimizer steps over one guarded root's parameters: how many, and the root's iteration at the last.
 
     Counted by ``_count_step`` (a global optimizer step post-hook) for every optimizer that holds a
-    sharded parameter of one of ``members`` (the root's groups); held by the root's ``Guarded`` comms
-    (it lives as long as they do) and listed weakly in ``_all_steps``.
+    sharded parameter of one of the root's groups (read from the root module, held weakly: no list of
+    groups here); held by the root's ``Guarded`` comms (it lives as long as they do) and listed weakly
+    in ``_all_steps``.
     """
 
-    __slots__ = ("__weakref__", "count", "facts", "mark", "members")
+    __slots__ = ("__weakref__", "_root", "count", "facts", "mark")
 
-    def __init__(self, groups: list[Any]) -> None:
-        self.members: weakref.WeakSet[Any] = weakref.WeakSet(groups)
+    def __init__(self, root: nn.Module) -> None:
+        self._root = weakref.ref(root)
         self.facts: engine.GroupFacts | None = None  # one group's, to read the root's iteration
         self.count = 0
         self.mark = 0
 
     def tensor_ids(self) -> set[int]:
         """Ids of the sharded parameters and of their local tensors (what ``local_step`` swaps in)."""
-        params = [p for group in list(self.members) for p in sharded_params(group)]
+        root = self._root()
+        groups = engine.groups_under(root) if root is not None else []
+        params = [p for group in groups for p in sharded_params(group)]
         return {id(p) for p in params} | {id(local_of(p)) for p in params if isinstance(p, DTensor)}
+
+    def guards(self, root: nn.Module) -> bool:
+        """Whether these are the steps of ``root``."""
+        return self._root() is root
 
     def stepped(self) -> None:
         self.count += 1
@@ -516,7 +523,7 @@ def install(root: nn.Module, states: list[Any]) -> None:
     if root in _guarded_roots:
         return
     _guarded_roots.add(root)
-    steps = _Steps(engine.groups_under(root))
+    steps = _Steps(root)
 
     def wrap(kind: str, comm: Any, facts: engine.GroupFacts) -> Any:
         trainable = facts.trainable()

@@ -378,8 +378,7 @@ def _same_micro_batches_everywhere(pattern: str) -> Callable[[int, int], tuple[i
 
 def _steps_counted(model: nn.Module) -> int:
     """The optimizer steps the guard counted over ``model`` (a root it guards)."""
-    groups = set(fsdp2.tools._engine.groups_under(model))
-    return next(s.count for s in list(fsdp2_guard._all_steps) if groups & set(s.members))
+    return next(s.count for s in list(fsdp2_guard._all_steps) if s.guards(model))
 
 
 @pytest.mark.first_case_in_quick_loop

@@ -104,11 +104,11 @@ FLOORS = {
     "trace": 2,
     "param": 2,
     "group": 3,
-    "compile": 3,
-    "runtime": 4,
-    "frontend": 5,
-    "tools": 6,
-    "testing": 7,
+    "compile": 4,
+    "runtime": 5,
+    "frontend": 6,
+    "tools": 7,
+    "testing": 8,
 }
 
 
