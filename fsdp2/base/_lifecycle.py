@@ -5,7 +5,7 @@ registered), the table of allowed training-state transitions and ``transition()`
 a ``TrainingState`` in fsdp2 goes through. Does not own: deciding *when* to transition (``FSDPState`` and
 ``FSDPParamGroup`` do).
 Invariants: every parameter of a group is in the group's ``ShardedState``; a training state only ever
-moves along an edge of ``_ALLOWED``.
+moves along an edge of ``ALLOWED``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ _POST_BACKWARD = TrainingState.POST_BACKWARD
 #   reached again by the same backward.
 # Never allowed: PRE_BACKWARD/POST_BACKWARD -> FORWARD (a forward after an unfinished backward: the
 # states must be reset first, see RootContext.begin_iteration).
-_ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
+ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
     _IDLE: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD, _POST_BACKWARD}),
     _FORWARD: frozenset({_IDLE, _FORWARD, _PRE_BACKWARD}),
     _PRE_BACKWARD: frozenset({_IDLE, _PRE_BACKWARD, _POST_BACKWARD}),
@@ -61,6 +61,8 @@ _ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
 def transition(current: TrainingState, new: TrainingState, owner: object) -> TrainingState:
     """Return ``new`` if ``current -> new`` is an allowed edge; raise otherwise.
 
+    Hot paths test ``new in ALLOWED[current]`` themselves and call this only to raise.
+
     Args:
         current: the state now.
         new: the state asked for.
@@ -69,7 +71,7 @@ def transition(current: TrainingState, new: TrainingState, owner: object) -> Tra
     Raises:
         RuntimeError: the edge is not in the table (an fsdp2 bug or an iteration that was not reset).
     """
-    if new not in _ALLOWED[current]:
+    if new not in ALLOWED[current]:
         raise RuntimeError(
             f"fsdp2 internal error: {owner} cannot go from {current.name} to {new.name}. If a previous "
             "forward or backward raised, call reset_iter_state() on the root module before continuing; "

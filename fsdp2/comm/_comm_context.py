@@ -36,14 +36,15 @@ _Staged = TypeVar("_Staged")
 _Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (all-gather output, its input: often a view of it)
 
 
-def gathers_on_streams(ctx: CommContext | None, async_op: bool, serves_use: bool) -> bool:
-    """Whether an all-gather runs on the side streams (``CommContext.all_gather_on_streams``).
+def serves_on_streams(async_op: bool, serves_use: bool) -> bool:
+    """Whether an all-gather runs on the side streams, where there are some (``use_streams``).
 
-    Only on CUDA, for a use in forward or backward (``serves_use``) that waits for it on the compute
-    stream; an ``async_op`` unshard (the user waits on its work) and other all-gathers run in program
-    order. The one place this choice is made, for single groups and buckets alike.
+    An all-gather for a use in forward or backward (``serves_use``) that the compute stream waits for
+    does (``CommContext.all_gather_on_streams``); an ``async_op`` unshard (the user waits on its work)
+    and other all-gathers run in program order. The one place this choice is made, for single groups
+    and buckets alike; callers test ``ctx.use_streams`` first (no streams on CPU).
     """
-    return ctx is not None and ctx.use_streams and serves_use and not async_op
+    return serves_use and not async_op
 
 
 class CommContext:

@@ -7,6 +7,6 @@ graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """
 
-from ._compiled import traced_hooks, untraceable
+from ._compiled import traced_post_forward, traced_pre_forward, untraceable
 
-__all__ = ["traced_hooks", "untraceable"]
+__all__ = ["traced_post_forward", "traced_pre_forward", "untraceable"]

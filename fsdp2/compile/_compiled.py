@@ -1,8 +1,10 @@
 """Whole-model ``torch.compile``: each FSDP module's all-gathers and reduce-scatters inside the graph.
 
-Owns: the hooks' traced side (``traced_hooks``): what an FSDP module's forward hooks do while dynamo
-traces them as part of a compiled root. See [Note: The compiled path].
-Does not own: the eager engine (the hooks' eager side, excluded from tracing), the sharded parameters.
+Owns: the hooks' traced side (``traced_pre_forward``, ``traced_post_forward``, ``recover``): what an
+FSDP module's forward hooks do while dynamo traces them as part of a compiled root. See [Note: The
+compiled path].
+Does not own: the hooks themselves and their eager side (``runtime``'s ``FSDPState``, which calls
+here only while dynamo traces), the sharded parameters.
 
 [Note: The compiled path]
 Eagerly, an FSDP module's hooks gather its parameters into storages they manage and register them on
@@ -40,7 +42,7 @@ pre-forward's graph and the post-forward's the flag is set; eager hooks never re
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -51,12 +53,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from ..base._api import CPUOffloadPolicy
-from ..base._autograd import eager
 from ..base._lifecycle import ShardedState
 from ..group._param_group import FSDPParamGroup
 from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 
-__all__ = ["recover_hook", "torch_too_old", "traced_hooks", "untraceable"]
+__all__ = ["TRACING", "recover", "torch_too_old", "traced_post_forward", "traced_pre_forward", "untraceable"]
 
 
 class _State(Protocol):
@@ -99,37 +100,34 @@ class _Tracing:
     top = False
 
 
-_TRACING = _Tracing()
+TRACING = _Tracing()
 
 
-def traced_hooks(state: _State, pre: Callable[..., Any], post: Callable[..., Any]) -> tuple[Any, Any]:
-    """The forward hooks of ``state``'s module: the eager ``pre`` / ``post``, or the traced side."""
-    eager_pre, eager_post = eager(pre), eager(post)
+def traced_pre_forward(state: _State, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """The pre-forward hook's traced side, while dynamo traces: ``(args, kwargs)``, or ``None``.
 
-    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            if state.nested:
-                if _TRACING.top:
-                    return _traced_pre_forward(state, args, kwargs)
-            else:
-                problem = untraceable([state, *state.descendants])
-                if problem is None:
-                    return _traced_pre_forward(state, args, kwargs)
-                # fullgraph=True raises this; otherwise it is the graph break the eager hook makes
-                graph_break(msg=_NOT_TRACED.format(problem=problem))
-        return eager_pre(module, args, kwargs)  # eager, a block compiled alone, or not traceable
-
-    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling() and _TRACING.top:
-            return _traced_post_forward(state, output)
-        return eager_post(module, args, output)
-
-    return pre_hook, post_hook
+    ``None``: run the eager hook (a block compiled alone, or a model this path cannot trace, which
+    ``fullgraph=True`` refuses here, naming the reason). Called by the state's hook only while
+    ``torch.compiler.is_dynamo_compiling()``.
+    """
+    if state.nested:
+        return _traced_pre_forward(state, args, kwargs) if TRACING.top else None
+    problem = untraceable([state, *state.descendants])
+    if problem is None:
+        return _traced_pre_forward(state, args, kwargs)
+    # fullgraph=True raises this; otherwise it is the graph break the eager hook makes
+    graph_break(msg=_NOT_TRACED.format(problem=problem))
+    return None
 
 
-def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> Any:
+def traced_post_forward(state: _State, output: Any) -> Any:
+    """The post-forward hook's traced side (while dynamo traces a top-level module, ``TRACING.top``)."""
+    return _traced_post_forward(state, output)
+
+
+def _traced_pre_forward(state: _State, args: Any, kwargs: Any) -> tuple[Any, Any]:
     if not state.nested:
-        _TRACING.top = True
+        TRACING.top = True
     for group in state.groups:
         if _reshards(state, group):
             # The all-gathers (and casts) run again in backward instead of keeping their outputs.
@@ -164,7 +162,7 @@ def _gather_group(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Te
 def _traced_post_forward(state: _State, output: Any) -> Any:
     _register_sharded(state)
     if not state.nested:
-        _TRACING.top = False
+        TRACING.top = False
     return state.cast_output(output)
 
 
@@ -175,26 +173,20 @@ def _register_sharded(state: _State) -> None:
                 owner._parameters[name] = fsdp_param.sharded_param  # noqa: SLF001 - the registered one again
 
 
-def recover_hook(state: _State) -> Callable[..., None]:
-    """A forward hook for ``always_call``: after a compiled forward that raised, the sharded parameters.
+def recover(state: _State) -> None:
+    """After a compiled forward that raised: the sharded parameters again (``TRACING.top`` is set).
 
     A top-level module's traced pre-forward runs as a frame of its own, whose edits dynamo applies
     when it returns; if the forward's frame then raises (a compile error, an out-of-memory), the
     post-forward never runs and the gathered tensors would stay registered, so ``state_dict()`` and
-    ``parameters()`` would show plain full tensors. This hook, which ``nn.Module`` calls even when
-    the forward raised, registers the sharded parameters of every module under the top-level one
-    again. After a forward that succeeded, and eagerly, it finds nothing to do; only top-level
-    modules keep it (``FSDPState.mark_nested`` removes it from the others).
+    ``parameters()`` would show plain full tensors. The state's ``always_call`` forward hook, which
+    ``nn.Module`` calls even when the forward raised, calls this outside tracing while ``TRACING.top``
+    is set: the sharded parameters of every module under the top-level one are registered again.
+    Only top-level modules keep that hook (``FSDPState.mark_nested`` removes it from the others).
     """
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_dynamo_compiling() or not _TRACING.top:
-            return
-        for each in (state, *state.descendants):
-            _register_sharded(each)
-        _TRACING.top = False
-
-    return hook
+    for each in (state, *state.descendants):
+        _register_sharded(each)
+    TRACING.top = False
 
 
 def _gathered(sharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:

@@ -32,9 +32,8 @@ from ..base._mesh import (
 from ..group._param_group import FSDPParamGroup
 from ..param._late_params import watch_registrations
 from ..runtime._local_optim import enable_automatic_local_steps
-from ..runtime._replaced import mark_replaced
 from ..runtime._state import FSDPState, get_state
-from ..runtime._step_guard import watch_optimizer_steps
+from ..runtime._step_guard import mark_replaced, watch_optimizer_steps
 from ._composable import register_fully_shard, registered_apis, torch_state
 from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
 

@@ -4,8 +4,8 @@ Owns: the group's ``TrainingState`` and ``ShardedState`` and the sequence of one
 parameters: unshard (issue its own all-gather), wait_for_unshard (copy out, register), reshard,
 pre/post forward and backward (the post-backward takes the gradients), its own reduction. Its side of
 bucketing (bucket keys, inputs, packed gradients) is the ``BucketMember`` mixin. Its parts:
-``PackedShards`` (the all-gather input, ``_packed.py``), ``AllGatherer`` (the pending all-gather,
-``_gather.py``), ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``),
+``PackedShards`` (the all-gather input) and ``AllGatherer`` (the pending all-gather), both in
+``_gather.py``, ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``),
 ``GradientReducer`` (``_reduce.py``) and, once a root adopts it, ``UseTracker`` (``_skip.py``). What
 it works with under its root (the streams, the event scope) is handed over by ``attach``.
 Does not own: hooks and prefetch targets (``FSDPState``), the iteration's begin and end
@@ -18,6 +18,7 @@ one is pending or when unsharded; every training-state change goes through ``_li
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,17 +28,17 @@ from torch.distributed.tensor import DTensor
 from ..base._api import CPUOffloadPolicy
 from ..base._autograd import in_backward_task_id, outside_functorch
 from ..base._config import GroupConfig, GroupControls, ParamSpec
-from ..base._lifecycle import ShardedState, TrainingState, stepped_before_backward, transition
+from ..base._lifecycle import ALLOWED, ShardedState, TrainingState, stepped_before_backward, transition
 from ..base._mesh import MeshInfo
 from ..comm._comms import GroupComms
 from ..param._dtensor import local_of
 from ..param._init import check_materialized, warn_if_repeated_shards
 from ..param._param import FSDPParam, can_pin, padded_shard_numel
 from ..trace import _events
-from ..trace._debug import watch_collective
+from ..trace._debug import DEBUG, NOT_WATCHED, watch_collective
+from ..trace._events import RECORDING
 from ._bucket_member import BucketMember
-from ._gather import AllGatherer
-from ._packed import PackedShards, zeroed_shards
+from ._gather import AllGatherer, PackedShards, zeroed_shards
 from ._reduce import GradientReducer
 from ._skip import Skip, UseTracker
 from ._unshard_buffer import UnshardedBuffer
@@ -108,7 +109,13 @@ class FSDPParamGroup(BucketMember):
         return f"group {self.module_fqn or '<root>'}"
 
     def set_state(self, new: TrainingState) -> None:
-        self.training_state = transition(self.training_state, new, self)
+        if new not in ALLOWED[self.training_state]:
+            transition(self.training_state, new, self)  # raises
+        self.training_state = new
+
+    def _watch(self, kind: str, state: TrainingState) -> AbstractContextManager[None]:
+        """The debug watchdog's context for one of this group's collectives (a no-op while off)."""
+        return watch_collective(kind, self.module_fqn, state) if DEBUG.enabled else NOT_WATCHED
 
     def attach(self, comm_ctx: CommContext, event_scope: EventScope) -> None:
         """Work with the root's streams and event scope from now on (its lazy init, after validation)."""
@@ -194,14 +201,17 @@ class FSDPParamGroup(BucketMember):
         state = self.training_state if as_state is None else as_state
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         scope = self.event_scope
-        start = _events.span_start(scope)  # the thread blocks from here until the issue returns
-        _events.record("unshard", self.module_fqn, state, scope)
+        start = None
+        if RECORDING.on:
+            start = _events.span_start(scope)  # the thread blocks from here until the issue returns
+            _events.record("unshard", self.module_fqn, state, scope)
         self.gatherer.span = (start, state)
         info = self._post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
-        with watch_collective("all-gather", self.module_fqn, state):
+        with self._watch("all-gather", state):
             self.gatherer.issue(self.packed, info, self.comms.all_gather, self.comm_ctx, async_op, state)
-        _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
+        if start is not None:
+            _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -209,8 +219,8 @@ class FSDPParamGroup(BucketMember):
         gatherer = self.gatherer
         if gatherer.result is None:
             return
-        waited = _events.span_start(self.event_scope)  # blocked until the copy-out is done
-        with watch_collective("all-gather wait", self.module_fqn, self.training_state):
+        waited = _events.span_start(self.event_scope) if RECORDING.on else None  # blocked until copied out
+        with self._watch("all-gather wait", self.training_state):
             result = gatherer.wait()
         assert result is not None, "an all-gather vanished while waiting for it"
         self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes)
@@ -222,8 +232,9 @@ class FSDPParamGroup(BucketMember):
         self._register_unsharded()
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
-        gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
-        _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
+        if start is not None:
+            gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
+            _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
         ctx = self.comm_ctx
         if ctx is not None and ctx.use_streams:
             ctx.defer_all_gather_buffers(
@@ -251,13 +262,15 @@ class FSDPParamGroup(BucketMember):
                     if ctx is not None and ctx.use_streams:
                         event = torch.cuda.current_stream(self.device).record_event()
                         self.gatherer.post_forward_event = event
-                    _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+                    if RECORDING.on:
+                        _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
             self.buffer.register_sharded(self.fsdp_params, self.sharded_state is _UNSHARDED)
             self.buffer.free()
             self.sharded_state = ShardedState.SHARDED
-            _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+            if RECORDING.on:
+                _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
 
     def _register_unsharded(self) -> None:
         """Register every parameter's unsharded form on its modules.
@@ -339,10 +352,11 @@ class FSDPParamGroup(BucketMember):
     def reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         """Reduce-scatter this group's gradients with its own collective and assign the shards."""
         scope = self.event_scope
-        start = _events.span_start(scope)
-        with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+        start = _events.span_start(scope) if RECORDING.on else None
+        with self._watch("reduce-scatter", self.training_state):
             self.reducer.reduce(params, grads, self.comm_ctx, self.controls, self.comms)
-        _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
+        if start is not None:
+            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
 
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
@@ -368,7 +382,7 @@ class FSDPParamGroup(BucketMember):
         late = self.reducer.finalize(self.device)
         if late:
             reduced, grads = self.reducer.take_grads(late, unused_too=True)
-            with watch_collective("reduce-scatter", self.module_fqn, self.training_state):
+            with self._watch("reduce-scatter", self.training_state):
                 self.reducer.reduce(reduced, grads, self.comm_ctx, self.controls, self.comms)
             self.reducer.finalize(self.device)
 

@@ -336,7 +336,7 @@ class GradientReducer:
             self._post_reduce_event = None
         self._offload_copies_in_flight = False
         # Reads the usage rows: after the reductions (the stream waits above)
-        return self.usage.finish() if self.usage.pending() else []
+        return self.usage.finish() if self._fill_unused and self.usage.pending() else []
 
     def reset(self, device: torch.device) -> None:
         """Forget the reductions of an aborted iteration, HSDP partial sums included."""

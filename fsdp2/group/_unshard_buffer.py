@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..comm._collectives import AllGatherResult, copy_out_2d
-from ._packed import slots_of
+from ._gather import slots_of
 
 if TYPE_CHECKING:
     from ..param._param import FSDPParam

@@ -29,6 +29,23 @@ _local = threading.local()  # .pending: list of (weakref to the parent, attribut
 _hooks: list[Any] = []
 
 
+class _Count:
+    """Registrations noted and not yet checked, in every thread.
+
+    The root's per-iteration check reads this one attribute (``if LATE.pending:``) before calling
+    ``check_late_parameters``.
+    """
+
+    __slots__ = ("lock", "pending")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.lock = threading.Lock()
+
+
+LATE = _Count()
+
+
 def watch_registrations() -> None:
     """Install the registration hooks (once per process; called by ``fully_shard``)."""
     if not _hooks:
@@ -53,6 +70,8 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
     if pending is None:
         pending = _local.pending = []
     pending.append((weakref.ref(module), name))
+    with LATE.lock:
+        LATE.pending += 1
 
 
 def check_late_parameters() -> None:
@@ -62,6 +81,8 @@ def check_late_parameters() -> None:
         return
     items = list(pending)
     pending.clear()
+    with LATE.lock:
+        LATE.pending -= len(items)
     for ref, name in items:
         module = ref()
         if module is None:

@@ -20,7 +20,7 @@ communication (``_collectives``) or deciding when to swap forms (``FSDPParamGrou
 - *local shard* (``LocalShard.shard``): a 1-D tensor of ``padded_shard_numel`` elements holding this
   rank's rows of the original parameter, ``torch.chunk`` style, zero-padded to the size of chunk 0.
   Every rank therefore contributes the same number of elements to the all-gather. Usually a slot of
-  the group's packed buffer (``shard_slot``; see [Note: Packed shards] in ``_packed``), else a
+  the group's packed buffer (``shard_slot``; see [Note: Packed shards] in ``group/_gather.py``), else a
   tensor of its own.
 - *sharded parameter* (``LocalShard.param``): an ``nn.Parameter`` DTensor (``Shard(0)``) whose local
   tensor is a view of the leading, unpadded part of the local shard. In-place updates (optimizer

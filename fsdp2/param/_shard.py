@@ -47,8 +47,9 @@ class LocalShard:
     - ``shard``: 1-D, ``layout.padded_shard_numel`` elements, the parameter's dtype (of its tensor
       subclass for an extension weight), on ``device`` or the CPU (offload), meta until materialised.
       This rank's ``torch.chunk`` piece, flattened, then zeros. A slot of the group's packed buffer
-      (see [Note: Packed shards] in ``_packed``) or a tensor of its own. Built at ``fully_shard``; replaced by
-      :meth:`readopt`, :meth:`adopt` and :meth:`move_into`; never freed while the module lives.
+      (see [Note: Packed shards] in ``group/_gather.py``) or a tensor of its own. Built at
+      ``fully_shard``; replaced by :meth:`readopt`, :meth:`adopt` and :meth:`move_into`; never freed
+      while the module lives.
     - ``view``: ND, ``layout.local_shard_size``, the leading ``layout.local_numel`` elements of
       ``shard``: the sharded parameter's local tensor as fsdp2 made it.
     - ``spec``: the sharded DTensor's spec (global shape and stride, dtype, placements; see ``_tp``).

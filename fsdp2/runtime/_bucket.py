@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather
-from ..comm._comm_context import CommContext, gathers_on_streams
+from ..comm._comm_context import CommContext, serves_on_streams
 from ..group._bucket_member import PendingReduceScatter
 from ..group._reduce import ReducePart, reduce_shared
 from ..trace import _events
@@ -113,7 +113,9 @@ def all_gather_bucket(
         issue_all_gather(output, local, group, world_size, False, comm)
 
     event: torch.Event | None = None
-    if comm_ctx is not None and gathers_on_streams(comm_ctx, False, True):  # a forward or backward use
+    if (
+        comm_ctx is not None and comm_ctx.use_streams and serves_on_streams(False, True)
+    ):  # a forward or backward use
         staged, event = comm_ctx.all_gather_on_streams(copy_in, issue)
     else:
         staged = copy_in()

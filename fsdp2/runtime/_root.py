@@ -23,10 +23,10 @@ from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
 from ..base._lifecycle import TrainingState
 from ..comm._comm_context import CommContext
 from ..group._param_group import FSDPParamGroup
-from ..param._late_params import check_late_parameters
+from ..param._late_params import LATE, check_late_parameters
 from ..trace import _events
 from ..trace._debug import debug_enabled, run_root_init_hooks
-from ..trace._events import EventScope
+from ..trace._events import RECORDING, EventScope
 from ._agreement import UseAgreement
 from ._root_init import TreeState, state_device, validate_tree
 from ._schedule import Schedule
@@ -127,12 +127,15 @@ class RootContext:
                 "module (e.g. in the except block that caught the error) before the next forward."
             )
         if self.iteration_root is None:
-            check_late_parameters()  # before any state changes
+            if LATE.pending:  # parameters registered since fully_shard (this or another thread)
+                check_late_parameters()  # before any state changes
             self.iteration_root = state
             self.iterations += 1
-            self.event_scope.capture()
+            if RECORDING.on:  # else every recorder is closed: a stale capture records nothing
+                self.event_scope.capture()
             self.schedule.begin_iteration()
-            self.comm_ctx.wait_for_current_stream(self.post_optim_event)
+            if self.comm_ctx.use_streams:  # the side streams wait for the optimizer step
+                self.comm_ctx.wait_for_current_stream(self.post_optim_event)
             self.post_optim_event = None
 
     def finish_forward(self, root: _State, output: Any) -> Any:
@@ -146,7 +149,8 @@ class RootContext:
             state.set_state(_IDLE)
             state.modules_to_run.clear()
             output = state.cast_output(output)
-        self.comm_ctx.release_deferred_all_gather()
+        if self.comm_ctx.use_streams:
+            self.comm_ctx.release_deferred_all_gather()
         self.iteration_root = None
         self.schedule.plan(backward=torch.is_grad_enabled())
         return output
@@ -179,15 +183,18 @@ class RootContext:
             self.callback_queued = True
             root = self.all_states[0] if self.all_states else fallback
             queue_end_of_backward_callback(root.eager_finish_backward)
-            self.use_agreement.begin_backward()
+            if self.use_agreement.members:
+                self.use_agreement.begin_backward()
 
     def post_backward(self, group: FSDPParamGroup) -> None:
         """``group``'s post-backward: reshard, then the schedule reduces its gradients."""
-        skip = self.use_agreement.skip(group) if group.controls.reduce_grads else None
+        agreement = self.use_agreement
+        skip = agreement.skip(group) if agreement.members and group.controls.reduce_grads else None
         taken = group.post_backward(skip)
         if taken is not None:
             self.schedule.reduce(group, *taken)
-        _events.record("post_backward", group.module_fqn, group.training_state, group.event_scope)
+        if RECORDING.on:
+            _events.record("post_backward", group.module_fqn, group.training_state, group.event_scope)
 
     def finish_backward(self) -> None:
         """End of backward: post-backward for groups autograd never reached, then end the iteration."""
@@ -213,7 +220,8 @@ class RootContext:
             state.set_state(_IDLE)
         if last:
             self.schedule.end_step()
-            self.comm_ctx.retire_reduce_scatters()
+            if self.comm_ctx.use_streams:
+                self.comm_ctx.retire_reduce_scatters()
         self.callback_queued = False
 
     def reset(self, fallback: _State) -> None:

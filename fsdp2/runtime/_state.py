@@ -58,10 +58,10 @@ from ..base._autograd import (
     route_untracked_outputs,
 )
 from ..base._cast import cast_floating, move_to_device
-from ..base._lifecycle import ShardedState, TrainingState, transition
+from ..base._lifecycle import ALLOWED, ShardedState, TrainingState, transition
 from ..base._warn import warn_user
 from ..comm._comm_context import CommContext
-from ..compile._compiled import recover_hook, traced_hooks
+from ..compile._compiled import TRACING, recover, traced_post_forward, traced_pre_forward
 from ..group._param_group import FSDPParamGroup
 from ._root import RootContext
 from ._root_init import STATE_ATTR
@@ -125,7 +125,7 @@ class FSDPState(TorchStateNames):
                 pre, post = self._grouped_pre_forward(module), self._grouped_post_forward(module)
             # FSDP hooks mutate storages and module registrations: torch.compile runs them eagerly
             # (a graph break at each FSDP module), except under a compiled root (see _compiled.py).
-            pre, post = traced_hooks(self, pre, post)
+            pre, post = _forward_hooks(self, pre, post)
             self.hook_handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(post, always_call=len(modules) > 1))
             self.recover_handles.append(module.register_forward_hook(_recovery(self), always_call=True))
@@ -148,7 +148,9 @@ class FSDPState(TorchStateNames):
         return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"
 
     def set_state(self, new: TrainingState) -> None:
-        self.training_state = transition(self.training_state, new, self)
+        if new not in ALLOWED[self.training_state]:
+            transition(self.training_state, new, self)  # raises
+        self.training_state = new
 
     def set_controls(self, **values: Any) -> None:
         """Set run-time controls (``GroupControls`` fields) on each of this state's groups."""
@@ -374,6 +376,30 @@ def _fragile_view_message(state: FSDPState) -> str:
     )
 
 
+def _forward_hooks(state: FSDPState, pre: Any, post: Any) -> tuple[Any, Any]:
+    """The forward hooks of ``state``'s module: eager ``pre`` / ``post``, or their traced side.
+
+    While dynamo traces a top-level module (a whole model compiled), the traced side puts the
+    collectives in the graph (``compile/``); eagerly, and for a block compiled alone, the eager hooks
+    run, excluded from tracing (a graph break at each FSDP module, as with torch's ``fully_shard``).
+    """
+    eager_pre, eager_post = eager(pre), eager(post)
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            traced = traced_pre_forward(state, args, kwargs)
+            if traced is not None:
+                return traced
+        return eager_pre(module, args, kwargs)
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if TRACING.top and torch.compiler.is_dynamo_compiling():
+            return traced_post_forward(state, output)
+        return eager_post(module, args, output)
+
+    return pre_hook, post_hook
+
+
 def _recovery(state: FSDPState) -> Any:
     """A top-level module's ``always_call`` forward hook: after a forward that raised, reshard.
 
@@ -381,12 +407,12 @@ def _recovery(state: FSDPState) -> Any:
     succeeded both checks find nothing to do. An eager forward that raised (outside backward) leaves
     ``state`` the root of an iteration that never finished: the root context shards every group again.
     """
-    compiled = recover_hook(state)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        compiled(module, args, output)
         if torch.compiler.is_dynamo_compiling():
             return
+        if TRACING.top:  # a compiled forward raised after its traced pre-forward (see compile/)
+            recover(state)
         ctx = state.ctx
         if ctx is not None and ctx.iteration_root is state and in_backward_task_id() == -1:
             ctx.abandon_forward()

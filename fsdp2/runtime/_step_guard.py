@@ -6,6 +6,11 @@ when roots are added or the optimizer's parameter lists change), and its part in
 pre-step and post-step hooks (``_optimizer_hooks``) that turns silent mistakes into an error or the
 intended result:
 
+- a step over parameter objects ``fully_shard`` replaced (an optimizer built before it): their
+  objects are no longer in the model and never get gradients, so the step would silently train
+  nothing (torch's ``fully_shard`` lets it): ``RuntimeError`` (``mark_replaced`` records them; an
+  optimizer's parameters are scanned at its first step, and again only after another ``fully_shard``
+  call or a change in its number of param groups);
 - a step while a group still holds gradients that were never reduced (a backward with
   ``set_requires_gradient_sync(False)`` and no synced backward after it): ``RuntimeError`` before the
   step changes anything; the sharded gradients do not contain them, so the step would ignore them;
@@ -46,6 +51,12 @@ _roots: list[weakref.ref[Any]] = []  # the watched RootContexts, in the order th
 _calls = itertools.count(1)
 _generation = 0  # bumped whenever a root is added
 _joined: list[Any] = []  # the way out of the optimizer-step hooks, once joined
+# id -> weak reference of each replaced parameter object. Not an attribute on the tensor: a deep
+# copy of a replaced parameter (a fresh tensor the user may train) must not count as replaced.
+_replaced: dict[int, weakref.ref[torch.Tensor]] = {}
+_replacements = 0  # bumped by every fully_shard call that replaced parameters
+# optimizer -> (replacements, number of param groups) when its parameters were last scanned
+_scanned: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
 class _Root(Protocol):
@@ -62,6 +73,44 @@ def watch_optimizer_steps() -> None:
     if not _joined:
         _joined.append(take_part(before=_before_step, after=_after_step))
         _wrap_zero_grad()
+
+
+def mark_replaced(params: list[torch.Tensor]) -> None:
+    """Record that ``params`` (the original objects) are being replaced by sharded parameters."""
+    global _replacements
+    if not params:
+        return
+    for param in params:
+        _replaced[id(param)] = weakref.ref(param, functools.partial(_forget, id(param)))
+    _replacements = next(_calls)
+    watch_optimizer_steps()
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:
+    groups = optimizer.param_groups
+    seen = (_replacements, len(groups))
+    if _scanned.get(optimizer) == seen:
+        return
+    params = (p for group in groups for p in group["params"])
+    stale = [index for index, param in enumerate(params) if _is_replaced(param)]
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(stale)} of its parameters (positions {stale[:8]}"
+            f"{', ...' if len(stale) > 8 else ''} in its param groups) were replaced by fully_shard, "
+            "so they are no longer in the model and this step would not train them. Build the "
+            "optimizer after fully_shard, from model.parameters() (the sharded DTensors)."
+        )
+    _scanned[optimizer] = seen
+
+
+def _is_replaced(param: torch.Tensor) -> bool:
+    ref = _replaced.get(id(param))
+    return ref is not None and ref() is param
+
+
+def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _replaced.get(key) is ref:  # not a newer object that reused the id
+        del _replaced[key]
 
 
 def watch_root(root: _Root) -> None:
@@ -115,6 +164,7 @@ def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[FSDPParamGroup]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_replaced(optimizer)
     groups = _stepped_groups(optimizer)
     partial = [why for why in map(partial_grads, groups) if why]
     if partial:

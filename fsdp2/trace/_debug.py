@@ -149,6 +149,8 @@ def _describe(item: ParamFingerprint) -> str:
 
 
 _OFF = contextlib.nullcontext()
+NOT_WATCHED = _OFF  # what a caller uses instead of watch_collective while ``DEBUG.enabled`` is off
+DEBUG = _Settings  # ``DEBUG.enabled``: one attribute read for the hot path (set_debug / FSDP2_DEBUG)
 
 
 def watch_collective(kind: str, group_name: str, state: Enum) -> contextlib.AbstractContextManager[None]:

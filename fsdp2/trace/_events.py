@@ -31,6 +31,23 @@ EventKind = Literal["unshard", "reshard", "post_backward"]
 _local = threading.local()
 
 
+class _Switch:
+    """How many ``record_events()`` blocks are open, in every thread (the engine's one check).
+
+    While it reads 0 nothing records anywhere, so the engine's hot path skips its event calls with
+    one attribute read (``if RECORDING.on:``) instead of calling into this module.
+    """
+
+    __slots__ = ("lock", "on")
+
+    def __init__(self) -> None:
+        self.on = 0
+        self.lock = threading.Lock()
+
+
+RECORDING = _Switch()
+
+
 class EventList(list["Event"]):
     """The list ``record_events()`` yields: the events, plus ``spans`` and ``waits``.
 
@@ -307,11 +324,15 @@ def record_events() -> Iterator[EventList]:
     previous = _thread_recorder()
     recorder = _Recorder(previous)
     _local.recorder = recorder
+    with RECORDING.lock:
+        RECORDING.on += 1
     try:
         yield recorder.events
     finally:
         recorder.open = False
         _local.recorder = previous
+        with RECORDING.lock:
+            RECORDING.on -= 1
 
 
 def record(

@@ -127,3 +127,77 @@ def test_the_search_finds_nested_and_weak_references() -> None:
     assert _groups_referenced(holder) == [group]
     holder.nested = weakref.WeakSet([group])  # type: ignore[attr-defined]
     assert _groups_referenced(holder) == [group]
+
+
+# ---- one step crosses few files ---------------------------------------------------------------------
+
+MAX_FILES_IN_ONE_STEP = 15  # issue 34: torch's FSDP2 enters 6 files for the same step
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _files_of_one_step() -> dict[str, int]:
+    import fsdp2
+
+    package = fsdp2.__file__.rsplit("__init__.py", 1)[0]
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    plain = copy.deepcopy(model)
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):  # lazy init, the first steps' plans and caches
+        step()
+    calls: dict[str, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(package):
+            key = name[len(package) :]
+            calls[key] = calls.get(key, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    for _ in range(4):
+        plain(x).sum().backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    for param, plain_param in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(param.full_tensor(), plain_param, rtol=0, atol=0)
+    return calls
+
+
+def test_one_plain_step_enters_few_fsdp2_files() -> None:
+    """One training step (2 sharded blocks and the root, SGD, one rank) crosses at most 15 files.
+
+    Event recording, debug mode, bucketing and the compiled path stay out of a plain step's way: each
+    is entered only when it is on.
+    """
+    calls = run_threaded(1, _files_of_one_step)[0]
+    listing = "\n".join(f"{n:5d} {name}" for name, n in sorted(calls.items(), key=lambda kv: -kv[1]))
+    assert len(calls) <= MAX_FILES_IN_ONE_STEP, f"{len(calls)} fsdp2 files in one step:\n{listing}"
+    assert not any(name.startswith(("trace/", "compile/", "tools/")) for name in calls), listing
