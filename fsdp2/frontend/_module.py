@@ -266,7 +266,7 @@ class FSDPModule(_ModuleBase):
             state = _require_state(module)
             state.auto_reshard = False
             for group in state.groups:
-                group.post_forward_mesh_info = group.mesh_info if reshard_after_forward else None
+                group.set_post_forward_mesh(group.mesh_info if reshard_after_forward else None)
             state.set_controls(reshard_after_no_grad_forward=reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

@@ -129,7 +129,7 @@ class AllGatherer:
 
     def output_bytes(self) -> int:
         """Bytes of the all-gather output (what the all-gather bucket cap counts)."""
-        numel = sum(p.padded_shard_numel for p in self._params) * self._mesh_info.shard_size
+        numel = sum(p.layout.padded_shard_numel for p in self._params) * self._mesh_info.shard_size
         return numel * self.dtype.itemsize
 
     # ---- inputs ----------------------------------------------------------------------------------
@@ -167,11 +167,11 @@ class AllGatherer:
         """Every rank raises together if any pre hook broke the padded-size rule (no hang)."""
         extended = [p for p in params if p.has_extension]
         bad = [p.fqn for p in extended if not p.extension_rule_ok]
-        if not self._rule_agreed and any(p.unevenly_sharded for p in extended):
+        if not self._rule_agreed and any(p.layout.unevenly_sharded for p in extended):
             info = self._mesh_info
             everyone_ok = info.shard_size == 1 or all_ranks_true(not bad, info.shard_group, self._device)
             if not everyone_ok:
-                raise padded_rule_error(bad or [p.fqn for p in extended if p.unevenly_sharded])
+                raise padded_rule_error(bad or [p.fqn for p in extended if p.layout.unevenly_sharded])
             self._rule_agreed = True
         elif bad:
             raise padded_rule_error(bad)

@@ -2,9 +2,9 @@
 
 Owns: the group's ``TrainingState`` and ``ShardedState`` and the sequence of one step over its own
 parameters: unshard (issue its own all-gather), wait_for_unshard (copy out, register), reshard,
-pre/post forward and backward (the post-backward takes the gradients), its own reduction. Its side of
-bucketing (bucket keys, inputs, packed gradients) is the ``BucketMember`` mixin. Its parts:
-``PackedShards`` (the all-gather input) and ``AllGatherer`` (the pending all-gather), both in
+pre/post forward and backward (the post-backward takes the gradients), its own reduction, and the
+reduction of gradients no-sync backwards kept (``reduce_held_grads``). Its parts, declared at class
+level: ``PackedShards`` (the all-gather input) and ``AllGatherer`` (the pending all-gather), both in
 ``_gather.py``, ``UnshardedBuffer`` (the output and registrations, ``_unshard_buffer.py``),
 ``GradientReducer`` (``_reduce.py``) and, once a root adopts it, ``UseTracker`` (``_skip.py``). What
 it works with under its root (the streams, the event scope) is handed over by ``attach``.
@@ -37,7 +37,6 @@ from ..param._param import FSDPParam, can_pin, padded_shard_numel
 from ..trace import _events
 from ..trace._debug import DEBUG, NOT_WATCHED, watch_collective
 from ..trace._events import RECORDING
-from ._bucket_member import BucketMember
 from ._gather import AllGatherer, PackedShards, zeroed_shards
 from ._reduce import GradientReducer
 from ._skip import Skip, UseTracker
@@ -54,11 +53,22 @@ _POST_BACKWARD = TrainingState.POST_BACKWARD
 _UNSHARDED = ShardedState.UNSHARDED
 
 
-class FSDPParamGroup(BucketMember):
+class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call, gathered and reduced together.
 
-    Its side of bucketing (keys, inputs, packed gradients for the schedule) is ``BucketMember``.
+    What a bucket reads of it (keys, inputs, packed gradients) is read from its parts by ``runtime``'s
+    ``_bucket.py``; callers call the part that does the work.
     """
+
+    # Its parameters and parts (see the module docstring); the layouts are each part's own.
+    fsdp_params: list[FSDPParam]
+    packed: PackedShards  # the all-gather input: the local shards in one buffer
+    gatherer: AllGatherer  # the pending all-gather
+    buffer: UnshardedBuffer  # the all-gather output and what it registers
+    reducer: GradientReducer  # the reduction and the sharded gradients
+    use_tracker: UseTracker | None  # which submodules ran, once a root's usage agreement took it in
+    comms: GroupComms  # its collectives
+    controls: GroupControls  # the run-time controls its module's setters write
 
     def __init__(
         self,
@@ -79,11 +89,11 @@ class FSDPParamGroup(BucketMember):
             for spec, slot in zip(specs, self.packed.slots(len(specs)), strict=True)
         ]
         # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
-        self._staged_params = [p for p in self.fsdp_params if p.shard_dim != 0]
+        self._staged_params = [p for p in self.fsdp_params if p.layout.shard_dim != 0]
         self.tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
         self.gatherer = AllGatherer(self.fsdp_params, config.mesh_info, config.device)
         self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
-        self._post_forward_mesh_info = post_forward_mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
         self.controls = GroupControls()
         self.comms = GroupComms()
         self.reducer = GradientReducer(config.mesh_info)
@@ -123,13 +133,9 @@ class FSDPParamGroup(BucketMember):
 
     # ---- configuration ---------------------------------------------------------------------------
 
-    @property
-    def post_forward_mesh_info(self) -> MeshInfo | None:
-        return self._post_forward_mesh_info
-
-    @post_forward_mesh_info.setter
-    def post_forward_mesh_info(self, info: MeshInfo | None) -> None:
-        self._post_forward_mesh_info = info
+    def set_post_forward_mesh(self, info: MeshInfo | None) -> None:
+        """Reshard after forward to ``info`` (``None``: keep the parameters; see ``reshard``)."""
+        self.post_forward_mesh_info = info
         self.buffer.forget_slots()
         for fsdp_param in self.fsdp_params:
             fsdp_param.post_forward_mesh_info = info
@@ -148,12 +154,14 @@ class FSDPParamGroup(BucketMember):
             fsdp_param.init_extension(policy)
         gatherer, params = self.gatherer, self.fsdp_params
         sharded = self.sharded_state is ShardedState.SHARDED
-        gatherer.resolve(self._post_forward_mesh_info)
-        self._staged_params = [p for p in params if p.shard_dim != 0 or p.has_extension]
+        gatherer.resolve(self.post_forward_mesh_info)
+        self._staged_params = [p for p in params if p.layout.shard_dim != 0 or p.has_extension]
         if sharded:
             self.packed.repack(params)  # if shards were replaced since fully_shard (e.g. a deep copy's)
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
-        shares = not gatherer.as_bytes and all(p.shard_dim == 0 and not p.has_extension for p in params)
+        shares = not gatherer.as_bytes and all(
+            p.layout.shard_dim == 0 and not p.has_extension for p in params
+        )
         self.buffer.resolve(params, shares, gatherer.dtype, sharded)
         self.reducer.resolve(params, policy.wire_dtype)
         # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
@@ -206,7 +214,7 @@ class FSDPParamGroup(BucketMember):
             start = _events.span_start(scope)  # the thread blocks from here until the issue returns
             _events.record("unshard", self.module_fqn, state, scope)
         self.gatherer.span = (start, state)
-        info = self._post_forward_mesh_info if post_forward else self.mesh_info
+        info = self.post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         with self._watch("all-gather", state):
             self.gatherer.issue(self.packed, info, self.comms.all_gather, self.comm_ctx, async_op, state)
@@ -249,7 +257,7 @@ class FSDPParamGroup(BucketMember):
         post-forward shard for an int.
         """
         if self.training_state is _FORWARD:
-            info = self._post_forward_mesh_info
+            info = self.post_forward_mesh_info
             if info is None:
                 return
             if info is not self.mesh_info:
@@ -280,7 +288,7 @@ class FSDPParamGroup(BucketMember):
         ``reshard_after_forward`` (post-forward placeholders are registered too) or all-gather
         extensions (their unsharded parameters may be rebuilt).
         """
-        info = self._post_forward_mesh_info
+        info = self.post_forward_mesh_info
         batch = not self.gatherer.extension and (info is None or info is self.mesh_info)
         sync = self.training_state is not _PRE_BACKWARD
         self.buffer.register_unsharded(self.fsdp_params, sync, batch)
@@ -358,6 +366,20 @@ class FSDPParamGroup(BucketMember):
         if start is not None:
             _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
 
+    def reduce_held_grads(self) -> bool:
+        """Reduce the gradients no-sync backwards kept, now (outside backward); whether there were any.
+
+        Waits for the reduction before returning, as the end of a backward does.
+        """
+        if not self.unreduced_grads:
+            return False
+        reduced, grads = self.reducer.take_grads(self.fsdp_params, unused_too=False)
+        self.unreduced_grads = False
+        if grads:
+            self.reduce(reduced, grads)
+        self.reducer.finalize(self.device)
+        return True
+
     def drop_unreduced_grads(self) -> None:
         """Discard the gradients left on the unsharded parameters (``zero_grad``, ``reset``)."""
         self.reducer.take_grads(self.fsdp_params, unused_too=False, reducing=False)  # and drop them
@@ -381,9 +403,7 @@ class FSDPParamGroup(BucketMember):
         self.gatherer.wait()
         late = self.reducer.finalize(self.device)
         if late:
-            reduced, grads = self.reducer.take_grads(late, unused_too=True)
-            with self._watch("reduce-scatter", self.training_state):
-                self.reducer.reduce(reduced, grads, self.comm_ctx, self.controls, self.comms)
+            self.reduce(*self.reducer.take_grads(late, unused_too=True))
             self.reducer.finalize(self.device)
 
     def reset(self) -> None:

@@ -89,9 +89,9 @@ class GradientReducer:
         skipped: list[FSDPParam] = []
         if skip is not None and skip.unused and reducing and self._fill_unused:
             params, skipped = self.usage.leave_out(params, skip.unused)
-        taken = [(p, p.take_unsharded_grad()) for p in params]
+        taken = [(p, p.unsharded.take_grad()) for p in params]
         # A gradient held for a parameter left out (a wrong prediction) must reach the others too
-        some = any(g is not None for _, g in taken) or any(p.holds_unsharded_grad() for p in skipped)
+        some = any(g is not None for _, g in taken) or any(p.unsharded.holds_grad() for p in skipped)
         fill = reducing and (unused_too or (self._fill_unused and some))
         reduced: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
@@ -117,8 +117,8 @@ class GradientReducer:
     def stash_grads(params: list[FSDPParam]) -> bool:
         """No-sync backward: keep the unsharded gradients for the next synced one; whether any are held."""
         for fsdp_param in params:
-            fsdp_param.stash_unsharded_grad()
-        return any(p.holds_unsharded_grad() for p in params)
+            fsdp_param.unsharded.stash_grad()
+        return any(p.unsharded.holds_grad() for p in params)
 
     def reduce(
         self,
@@ -135,7 +135,7 @@ class GradientReducer:
         if self._identity and controls.all_reduce_hook is None and self._no_division(grads, controls):
             # One rank, nothing to average or cast: each unsharded gradient is its own shard.
             for fsdp_param, grad in zip(params, grads, strict=True):
-                fsdp_param.accumulate_sharded_grad(grad)
+                fsdp_param.local.accumulate_grad(grad)
             grads.clear()
             return
         # Custom collectives are not used for a single rank (nothing is communicated).
@@ -183,7 +183,7 @@ class GradientReducer:
             comm_ctx.retire_reduce_scatters(keep=controls.reduce_scatter_max_input_buffers - 1)
         packed = []
         for dtype, (bucket_params, bucket_grads) in self.split_by_dtype(params, grads).items():
-            shard_numel = sum(p.padded_shard_numel for p in bucket_params)
+            shard_numel = sum(p.layout.padded_shard_numel for p in bucket_params)
             # With a wire dtype the gradients are packed in it directly (summed in dtype on arrival).
             packed_dtype = self.wire() or dtype
             world = self.mesh_info.shard_size
@@ -205,10 +205,10 @@ class GradientReducer:
         """
         buckets: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for fsdp_param, grad in zip(params, grads, strict=True):
-            if fsdp_param.padded_shard_numel == 0:
+            if fsdp_param.layout.padded_shard_numel == 0:
                 continue  # a zero-element parameter: nothing to reduce, its gradient is empty
             dtype = fsdp_param.reduce_dtype or grad.dtype
-            if fsdp_param.shard_dim != 0:
+            if fsdp_param.layout.shard_dim != 0:
                 grad = fsdp_param.dim0_grad(grad)
             bucket = buckets.setdefault(dtype, ([], []))
             bucket[0].append(fsdp_param)
@@ -235,8 +235,8 @@ class GradientReducer:
     def assign_empty(self, params: list[FSDPParam]) -> None:
         """Give zero-element parameters their (empty) sharded gradient."""
         for fsdp_param in params:
-            if fsdp_param.padded_shard_numel == 0:
-                fsdp_param.accumulate_sharded_grad(fsdp_param.empty_local_grad())
+            if fsdp_param.layout.padded_shard_numel == 0:
+                fsdp_param.local.accumulate_grad(fsdp_param.empty_local_grad())
 
     def finish_reduce_scatter(
         self,
@@ -310,11 +310,11 @@ class GradientReducer:
             self.usage.note_assigned(params, tail, controls.reduce_scatter_unused_params)
         views = view_out_shards(
             output,
-            [p.padded_shard_numel for p in params],
-            [p.local_shard_size for p in params],
+            [p.layout.padded_shard_numel for p in params],
+            [p.layout.local_shard_size for p in params],
         )
         for fsdp_param, view in zip(params, views, strict=True):
-            if fsdp_param.accumulate_sharded_grad(view):
+            if fsdp_param.local.accumulate_grad(view):
                 self._offload_copies_in_flight = True
 
     def reduced_by(self, event: torch.Event | None) -> None:
@@ -432,7 +432,9 @@ def bucket_key(
         or tensor_parallel
     ):
         return None
-    dtypes = {p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.padded_shard_numel}
+    dtypes = {
+        p.reduce_dtype or g.dtype for p, g in zip(params, grads, strict=True) if p.layout.padded_shard_numel
+    }
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()

@@ -102,7 +102,7 @@ class UnshardedBuffer:
         """Allocate the group buffer (binding every parameter to its part), or regrow its storage."""
         data = self.data
         if data is None:
-            sizes = [world * p.padded_shard_numel for p in params]
+            sizes = [world * p.layout.padded_shard_numel for p in params]
             # Every parameter starts on a 64-byte boundary, as a tensor of its own would: vectorized
             # kernels and cuBLAS pick slower paths for misaligned operands.
             align = max(1, _ALIGN_BYTES // dtype.itemsize)

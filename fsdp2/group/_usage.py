@@ -81,12 +81,12 @@ class UsageTail:
                 key in unused
                 and key not in self.never_skip
                 and fsdp_param.sharded_param.requires_grad
-                and fsdp_param.padded_shard_numel
+                and fsdp_param.layout.padded_shard_numel
             ):
                 skipped.append(fsdp_param)
             else:
                 kept.append(fsdp_param)
-        if not any(p.padded_shard_numel and p.sharded_param.requires_grad for p in kept):
+        if not any(p.layout.padded_shard_numel and p.sharded_param.requires_grad for p in kept):
             return params, []
         return kept, skipped
 
@@ -121,7 +121,7 @@ class UsageTail:
                 if id(fsdp_param) in self.zero_filled:
                     row[index] = 0
         for index, fsdp_param in enumerate(self.skipped, start=len(params)):
-            if not fsdp_param.holds_unsharded_grad():
+            if not fsdp_param.unsharded.holds_grad():
                 row[index] = 0
         if self.idle is False:
             row[-1] = 0

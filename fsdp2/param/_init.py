@@ -169,7 +169,7 @@ def warn_if_repeated_shards(group_params: Sequence[FSDPParam], world: int) -> No
         return
     for fsdp_param in params:
         fsdp_param.from_meta = False
-    flats = [p.all_gather_output() for p in params]
+    flats = [p.unsharded.all_gather_output() for p in params]
     if torch.compiler.is_compiling() or any(is_fake(flat) for flat in flats):
         return
     repeated = [p.fqn for p, flat in zip(params, flats, strict=True) if _blocks_repeat(p, flat, world)]
@@ -190,7 +190,7 @@ def warn_if_repeated_shards(group_params: Sequence[FSDPParam], world: int) -> No
 def _blocks_repeat(param: FSDPParam, flat: torch.Tensor, world: int) -> bool:
     if world < 2 or not param.sharded_param.dtype.is_floating_point:
         return False
-    probe = min(_PROBE, param.smallest_shard_numel)
+    probe = min(_PROBE, param.layout.smallest_shard_numel)
     if probe < 2:
         return False
     blocks = flat.detach().view(world, -1)[:, :probe]

@@ -1,9 +1,10 @@
-"""One managed parameter: the facade over the tensors FSDP keeps for it.
+"""One managed parameter: its identity and dtypes, which form is registered, and its parts.
 
-Owns: ``FSDPParam``: a parameter's identity (name, owner modules, source), its sizes and dtypes,
-which of its forms is registered on the owner modules, and the interface the group and the reducer
-call (all-gather inputs and outputs, gradient hand-off). The tensors, and the work on them, belong to
-its parts, each in its own module:
+Owns: ``FSDPParam``: a parameter's identity (name, owner modules, source), its dtypes, which of its
+forms is registered on the owner modules, and the steps that span parts (all-gather inputs and
+outputs of extension parameters, registration). The tensors, and the work on them, belong to its
+parts, public fields that callers call directly (``fsdp_param.unsharded.take_grad()``), each in its
+own module:
 
 - ``ShardLayout`` (``_layout``): the sizes of the sharding (chunk rows, padding, this rank's piece);
 - ``LocalShard`` (``_shard``): the padded local shard, the sharded DTensor parameter and its gradient;
@@ -72,20 +73,29 @@ class FSDPParam:
       reshard (``reshard_after_forward=k``; set by the group).
     - ``device``: the compute device (where all-gather outputs and unsharded parameters live).
     - ``offload_to_cpu``: CPU offload: shards and their gradients live on the CPU.
-    - sizes, plain copies of the ``ShardLayout``'s (fixed; read per step): ``shard_dim``,
-      ``orig_size``, ``orig_stride``, ``orig_numel``, ``row_numel``, ``padded_shard_numel``,
-      ``local_shard_size``, ``local_numel``, ``unevenly_sharded``, ``smallest_shard_numel``.
     - ``orig_dtype`` / ``param_dtype`` / ``reduce_dtype``: the sharded dtype and mixed precision
       (resolved by :meth:`init_dtypes` at lazy init; ``None``: no cast).
     - ``from_meta``: materialised from meta since the group's last first-unshard check.
-    - per-step methods bound to the part that does the work (no call layer per step):
-      ``all_gather_output``, ``take_unsharded_grad``, ``stash_unsharded_grad``,
-      ``holds_unsharded_grad`` (``UnshardedParam``), ``accumulate_sharded_grad`` (``LocalShard``).
     - ``sharded_param`` / ``_local_shard``: the ``LocalShard``'s parameter and padded shard, cached
       for per-step reads; refreshed whenever a call into the ``LocalShard`` may have replaced them.
-    - parts: ``_shard`` (``LocalShard``), ``_unsharded`` (``UnshardedParam``), ``_tp`` (``TPLayout``
-      or ``None``), ``_extension`` (``ExtensionGather`` or ``None``; re-detected at lazy init).
+
+    Parts (declared below; callers call the part that does the work, e.g.
+    ``fsdp_param.unsharded.take_grad()``, ``fsdp_param.local.accumulate_grad(view)``,
+    ``fsdp_param.layout.padded_shard_numel``):
+    - ``layout`` (``ShardLayout``): the sizes of the sharding (fixed);
+    - ``local`` (``LocalShard``): the padded local shard, the sharded parameter and its gradient;
+    - ``unsharded`` (``UnshardedParam``): the all-gather output, the unsharded parameter and its
+      gradient, the post-forward slice;
+    - ``tp`` (``TPLayout`` or ``None``): a tensor-parallel parameter's DTensor layouts (fixed);
+    - ``extension`` (``ExtensionGather`` or ``None``): an all-gather extension's gathered tensors
+      (re-detected at lazy init).
     """
+
+    layout: ShardLayout
+    local: LocalShard
+    unsharded: UnshardedParam
+    tp: TPLayout | None
+    extension: ExtensionGather | None
 
     def __init__(
         self,
@@ -111,32 +121,19 @@ class FSDPParam:
         self.offload_to_cpu = offload_to_cpu = isinstance(offload, CPUOffloadPolicy)
         self._fast_register = all(type(m).__setattr__ is nn.Module.__setattr__ for m, _ in owners)
         # Tensor parallel: FSDP shards the DTensor's local tensor. See [Note: Tensor parallel].
-        self._tp = TPLayout(spec_of(param), spec.dp_dims) if isinstance(param, DTensor) else None
-        shard_spec = sharded_spec(spec, self._tp, mesh_info, param.dtype)
+        self.tp = TPLayout(spec_of(param), spec.dp_dims) if isinstance(param, DTensor) else None
+        shard_spec = sharded_spec(spec, self.tp, mesh_info, param.dtype)
         if isinstance(param, DTensor):
             param = nn.Parameter(local_of(param), requires_grad=param.requires_grad)
-        layout = ShardLayout.of(param, spec.shard_dim, mesh_info.shard_size, mesh_info.shard_rank)
-        self._layout = layout
-        self.shard_dim, self.orig_size = layout.shard_dim, layout.orig_size
-        self.orig_stride, self.orig_numel = layout.orig_stride, layout.orig_numel
-        self.row_numel = layout.row_numel
-        self.padded_shard_numel, self.local_numel = layout.padded_shard_numel, layout.local_numel
-        self.local_shard_size = layout.local_shard_size
-        self.unevenly_sharded = layout.unevenly_sharded
-        self.smallest_shard_numel = layout.smallest_shard_numel
+        self.layout = layout = ShardLayout.of(
+            param, spec.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
+        )
         pin = offload_to_cpu and can_pin(offload)
-        self._shard = shard = LocalShard(param, layout, shard_spec, device, offload_to_cpu, pin, shard_slot)
-        self._unsharded = unsharded = UnshardedParam(shard, layout, device, self._tp)
-        # Per-step members bound to the part that does the work (no call layer on the hot path).
-        self.all_gather_output = unsharded.all_gather_output
-        self.take_unsharded_grad = unsharded.take_grad
-        self.stash_unsharded_grad = unsharded.stash_grad
-        self.holds_unsharded_grad = unsharded.holds_grad
-        self.held_unsharded_grads = unsharded.held_grads
-        self.accumulate_sharded_grad = shard.accumulate_grad
+        self.local = shard = LocalShard(param, layout, shard_spec, device, offload_to_cpu, pin, shard_slot)
+        self.unsharded = UnshardedParam(shard, layout, device, self.tp)
         local = shard.view
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
-        self._extension = ExtensionGather() if defines_hooks(local, self.fqn) else None
+        self.extension = ExtensionGather() if defines_hooks(local, self.fqn) else None
         self._may_gain_hooks = may_gain_hooks(local)  # a weight subclass: checked at every all-gather
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype | None = None
@@ -149,40 +146,40 @@ class FSDPParam:
 
     def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
         """Resolve mixed precision against the current sharded dtype (lazy init)."""
-        self.orig_dtype = self._shard.settle_dtype()
+        self.orig_dtype = self.local.settle_dtype()
         if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
             param_dtype = None
         self.param_dtype = param_dtype
         self.reduce_dtype = None if reduce_dtype == (param_dtype or self.orig_dtype) else reduce_dtype
-        self._unsharded.use_dtypes(self.unsharded_dtype, self.reduce_dtype)
+        self.unsharded.use_dtypes(self.unsharded_dtype, self.reduce_dtype)
 
     def init_extension(self, mp_policy: Any) -> None:
         """Re-detect the all-gather extension on the local tensor (lazy init); keep the policy for it."""
-        local = self._shard.local_tensor()
-        self._extension = redetect(self._extension, local, self.fqn, mp_policy)
+        local = self.local.local_tensor()
+        self.extension = redetect(self.extension, local, self.fqn, mp_policy)
         self._may_gain_hooks = may_gain_hooks(local)
 
     @property
     def unsharded_param(self) -> nn.Parameter | None:
         """The unsharded parameter (original shape), or ``None`` before the first unshard."""
-        return self._unsharded.param
+        return self.unsharded.param
 
     @property
     def is_tensor_parallel(self) -> bool:
-        return self._tp is not None
+        return self.tp is not None
 
     @property
     def has_extension(self) -> bool:
-        return self._extension is not None
+        return self.extension is not None
 
     @property
     def extension_rule_ok(self) -> bool:
         """The last pre-hook call kept the padded-size rule (always, without an extension)."""
-        return self._extension is None or self._extension.rule_ok
+        return self.extension is None or self.extension.rule_ok
 
     @property
     def _extension_outputs(self) -> list[torch.Tensor]:  # read by tests
-        return self._extension.outputs if self._extension is not None else []
+        return self.extension.outputs if self.extension is not None else []
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
@@ -208,7 +205,7 @@ class FSDPParam:
                 f"sharded DTensor, got {type(param).__name__}. Load sharded (DTensor) state dicts into "
                 "fully_shard modules, or use torch.distributed.checkpoint.state_dict helpers."
             )
-        self.from_meta = self._shard.readopt(param) or self.from_meta
+        self.from_meta = self.local.readopt(param) or self.from_meta
         self._sharded_changed()
         self._register(param)
 
@@ -217,19 +214,19 @@ class FSDPParam:
 
         ``fully_shard`` on it builds this parameter's layout again (used to deep-copy a model).
         """
-        return self._shard.placeholder(self._tp)
+        return self.local.placeholder(self.tp)
 
     def local_shard_copy(self) -> torch.Tensor:
         """A copy of the padded local shard (for a deep copy of the model)."""
-        return self._shard.copy()
+        return self.local.copy()
 
     def can_move_shard(self) -> bool:
         """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``LocalShard``)."""
-        return self._shard.can_move()
+        return self.local.can_move()
 
     def move_shard_into(self, view: torch.Tensor) -> None:
         """Move the padded local shard into ``view`` (part of a group's packed buffer); same parameter."""
-        self._shard.move_into(view)
+        self.local.move_into(view)
         self._sharded_changed()
 
     def holds_shard(self, view: torch.Tensor) -> bool:
@@ -246,39 +243,39 @@ class FSDPParam:
 
     def adopt_local_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (a padded local shard of this parameter's layout) the sharded parameter's data."""
-        self._shard.adopt(shard)
+        self.local.adopt(shard)
         self._sharded_changed()
         self._register(self.sharded_param)
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (the whole parameter; the caller checks :attr:`global_size`)."""
-        return self._shard.shard_full_tensor(full, self._tp)
+        return self.local.shard_full_tensor(full, self.tp)
 
     # ---- all-gather inputs and outputs -------------------------------------------------------------
 
     def all_gather_input(self, post_forward: bool) -> torch.Tensor:
         """The 1-D tensor this rank contributes (cast to the unsharded dtype by the copy-in)."""
         if self._may_gain_hooks:
-            check_hooks_unchanged(self._shard.local_tensor(), self.fqn, had_hooks=False)
+            check_hooks_unchanged(self.local.local_tensor(), self.fqn, had_hooks=False)
         if post_forward:
-            piece = self._unsharded.post_forward_slice
+            piece = self.unsharded.post_forward_slice
             assert piece is not None, f"{self.fqn}: no post-forward slice to gather"
             return piece
-        return self._shard.all_gather_input() if self.offload_to_cpu else self._local_shard
+        return self.local.all_gather_input() if self.offload_to_cpu else self._local_shard
 
     def all_gather_inputs(self, post_forward: bool) -> list[torch.Tensor]:
         """The 1-D tensors this rank contributes: the shard, or an extension's pre-hook outputs."""
-        extension = self._extension
+        extension = self.extension
         if extension is None:
             return [self.all_gather_input(post_forward)]
         module = self.owners[0][0]
-        return extension.all_gather_inputs(self._shard, self._layout, self.mesh_info, module, self.fqn)
+        return extension.all_gather_inputs(self.local, self.layout, self.mesh_info, module, self.fqn)
 
     def all_gather_outputs(self) -> list[torch.Tensor]:
         """The per-input output buffers (``W *`` each input's numel), allocated or re-allocated."""
-        if self._extension is None:
-            return [self.all_gather_output()]
-        return self._extension.all_gather_outputs(self.mesh_info.shard_size, self.device)
+        if self.extension is None:
+            return [self.unsharded.all_gather_output()]
+        return self.extension.all_gather_outputs(self.mesh_info.shard_size, self.device)
 
     def bind_unsharded_storage(self, flat: torch.Tensor, data: torch.Tensor) -> None:
         """Use ``flat`` (1-D, ``W * padded_shard_numel``, a view into a group's buffer) as the output.
@@ -286,45 +283,45 @@ class FSDPParam:
         ``data`` is ``flat``'s ``.data`` alias. The group allocates and frees that storage for all its
         parameters at once; this parameter never resizes it. ``Shard(0)`` without extension only.
         """
-        assert self._extension is None, f"{self.fqn}: an extension parameter cannot share a group buffer"
-        self._unsharded.bind(flat, data)
+        assert self.extension is None, f"{self.fqn}: an extension parameter cannot share a group buffer"
+        self.unsharded.bind(flat, data)
 
     def finish_unshard(self) -> None:
         """After copy-out: run the extension's post hook, or (``Shard(d > 0)``) concatenate rank blocks."""
-        if self._extension is None:
-            self._unsharded.finish()
+        if self.extension is None:
+            self.unsharded.finish()
         else:
-            self._extension.finish(self._shard, self._unsharded)
+            self.extension.finish(self.local, self.unsharded)
 
     def drop_unsharded(self) -> None:
         """Forget the unsharded buffers and parameter (sharded state only): the next unshard rebuilds them.
 
         For a change of the unsharded dtype or layout between steps (``model.double()``).
         """
-        self._unsharded.drop()
+        self.unsharded.drop()
 
     def unsharded_tensors(self) -> list[torch.Tensor]:
         """The tensors this parameter keeps for its unsharded forms (some may be freed: size 0)."""
-        held = self._unsharded.tensors()
-        if self._extension is not None:
-            held += self._extension.tensors()
+        held = self.unsharded.tensors()
+        if self.extension is not None:
+            held += self.extension.tensors()
         return held
 
     def free_unsharded(self) -> None:
-        if self._extension is not None:
-            self._extension.free()
-        self._unsharded.free()
+        if self.extension is not None:
+            self.extension.free()
+        self.unsharded.free()
 
     # ---- registered-state transitions -------------------------------------------------------------
 
     def to_sharded(self) -> None:
         self._register(self.sharded_param)
-        if self._extension is not None:
-            self._extension.free()
-        self._unsharded.release()
+        if self.extension is not None:
+            self.extension.free()
+        self.unsharded.release()
 
     def to_unsharded(self) -> None:
-        unsharded = self._unsharded
+        unsharded = self.unsharded
         param = unsharded.param
         assert param is not None, f"{self.fqn}: to_unsharded before any all-gather"
         requires_grad = self.sharded_param.requires_grad
@@ -338,7 +335,7 @@ class FSDPParam:
         """Keep this rank's 1/k slice of the padded unsharded data; register a placeholder DTensor."""
         info = self.post_forward_mesh_info
         assert info is not None, f"{self.fqn}: no post-forward mesh"
-        self._register(nn.Parameter(self._unsharded.post_forward(info), requires_grad=False))
+        self._register(nn.Parameter(self.unsharded.post_forward(info), requires_grad=False))
         self.free_unsharded()
 
     def registration_slots(self, unsharded: bool) -> list[tuple[dict[str, Any], str, torch.Tensor]] | None:
@@ -348,14 +345,14 @@ class FSDPParam:
         """
         if not self._fast_register:
             return None
-        tensor = self._unsharded.param if unsharded else self.sharded_param
+        tensor = self.unsharded.param if unsharded else self.sharded_param
         assert tensor is not None, f"{self.fqn}: no unsharded parameter yet"
         return [(module._parameters, name, tensor) for module, name in self.owners]  # noqa: SLF001 - see _register
 
     def _sharded_changed(self) -> None:
         """Cache the ``LocalShard``'s parameter and shard again (both are read per step)."""
-        self.sharded_param = self._shard.param
-        self._local_shard = self._shard.shard
+        self.sharded_param = self.local.param
+        self._local_shard = self.local.shard
 
     def _register(self, tensor: torch.Tensor) -> None:
         if self._fast_register:
@@ -368,19 +365,19 @@ class FSDPParam:
                 for module, name in self.owners:
                     setattr(module, name, tensor)
 
-    # ---- gradients (taking, stashing and accumulating them: bound to the parts in __init__) --------
+    # ---- gradients (taking, stashing and accumulating them: ``unsharded`` and ``local`` do it) -------
 
     def zero_unsharded_grad(self) -> torch.Tensor:
         """A zero gradient of the unsharded shape (a parameter this rank did not use in backward)."""
-        return torch.zeros(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+        return torch.zeros(self.layout.orig_size, dtype=self.unsharded_dtype, device=self.device)
 
     def empty_local_grad(self) -> torch.Tensor:
         """The (zero-element) local gradient of a parameter whose shard holds no elements."""
-        return torch.zeros(self.local_shard_size, dtype=self.orig_dtype, device=self.device)
+        return torch.zeros(self.layout.local_shard_size, dtype=self.orig_dtype, device=self.device)
 
     def dim0_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """``Shard(d > 0)``: the gradient rearranged so rank ``j``'s piece is the ``j``-th dim-0 chunk."""
-        return torch.stack(grad.chunk(self.mesh_info.shard_size, dim=self.shard_dim))
+        return torch.stack(grad.chunk(self.mesh_info.shard_size, dim=self.layout.shard_dim))
 
 
 _warned_no_pinning = False

@@ -96,7 +96,7 @@ class RootContext:
         states = validate_tree(root)  # raises before any change
         if root.auto_reshard:
             for group in root.groups:
-                group.post_forward_mesh_info = None  # the root keeps its parameters after forward
+                group.set_post_forward_mesh(None)  # the root keeps its parameters after forward
         device = state_device(states)
         self.adopt(root, states, device)
         if debug_enabled():

@@ -24,7 +24,16 @@ from ..base._lifecycle import ShardedState, TrainingState
 from ..group._param_group import FSDPParamGroup
 from ..trace import _events
 from ..trace._debug import watch_collective
-from ._bucket import Bucketing, all_gather_bucket, split_into_buckets
+from ._bucket import (
+    Bucketing,
+    all_gather_bucket,
+    all_gather_key,
+    bucket_inputs,
+    joins_bucket,
+    pack_gradients,
+    reduce_scatter_key,
+    split_into_buckets,
+)
 
 if TYPE_CHECKING:
     from ..param._param import FSDPParam
@@ -184,7 +193,7 @@ class Schedule(Generic[_State]):
         names = "; ".join(g.module_fqn or "<root>" for g in members)
         with watch_collective("all-gather (bucket)", names, state):
             results = all_gather_bucket(
-                lambda: [g.bucket_inputs(state) for g in members],
+                lambda: [bucket_inputs(g, state) for g in members],
                 info.shard_group,
                 info.shard_size,
                 info.shard_rank,
@@ -193,7 +202,7 @@ class Schedule(Generic[_State]):
                 group.comm_ctx,
             )
         for member, result in zip(members, results, strict=True):
-            member.set_bucket_result(result)
+            member.gatherer.result = result  # its part of the shared output, copied out at its wait
         return True
 
     def _members(self, group: FSDPParamGroup, state: TrainingState) -> list[FSDPParamGroup] | None:
@@ -202,11 +211,11 @@ class Schedule(Generic[_State]):
         bucket = (self._forward if state is _FORWARD else self._backward).get(id(group))
         if bucket is None:
             return None
-        key = group.all_gather_bucket_key()
+        key = all_gather_key(group)
         if key is None:
             return None
         members = [group]
-        members.extend(g for g in bucket if g is not group and g.joins_bucket(state, key))
+        members.extend(g for g in bucket if g is not group and joins_bucket(g, state, key))
         return members if len(members) > 1 else None
 
     # ---- reduce-scatter queue --------------------------------------------------------------------
@@ -223,9 +232,9 @@ class Schedule(Generic[_State]):
             return
         cap = self.bucketing.reduce_scatter_cap
         if cap is not None:
-            key = group.reduce_scatter_bucket_key(params, grads)
+            key = reduce_scatter_key(group, params, grads)
             if key is not None:
-                self.bucketing.queue.add(group.pack_gradients(params, grads), key, cap, group.comm_ctx)
+                self.bucketing.queue.add(pack_gradients(group, params, grads), key, cap, group.comm_ctx)
                 return
             self.bucketing.queue.flush(group.comm_ctx)
         group.reduce(params, grads)
@@ -240,8 +249,8 @@ def _groups_in(states: Sequence[StateLike]) -> list[tuple[FSDPParamGroup, bool]]
 
 
 def _buckets(order: list[tuple[FSDPParamGroup, bool]], cap: int) -> dict[int, list[FSDPParamGroup]]:
-    keys: list[Hashable | None] = [None if alone else group.all_gather_bucket_key() for group, alone in order]
-    sizes = [group.all_gather_bytes() for group, _ in order]
+    keys: list[Hashable | None] = [None if alone else all_gather_key(group) for group, alone in order]
+    sizes = [group.gatherer.output_bytes() for group, _ in order]
     plan: dict[int, list[FSDPParamGroup]] = {}
     for positions in split_into_buckets(sizes, keys, cap):
         if len(positions) < 2:

@@ -137,7 +137,7 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
         raise
     else:
         for group in kept:
-            engine.reduce_held_grads(group)
+            group.reduce_held_grads()
     finally:
         restore()
         for group, sync in zip(groups, previous, strict=True):

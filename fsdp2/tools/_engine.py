@@ -18,8 +18,9 @@ The interface, by tool:
   the phase of the step, the group's gradient sync, trainable parameters and the root's iteration, and
   ``data_parallel_groups`` (where an export or import agrees);
 - gradient accumulation (``fsdp2.accumulate``): ``groups_under``, ``group_name``,
-  ``kept_grad_bytes``, ``held_grad_bytes``, ``set_gradient_sync`` and ``reduce_held_grads``, each on one
-  group (``wrap_comms`` counts its collectives).
+  ``kept_grad_bytes``, ``held_grad_bytes`` and ``set_gradient_sync``, each on one group
+  (``wrap_comms`` counts its collectives); the operation itself is the group's
+  (``FSDPParamGroup.reduce_held_grads``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from ..frontend._composable import pop_torch_state, restore_torch_state
 from ..frontend._module import original_class
 from ..group._param_group import FSDPParamGroup
 from ..runtime._state import FSDPState, get_state
-from ..trace._debug import watch_collective
 
 __all__ = [
     "GroupFacts",
@@ -52,7 +52,6 @@ __all__ = [
     "groups_under",
     "held_grad_bytes",
     "kept_grad_bytes",
-    "reduce_held_grads",
     "reshard",
     "set_gradient_sync",
     "sharding_calls",
@@ -311,13 +310,13 @@ def kept_grad_bytes(group: FSDPParamGroup) -> int:
         if not fsdp_param.sharded_param.requires_grad:
             continue
         dtype = policy.reduce_dtype or policy.param_dtype or fsdp_param.orig_dtype
-        total += fsdp_param.orig_size.numel() * dtype.itemsize
+        total += fsdp_param.layout.orig_size.numel() * dtype.itemsize
     return total
 
 
 def held_grad_bytes(group: FSDPParamGroup) -> int:
     """Bytes of the unsharded gradients ``group`` holds now (waiting for a reduction)."""
-    return sum(t.numel() * t.element_size() for p in group.fsdp_params for t in p.held_unsharded_grads())
+    return sum(t.numel() * t.element_size() for p in group.fsdp_params for t in p.unsharded.held_grads())
 
 
 def set_gradient_sync(group: FSDPParamGroup, enabled: bool) -> bool:
@@ -325,20 +324,3 @@ def set_gradient_sync(group: FSDPParamGroup, enabled: bool) -> bool:
     previous = group.controls.reduce_grads
     group.controls.update(reduce_grads=enabled)
     return previous
-
-
-def reduce_held_grads(group: FSDPParamGroup) -> bool:
-    """Reduce the gradients ``group`` kept, now (outside backward); whether there were any.
-
-    Waits for the reduction before returning, as the end of a backward does.
-    """
-    if not group.unreduced_grads:
-        return False
-    reducer = group.reducer
-    reduced, grads = reducer.take_grads(group.fsdp_params, unused_too=False)
-    group.unreduced_grads = False
-    if grads:
-        with watch_collective("reduce-scatter", group.module_fqn, group.training_state):
-            reducer.reduce(reduced, grads, group.comm_ctx, group.controls, group.comms)
-    reducer.finalize(group.device)
-    return True

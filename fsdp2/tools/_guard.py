@@ -500,6 +500,11 @@ def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     its parameter count stays; from its second step on ``local_step`` may hold local tensors in
     ``param_groups`` during the step, which the lookup matches too.
     """
+    if not _all_steps:  # no guarded root is alive: leave the optimizer hooks until the next one
+        with _lock:
+            if not _all_steps and _step_hook:
+                _step_hook.pop()()
+        return
     key = (_generation, sum(len(param_group["params"]) for param_group in optimizer.param_groups))
     cached = _by_optimizer.get(optimizer)
     if cached is None or cached[0] != key:

@@ -223,7 +223,7 @@ def _train(impl_name: str, rows: tuple[int, int], cls_name: str, steps: int = 3)
     assert model.l1.weight.to_local().__class__ is cls
     if impl_name == "fsdp2":  # the inner tensor (the dequantized weight) is freed after backward
         fsdp_param = model.l1._get_fsdp_state().groups[0].fsdp_params[0]
-        inner = fsdp_param._extension.inner_tensors
+        inner = fsdp_param.extension.inner_tensors
         assert len(inner) == 1
         assert inner[0].untyped_storage().nbytes() == 0
         assert all(o.untyped_storage().nbytes() == 0 for o in fsdp_param._extension_outputs)
