@@ -2,13 +2,15 @@
 
 Owns: ``RootContext``, one per root module (created by the root's lazy init, or earlier on demand by a
 setter or ``share_comm_ctx`` on the root): the list of states under the root, the communication
-context, the event scope, the ``Schedule`` of work across groups, and the iteration's flags. Its
-methods are the iteration's boundaries: adopting the states at the root's first forward, beginning an
-iteration, finishing the root's forward, queueing and running the end-of-backward callback, and
-resetting after an error. Every state and group under the root holds one reference to it (``ctx`` /
-``root``) and reads the shared objects through it, so nothing is copied into them.
+context, the event scope, the ``Schedule`` of work across groups, the usage agreement, and the
+iteration's flags. Its methods are the root's lazy init (``init_root``: validate with
+``_root_init``, then ``adopt``) and the iteration's boundaries: beginning an iteration, finishing the
+root's forward, a group's post-backward (skip, take, then the schedule reduces), queueing and running
+the end-of-backward callback, and resetting after an error. Every state under the root holds one
+reference to it (``ctx``); each group is handed the comm context and event scope (``attach``).
+Every list of groups under the root is held here or in the schedule.
 Does not own: hooks, casting, grouped passes (``FSDPState``), a group's own work (``FSDPParamGroup``).
-Described states and groups are protocols here: ``_state`` builds on this module, not the reverse.
+States are described by a protocol here: ``_state`` builds on this module, not the reverse.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""Per-call state: hooks, root discovery, and the forward and backward of one ``fully_shard`` call.
+"""Per-call state: the hooks, and the forward and backward of one ``fully_shard`` call.
 
 Owns: ``FSDPState`` (one per ``fully_shard`` call, attached to each of its root modules), its forward
-pre/post hooks, input and output casts, the pre-backward tensor hooks on outputs, post-backward
-registration, explicit and default prefetch, grouped passes over several modules, and root discovery
-and validation at the first forward. Does not own: parameters or collectives (its groups), what the
-states under one root share and the iteration's begin and end (``RootContext``, ``_root.py``), the
+pre/post hooks (and their dispatch to ``compile/``'s traced side while dynamo traces), input and
+output casts, the pre-backward tensor hooks on outputs, post-backward registration, explicit and
+default prefetch targets, and grouped passes over several modules. Its hooks ask the root's context
+and its ``Schedule`` for every gather and reduction; they never call a group's collectives.
+Does not own: parameters or collectives (its groups), the root's lazy init, what the states under one
+root share and the iteration's begin and end (``RootContext``, ``_root.py``, ``_root_init.py``), the
 execution orders and bucket plan (``Schedule``, ``_schedule.py``).
 Invariants: the root's lazy init validates everything before it changes anything, then makes every
-state and group under it refer to the root's one ``RootContext`` (none exists before, except one a
-setter or ``share_comm_ctx`` asked for on the root); the final callback runs once per backward that
-reached an FSDP pre-backward hook; every training-state change goes through ``_lifecycle.transition``.
+state under it refer to the root's one ``RootContext`` (none exists before, except one a setter or
+``share_comm_ctx`` asked for on the root); the final callback runs once per backward that reached an
+FSDP pre-backward hook; every training-state change is checked against ``_lifecycle.ALLOWED``.
 
 [Note: Prefetch order]
 Every post-forward of a state with a group (that a backward may use) appends the state to the
