@@ -31,6 +31,7 @@ from ..base._mesh import (
 )
 from ..group._param_group import FSDPParamGroup
 from ..param._late_params import watch_registrations
+from ..param._shard import check_subclass_shardable
 from ..runtime._local_optim import enable_automatic_local_steps
 from ..runtime._state import FSDPState, get_state
 from ..runtime._step_guard import mark_replaced, watch_optimizer_steps
@@ -133,6 +134,8 @@ def fully_shard(
     for key, (param, name) in params.items():
         _validate_param(param, name, device)
         dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
+        if dim == 0 and not isinstance(param, DTensor):
+            check_subclass_shardable(param, name, info.shard_size, info.shard_rank)
         if dim:
             shard_dims[key] = dim
         if dp_dims is not None:

@@ -45,7 +45,8 @@ class LocalShard:
     - ``offload`` / ``pin``: CPU offload: the shard lives on the CPU (pinned where ``pin``) and is
       copied to ``device`` for each all-gather (fixed).
     - ``shard``: 1-D, ``layout.padded_shard_numel`` elements, the parameter's dtype (of its tensor
-      subclass for an extension weight), on ``device`` or the CPU (offload), meta until materialised.
+      subclass for an extension weight, built with its own ops: ``subclass_shard``), on ``device`` or
+      the CPU (offload), meta until materialised.
       This rank's ``torch.chunk`` piece, flattened, then zeros. A slot of the group's packed buffer
       (see [Note: Packed shards] in ``group/_gather.py``) or a tensor of its own. Built at
       ``fully_shard``; replaced by :meth:`readopt`, :meth:`adopt` and :meth:`move_into`; never freed
@@ -76,16 +77,19 @@ class LocalShard:
         ``slot``: a zeroed 1-D buffer of ``layout.padded_shard_numel`` elements to hold the shard (a
         slot of the group's packed buffer, on the shard's device); ``None``: a tensor of its own.
         """
-        self.layout = layout
-        self.device = device
-        self.offload = offload
-        self.pin = pin
+        source = param.detach()
+        if slot is None and layout.shard_dim == 0 and may_gain_hooks(source):
+            # A tensor subclass (a quantized weight: NF4, float8) implements the few ops torch's
+            # fully_shard uses on it, on its own shape: chunk, new_zeros, narrow, copy_, view(-1).
+            shard, view = subclass_shard(source, layout)
+            self._finish(param, layout, spec, device, offload, pin, shard, view)
+            return
         # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
         if slot is not None:
             assert slot.numel() == layout.padded_shard_numel, "a shard slot of the wrong size"
             shard = slot
         else:
-            shard = param.detach().new_zeros(layout.padded_shard_numel)
+            shard = source.new_zeros(layout.padded_shard_numel)
         if param.device.type != "meta":
             if layout.shard_dim == 0:
                 flat = param.detach().reshape(-1)
@@ -97,8 +101,22 @@ class LocalShard:
         if offload and not shard.is_meta and slot is None:
             # A meta shard stays meta until materialized; readopt offloads it then.
             shard = self._offloaded(shard)
+        self._finish(param, layout, spec, device, offload, pin, shard, shard[: layout.local_numel])
+
+    def _finish(
+        self,
+        param: nn.Parameter,
+        layout: ShardLayout,
+        spec: DTensorSpec,
+        device: torch.device,
+        offload: bool,
+        pin: bool,
+        shard: torch.Tensor,
+        view: torch.Tensor,
+    ) -> None:
+        self.layout, self.device, self.offload, self.pin = layout, device, offload, pin
         self.shard = shard
-        self.view = shard[: layout.local_numel].view(layout.local_shard_size)
+        self.view = view.view(layout.local_shard_size)
         self.spec = spec
         self.param = nn.Parameter(wrap_local(self.view, spec), requires_grad=param.requires_grad)
         mark_managed(self.param)
@@ -271,6 +289,52 @@ def mark_managed(param: torch.Tensor) -> None:
 def is_managed(param: torch.Tensor) -> bool:
     """Whether ``fully_shard`` sharded this parameter (tools above the engine ask, e.g. local steps)."""
     return param.__dict__.get(_MANAGED, False) is True
+
+
+def subclass_shard(source: torch.Tensor, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(shard, local)`` of a tensor subclass sharded on dim 0, built with its own ops.
+
+    ``shard``: the padded shard flattened (``view(-1)``), the all-gather source; ``local``: its
+    leading rows at this rank's shape. The ops are those torch's ``fully_shard`` calls on a weight
+    subclass (``chunk``, ``new_zeros`` of the padded rows, ``narrow``, ``copy_``, ``view(-1)``), so a
+    weight type written for it (torchao's ``NF4Tensor``) shards here too; one that lacks an op
+    raises ``NotImplementedError`` or its own error, which ``fully_shard`` names.
+    """
+    padded_rows = layout.padded_shard_numel // layout.row_numel if layout.row_numel else 0
+    rows = layout.local_shard_size[0]
+    padded = source.new_zeros((padded_rows, *layout.orig_size[1:]))
+    if source.device.type != "meta" and rows:
+        piece = source.chunk(layout.world, dim=0)[layout.rank]
+        with torch.no_grad():
+            (padded if rows == padded_rows else padded.narrow(0, 0, rows)).copy_(piece)
+    local = padded if rows == padded_rows else padded.narrow(0, 0, rows)
+    return padded.view(-1), local
+
+
+def check_subclass_shardable(param: torch.Tensor, name: str, world: int, rank: int) -> None:
+    """Refuse, before ``fully_shard`` changes anything, a weight subclass it cannot shard on dim 0.
+
+    Builds (and drops) this rank's shard with the subclass's own ops, as ``LocalShard`` will.
+
+    Raises:
+        NotImplementedError: an op the subclass lacks for this shape, naming the parameter.
+    """
+    source = param.detach()
+    if source.device.type == "meta" or not may_gain_hooks(source):
+        return
+    layout = ShardLayout.of(source, 0, world, rank)
+    try:
+        subclass_shard(source, layout)
+    except Exception as error:  # the subclass's own error type: NotImplementedError, AssertionError...
+        kind = type(source).__name__
+        raise NotImplementedError(
+            f"fully_shard cannot shard parameter {name}: its {kind} of shape {tuple(source.shape)} failed "
+            f"an op of sharding over {world} ranks ({type(error).__name__}: {error}). fully_shard builds "
+            f"each rank's dim-0 shard with the tensor's own ops, as torch's fully_shard does: chunk, "
+            f"new_zeros, narrow, copy_ and view(-1). Give the weight a shape {kind} supports for them "
+            "(e.g. rows divisible by the shard world size, in whole quantization blocks), implement the "
+            "missing op, or keep the parameter out of sharding (ignored_params)."
+        ) from error
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
