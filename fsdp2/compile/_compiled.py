@@ -325,6 +325,8 @@ def _problem(group: FSDPParamGroup) -> str | None:
         return "its parameters are unsharded (call model.reshard() first)"
     if any(p.is_tensor_parallel or p.has_extension for p in group.fsdp_params):
         return "tensor-parallel parameters or all-gather extensions"
+    if any(p.local.grad_dtype is not None for p in group.fsdp_params):
+        return "a parameter whose grad_dtype differs from its dtype"
     if isinstance(group.config.offload_policy, CPUOffloadPolicy):
         return "CPU offload"
     if group.comms.custom:

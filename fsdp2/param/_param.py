@@ -145,8 +145,15 @@ class FSDPParam:
     # ---- set-up --------------------------------------------------------------------------------
 
     def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
-        """Resolve mixed precision against the current sharded dtype (lazy init)."""
+        """Resolve mixed precision against the current sharded dtype (lazy init).
+
+        A ``grad_dtype`` on the sharded parameter (other than its dtype) is the reduce dtype when the
+        policy sets none: the policy's ``reduce_dtype`` wins where both are set. The sharded gradient
+        is in ``grad_dtype`` either way (``LocalShard.accumulate_grad``).
+        """
         self.orig_dtype = self.local.settle_dtype()
+        if reduce_dtype is None:
+            reduce_dtype = self.local.grad_dtype
         if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
             param_dtype = None
         self.param_dtype = param_dtype

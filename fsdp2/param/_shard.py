@@ -58,8 +58,10 @@ class LocalShard:
       conversion installed until :meth:`readopt` re-pads it). What the user and the optimizer see.
       Its ``.grad`` (a DTensor like it, on the shard's device) is set or added to by
       :meth:`accumulate_grad` after each reduction.
-    - ``dtype``: the sharded dtype as of the last lazy init (:meth:`settle_dtype`): gradients are
-      cast to it.
+    - ``dtype``: the sharded dtype as of the last lazy init (:meth:`settle_dtype`).
+    - ``grad_dtype``: the sharded parameter's ``grad_dtype`` where it differs from ``dtype`` (read
+      at lazy init; copied from the original parameter at ``fully_shard``), else ``None``: gradients
+      are cast to ``grad_dtype or dtype``.
     """
 
     def __init__(
@@ -121,10 +123,16 @@ class LocalShard:
         self.param = nn.Parameter(wrap_local(self.view, spec), requires_grad=param.requires_grad)
         mark_managed(self.param)
         self.dtype = param.dtype
+        grad_dtype = param.grad_dtype
+        self.grad_dtype = grad_dtype if grad_dtype not in (None, param.dtype) else None
+        if self.grad_dtype is not None:  # the unsharded model's .grad dtype, kept by the shard
+            self.param.grad_dtype = self.grad_dtype
 
     def settle_dtype(self) -> torch.dtype:
-        """Take the sharded parameter's current dtype as the gradients' (lazy init); return it."""
+        """Take the sharded parameter's current dtype and ``grad_dtype`` (lazy init); return the dtype."""
         self.dtype = self.param.dtype
+        grad_dtype = self.param.grad_dtype
+        self.grad_dtype = grad_dtype if grad_dtype not in (None, self.dtype) else None
         return self.dtype
 
     def local_tensor(self) -> torch.Tensor:
@@ -245,8 +253,9 @@ class LocalShard:
         must synchronize before the optimizer reads the gradient.
         """
         param = self.param
-        if local_grad.dtype != self.dtype:
-            local_grad = local_grad.to(self.dtype)
+        dtype = self.grad_dtype or self.dtype
+        if local_grad.dtype != dtype:
+            local_grad = local_grad.to(dtype)
         hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
         in_flight = False
         if self.offload and local_grad.device.type != "cpu":
