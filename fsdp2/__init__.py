@@ -20,6 +20,7 @@ from .tools._clip import clip_grad_norm_
 from .tools._guard import DivergenceError
 from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from .tools._plan import Plan, PlanError, plan
+from .tools._weight_sync import WeightSync
 from .tools._wrap import apply_fully_shard
 from .trace._debug import set_debug
 from .trace._events import Event, Span, record_events, save_chrome_trace
@@ -56,6 +57,7 @@ __all__ = [
     "TorchPatch",
     "TrainingState",
     "UnshardHandle",
+    "WeightSync",
     "__version__",
     "accumulate",
     "apply_fully_shard",

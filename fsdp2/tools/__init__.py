@@ -2,7 +2,8 @@
 
 Everything a user calls beside training, built on the engine through ``_engine``'s queries:
 deep copy, the memory estimate and planner, wrapping policies, gradient clipping, full-weight
-checkpoints, budgeted accumulation and debug mode's divergence guard. Imports the floors below.
+checkpoints, budgeted accumulation, weight sync to an inference engine and debug mode's divergence
+guard. Imports the floors below.
 
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """
@@ -12,9 +13,11 @@ from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
 from ._memory import estimate_memory
 from ._plan import plan
+from ._weight_sync import WeightSync
 from ._wrap import apply_fully_shard
 
 __all__ = [
+    "WeightSync",
     "accumulate",
     "apply_fully_shard",
     "clip_grad_norm_",

@@ -1,0 +1,143 @@
+"""Weights streamed to an inference engine: every parameter once, then only the values that changed.
+
+Owns: ``WeightSync``: the values of each parameter as last sent (this rank's local shard, in the sync
+dtype), and one sync: per parameter, how many of its values changed on any rank, then the full tensor
+(dense) or the changed values at their positions (sparse COO), whichever is fewer bytes. Does not
+own: the gathers (DTensor's ``full_tensor``, one parameter at a time) or the consumer.
+
+[Note: What a sync costs]
+Per parameter and call: one small all-reduce (how many values changed, summed over the ranks that
+hold distinct elements); nothing more when none did. A changed parameter is gathered in the sync
+dtype (one all-gather of its shards); a sparse one also gathers its change mask (one byte per
+element). Each rank keeps its local shard as last sent (one shard of the model in the sync dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["WeightSync"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class WeightSync:
+    """Send a sharded model's weights to an inference engine, each call only what changed.
+
+    ``updates()`` yields ``(name, tensor)`` pairs with the unsharded model's parameter names, in
+    ``dtype``: on the first call every parameter, dense; on later calls only the parameters with a
+    value that changed in ``dtype`` since the previous call, each as the full dense tensor or as a
+    sparse COO tensor of the new values at the changed positions, whichever is fewer bytes. Feed
+    them to a ``load_weights(...)``-style consumer (vLLM, SGLang) or copy them into a plain model.
+
+    Every rank must iterate ``updates()`` to the end (it gathers); with ``rank=r``, only rank ``r``
+    receives pairs and the others iterate through nothing but still take part in the gathers. One
+    parameter is unsharded at a time. ``bytes_sent`` is the bytes yielded by the last finished call
+    (dense: the tensor's; sparse: its indices and values). The values last sent are committed when a
+    call finishes, so a call that stopped early is repeated in full by the next. See [Note: What a
+    sync costs].
+
+    Args:
+        model: the sharded model (plain parameters are sent as they are).
+        dtype: the dtype the consumer holds (default ``torch.bfloat16``).
+        rank: the one rank that receives the pairs (``None``: every rank).
+    """
+
+    def __init__(
+        self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, *, rank: int | None = None
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"WeightSync expects an nn.Module, got {type(model).__name__}.")
+        if not isinstance(dtype, torch.dtype) or dtype.itemsize not in _INT_OF_SIZE:  # type: ignore[redundant-expr]  # reason: a user may pass anything
+            raise TypeError(f"WeightSync dtype must be a torch.dtype of 1 to 8 bytes, got {dtype!r}.")
+        self.model = model
+        self.dtype = dtype
+        self.rank = rank
+        self.bytes_sent = 0
+        self._sent: dict[str, torch.Tensor] = {}  # name -> this rank's local values as last sent
+
+    def updates(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield what changed since the last finished call (everything the first time); see the class."""
+        here = self.rank is None or not dist.is_initialized() or dist.get_rank() == self.rank
+        sending: dict[str, torch.Tensor] = {}
+        total = 0
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                source = _local(param)
+                local = source.to(self.dtype)
+                if local is source:  # already in the sync dtype: keep a copy, the shard changes in place
+                    local = local.clone()
+                previous = self._sent.get(name)
+                sending[name] = local
+                if previous is None:
+                    out = _full(param, local)
+                else:
+                    mask = _bits(local) != _bits(previous)
+                    changed = int(_full_sum(param, mask))
+                    if changed == 0:
+                        continue
+                    out = self._changed(param, local, mask, changed)
+                if here:
+                    total += _nbytes(out)
+                    yield name, out
+                del out
+        self._sent = sending
+        self.bytes_sent = total if here else 0
+
+    def _changed(
+        self, param: torch.Tensor, local: torch.Tensor, mask: torch.Tensor, changed: int
+    ) -> torch.Tensor:
+        """The new values of a parameter with ``changed`` changed values: dense or sparse, fewer bytes."""
+        full = _full(param, local)
+        sparse_bytes = changed * (full.dim() * 8 + full.element_size())
+        if sparse_bytes >= full.numel() * full.element_size():
+            return full
+        where = _full(param, mask)
+        indices = where.nonzero().t()
+        # nonzero() gives sorted, unique indices: coalesced and valid by construction
+        return torch.sparse_coo_tensor(
+            indices, full[where], full.shape, is_coalesced=True, check_invariants=False
+        )
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``param``: a DTensor's local shard, or the tensor itself."""
+    return param.to_local() if isinstance(param, DTensor) else param.detach()
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` laid out as ``param`` is (a DTensor with its mesh, placements, shape and stride)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _full(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's part (one all-gather for a DTensor)."""
+    laid_out = _like(param, local)
+    return laid_out.full_tensor() if isinstance(laid_out, DTensor) else laid_out
+
+
+def _full_sum(param: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """How many elements ``mask`` marks over every rank (replicas counted once)."""
+    laid_out = _like(param, mask.to(torch.int64))
+    total = laid_out.sum()
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as integers: a NaN equals itself, -0.0 differs from 0.0."""
+    return tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()])
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.is_sparse:
+        return tensor._indices().numel() * 8 + tensor._values().numel() * tensor.element_size()  # noqa: SLF001
+    return tensor.numel() * tensor.element_size()
