@@ -18,6 +18,7 @@ from .tools._accumulate import Accumulation, accumulate
 from .tools._checkpoint import load_full_state_dict, save_full_state_dict
 from .tools._clip import clip_grad_norm_
 from .tools._guard import DivergenceError
+from .tools._keep_frozen import keep_frozen_gathered
 from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from .tools._plan import Plan, PlanError, plan
 from .tools._weight_sync import WeightSync
@@ -67,6 +68,7 @@ __all__ = [
     "fully_shard",
     "init_like_unsharded",
     "is_simulated",
+    "keep_frozen_gathered",
     "load_full_state_dict",
     "local_step",
     "merge_timelines",

@@ -74,6 +74,8 @@ class GroupControls:
         unshard_async_op: the pre-forward and pre-backward all-gathers run as async ops on the current
             stream instead of the all-gather streams (``_set_unshard_async_op``).
         deterministic_reduction: sum gradients in global rank order (``set_deterministic_reduction``).
+        keep_gathered: once gathered, the parameters stay unsharded (``fsdp2.keep_frozen_gathered``);
+            the schedule gathers them again when a shard changed in place since.
     """
 
     reduce_grads: bool = True
@@ -89,6 +91,7 @@ class GroupControls:
     reduce_scatter_max_input_buffers: int = 1
     unshard_async_op: bool = False
     deterministic_reduction: bool = False
+    keep_gathered: bool = False
 
     def update(self, **values: Any) -> None:
         """Set the named controls (the one way setters change them); an unknown name is a bug."""

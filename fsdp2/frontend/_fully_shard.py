@@ -29,7 +29,7 @@ from ..base._mesh import (
     mesh_device,
     post_forward_mesh_info,
 )
-from ..group._param_group import FSDPParamGroup
+from ..group._param_group import FSDPParamGroup, build_group
 from ..param._late_params import watch_registrations
 from ..param._shard import check_subclass_shardable
 from ..runtime._local_optim import enable_automatic_local_steps
@@ -171,9 +171,7 @@ def fully_shard(
                 True if reshard_after_forward is None else reshard_after_forward, info
             )
         )
-        group = FSDPParamGroup(
-            specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info
-        )
+        group = build_group(specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info)
         # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
         group.controls.update(reshard_after_no_grad_forward=reshard_after_forward is not False)
         groups.append(group)

@@ -18,6 +18,7 @@ one is pending or when unsharded; every training-state change goes through ``_li
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _POST_BACKWARD = TrainingState.POST_BACKWARD
 _UNSHARDED = ShardedState.UNSHARDED
+_SHARDED = ShardedState.SHARDED
 
 
 class FSDPParamGroup:
@@ -72,26 +74,22 @@ class FSDPParamGroup:
 
     def __init__(
         self,
-        specs: list[ParamSpec],
+        params: list[FSDPParam],
+        packed: PackedShards,
         modules: tuple[nn.Module, ...],
         config: GroupConfig,
         post_forward_mesh_info: MeshInfo | None,
     ) -> None:
+        """A group of ``params`` (``build_group`` makes them from ``fully_shard``'s specs)."""
         self.modules = modules
         self.config = config
         self.mesh_info = config.mesh_info
         self.device = config.device  # the compute / communication device
-        self.packed = _packed_shards(specs, config)  # see [Note: Packed shards]
-        self.fsdp_params = [
-            FSDPParam(
-                spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy, slot
-            )
-            for spec, slot in zip(specs, self.packed.slots(len(specs)), strict=True)
-        ]
-        # Shard(d > 0) parameters need their gathered blocks concatenated along d after copy-out
-        self._staged_params = [p for p in self.fsdp_params if p.layout.shard_dim != 0]
-        self.tensor_parallel = any(p.is_tensor_parallel for p in self.fsdp_params)  # fixed at construction
-        self.gatherer = AllGatherer(self.fsdp_params, config.mesh_info, config.device)
+        self.packed = packed  # see [Note: Packed shards]
+        self.fsdp_params = params
+        self._staged_params: list[FSDPParam] = []  # set at lazy init: Shard(d > 0), extensions
+        self.tensor_parallel = any(p.is_tensor_parallel for p in params)  # fixed at construction
+        self.gatherer = AllGatherer(params, config.mesh_info, config.device)
         self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
         self.post_forward_mesh_info = post_forward_mesh_info
         self.controls = GroupControls()
@@ -143,7 +141,7 @@ class FSDPParamGroup:
     @outside_functorch
     def lazy_init(self) -> None:
         """Validate parameters and resolve per-step facts once (idempotent; re-run by ``unshard()``)."""
-        if not self.lazy_initialized and self.sharded_state is ShardedState.SHARDED:
+        if not self.lazy_initialized and self.sharded_state is _SHARDED:
             # Catch load_state_dict / to_empty done after fully_shard but before training.
             for fsdp_param in self.fsdp_params:
                 fsdp_param.reset_sharded_param()
@@ -152,21 +150,26 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
             fsdp_param.init_extension(policy)
-        gatherer, params = self.gatherer, self.fsdp_params
-        sharded = self.sharded_state is ShardedState.SHARDED
+        gatherer, params, sharded = self.gatherer, self.fsdp_params, self.sharded_state is _SHARDED
         gatherer.resolve(self.post_forward_mesh_info)
         self._staged_params = [p for p in params if p.layout.shard_dim != 0 or p.has_extension]
         if sharded:
             self.packed.repack(params)  # if shards were replaced since fully_shard (e.g. a deep copy's)
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
-        shares = not gatherer.as_bytes and all(
-            p.layout.shard_dim == 0 and not p.has_extension for p in params
-        )
-        self.buffer.resolve(params, shares, gatherer.dtype, sharded)
+        self.buffer.resolve(params, _shares_buffer(params, gatherer.as_bytes), gatherer.dtype, sharded)
         self.reducer.resolve(params, policy.wire_dtype)
         # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
         self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
         self.lazy_initialized = True
+
+    def hand_over(self, params: list[FSDPParam]) -> None:
+        """Leave ``params`` (sharded) to another group; the rest are gathered without them from now on."""
+        assert self.sharded_state is ShardedState.SHARDED, "hand over parameters while sharded"
+        self.fsdp_params = kept = [p for p in self.fsdp_params if p not in params]
+        self.packed = _unpacked(kept, self.config)  # repacked at the next lazy init
+        self.gatherer = AllGatherer(kept, self.mesh_info, self.device)
+        self.buffer, self.use_tracker = UnshardedBuffer(), None
+        self.readopt_sharded_params()
 
     def readopt_sharded_params(self) -> None:
         """Re-adopt the registered sharded parameters; the next unshard re-runs lazy init.
@@ -418,6 +421,51 @@ class FSDPParamGroup:
         self.reducer.reset(self.device)
         self.set_state(_IDLE)
         self.reshard()
+
+
+def build_group(
+    specs: list[ParamSpec],
+    modules: tuple[nn.Module, ...],
+    config: GroupConfig,
+    post_forward_mesh_info: MeshInfo | None,
+) -> FSDPParamGroup:
+    """The group of one ``fully_shard`` call's parameters on one mesh, their shards packed."""
+    packed = _packed_shards(specs, config)
+    params = [
+        FSDPParam(spec, config.mesh_info, post_forward_mesh_info, config.device, config.offload_policy, slot)
+        for spec, slot in zip(specs, packed.slots(len(specs)), strict=True)
+    ]
+    return FSDPParamGroup(params, packed, modules, config, post_forward_mesh_info)
+
+
+def split_group(group: FSDPParamGroup, params: list[FSDPParam]) -> FSDPParamGroup:
+    """Move ``params`` (some of ``group``'s; sharded) into a new group over the same modules and mesh.
+
+    The new group copies ``group``'s controls and collectives; both repack their shards at their next
+    lazy init (the sharded parameters stay the same objects).
+    """
+    if group.use_tracker is not None:
+        group.use_tracker.close()  # the next root adoption tracks both groups anew
+    group.hand_over(params)
+    new = FSDPParamGroup(
+        params, _unpacked(params, group.config), group.modules, group.config, group.post_forward_mesh_info
+    )
+    new.controls.update(**vars(group.controls))
+    new.comms = dataclasses.replace(group.comms)
+    new.module_fqn = group.module_fqn
+    return new
+
+
+def _unpacked(params: list[FSDPParam], config: GroupConfig) -> PackedShards:
+    """A ``PackedShards`` for ``params`` without a buffer yet (``repack`` makes one at lazy init)."""
+    sizes = [p.layout.padded_shard_numel for p in params]
+    offload = isinstance(config.offload_policy, CPUOffloadPolicy)
+    return PackedShards(sizes, None, offload, can_pin(config.offload_policy))
+
+
+def _shares_buffer(params: list[FSDPParam], as_bytes: bool) -> bool:
+    """Whether the group's parameters share one unsharded buffer (dim-0, no extension, one dtype)."""
+    return not as_bytes and all(p.layout.shard_dim == 0 and not p.has_extension for p in params)
 
 
 def _packed_shards(specs: list[ParamSpec], config: GroupConfig) -> PackedShards:

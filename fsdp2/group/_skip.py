@@ -90,6 +90,12 @@ class UseTracker:
             if owners and not any(ran[o] for o in owners)
         )
 
+    def close(self) -> None:
+        """Remove the forward pre-hooks (the group's parameters changed: a split)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     def reduced(self) -> None:
         """The group reduced: count again from zero."""
         for index in range(len(self.ran)):

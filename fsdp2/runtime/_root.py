@@ -24,7 +24,7 @@ from torch import nn
 from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
 from ..base._lifecycle import TrainingState
 from ..comm._comm_context import CommContext
-from ..group._param_group import FSDPParamGroup
+from ..group._param_group import FSDPParamGroup, split_group
 from ..param._late_params import LATE, check_late_parameters
 from ..trace import _events
 from ..trace._debug import debug_enabled, run_root_init_hooks
@@ -32,7 +32,7 @@ from ..trace._events import RECORDING, EventScope
 from ._agreement import UseAgreement
 from ._root_init import TreeState, state_device, validate_tree
 from ._schedule import Schedule
-from ._step_guard import watch_root
+from ._step_guard import groups_changed, watch_root
 
 __all__ = ["RootContext"]
 
@@ -116,6 +116,27 @@ class RootContext:
         self.all_states = states
         self.use_agreement = UseAgreement(self.groups())
         watch_root(self)
+
+    def keep_gathered(self, state: Any, group: FSDPParamGroup, params: list[Any]) -> FSDPParamGroup:
+        """Keep ``params`` (frozen, some or all of ``group``'s) unsharded once gathered.
+
+        All of them: ``group`` itself is kept. Some: they move into a group of their own over the same
+        modules (``split_group``), which ``state`` takes in. The kept group never reshards after
+        forward, backward or an optimizer step; the schedule gathers it again when a shard changed.
+        """
+        group.reshard()  # idle: a full reshard (the split needs sharded parameters)
+        kept = group
+        if len(params) < len(group.fsdp_params):
+            kept = split_group(group, params)
+            state.add_group(kept)
+            kept.attach(self.comm_ctx, self.event_scope)
+            self.use_agreement = UseAgreement(self.groups())
+            groups_changed()
+        kept.set_post_forward_mesh(None)
+        kept.controls.update(
+            keep_gathered=True, reshard_after_backward=False, reshard_after_no_grad_forward=False
+        )
+        return kept
 
     # ---- forward ---------------------------------------------------------------------------------
 

@@ -159,6 +159,12 @@ class FSDPState(TorchStateNames):
         for group in self.groups:
             group.controls.update(**values)
 
+    def add_group(self, group: FSDPParamGroup) -> None:
+        """Take in ``group`` (split from one of this state's by the root context)."""
+        self.groups.append(group)
+        for module in self.modules:
+            self.hook_handles.extend(register_state_dict_hooks(module, group, get_state))
+
     def shared_context(self) -> RootContext:
         """The context shared under this state's root; a not-yet-initialized root creates its own."""
         if self.ctx is None:
@@ -211,6 +217,8 @@ class FSDPState(TorchStateNames):
             if entering and schedule.bucket_gathers:
                 schedule.record_pre_forward(self)
             for group in groups:
+                if group.controls.keep_gathered:
+                    schedule.refresh(group)
                 group.pre_forward()
                 schedule.use(group)
             if entering and torch.is_grad_enabled():

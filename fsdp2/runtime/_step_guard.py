@@ -113,6 +113,12 @@ def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
         del _replaced[key]
 
 
+def groups_changed() -> None:
+    """A root's groups changed (a split): the optimizers' maps are rebuilt at their next step."""
+    global _generation
+    _generation = next(_calls)
+
+
 def watch_root(root: _Root) -> None:
     """Guard steps over the groups of ``root`` (its lazy init)."""
     global _generation
@@ -229,5 +235,6 @@ def after_optimizer_step(group: FSDPParamGroup) -> None:
         group.sharded_state is ShardedState.UNSHARDED
         and group.training_state is TrainingState.IDLE
         and not group.awaiting_backward
+        and not group.controls.keep_gathered  # kept groups check their shards' versions before use
     ):
         group.reshard()  # the next forward gathers the updated parameters

@@ -11,6 +11,7 @@ Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the ar
 from ._accumulate import accumulate
 from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
+from ._keep_frozen import keep_frozen_gathered
 from ._memory import estimate_memory
 from ._plan import plan
 from ._weight_sync import WeightSync
@@ -22,6 +23,7 @@ __all__ = [
     "apply_fully_shard",
     "clip_grad_norm_",
     "estimate_memory",
+    "keep_frozen_gathered",
     "load_full_state_dict",
     "plan",
     "save_full_state_dict",

@@ -8,6 +8,8 @@ The interface, by tool:
 
 - every tool: ``states_under(root)`` (the states of a module tree, in the order ``fully_shard`` was
   applied) and ``state_of(module)``;
+- keeping frozen parameters gathered: ``frozen_params`` and ``root_context`` (whose
+  ``keep_gathered`` does the work);
 - deep copy: ``busy`` (a forward or backward is running), ``extension_params``, ``reshard``,
   ``detached`` (the tree as plain modules while it is copied), ``sharding_calls`` (what to call
   ``fully_shard`` with again), ``copy_state_into`` (shards, controls and settings onto the copy's
@@ -38,6 +40,8 @@ from ..base._lifecycle import TrainingState
 from ..frontend._composable import pop_torch_state, restore_torch_state
 from ..frontend._module import original_class
 from ..group._param_group import FSDPParamGroup
+from ..param._param import FSDPParam
+from ..runtime._root import RootContext
 from ..runtime._state import FSDPState, get_state
 
 __all__ = [
@@ -48,11 +52,13 @@ __all__ = [
     "data_parallel_groups",
     "detached",
     "extension_params",
+    "frozen_params",
     "group_name",
     "groups_under",
     "held_grad_bytes",
     "kept_grad_bytes",
     "reshard",
+    "root_context",
     "set_gradient_sync",
     "sharding_calls",
     "state_of",
@@ -73,6 +79,36 @@ def states_under(root: nn.Module) -> list[FSDPState]:
         if state is not None and id(state) not in seen:
             seen[id(state)] = state
     return sorted(seen.values(), key=lambda s: -max(depth.get(m, 0) for m in s.modules))
+
+
+# ---- frozen parameters kept gathered -------------------------------------------------------------
+
+
+def frozen_params(root: nn.Module) -> list[tuple[FSDPState, FSDPParamGroup, FSDPParam, int]]:
+    """Each frozen (``requires_grad=False``) parameter under ``root``, with its state and group.
+
+    Also the bytes its unsharded form takes on a rank. The root's lazy init runs first (names, dtypes,
+    its context).
+    """
+    root_state = get_state(root)
+    assert root_state is not None, "not a fully_shard module"
+    root_state.lazy_init()
+    found = []
+    for state in states_under(root):
+        for group in state.groups:
+            for fsdp_param in group.fsdp_params:
+                if not fsdp_param.sharded_param.requires_grad:
+                    nbytes = fsdp_param.layout.orig_numel * fsdp_param.unsharded_dtype.itemsize
+                    found.append((state, group, fsdp_param, nbytes))
+    return found
+
+
+def root_context(root: nn.Module) -> RootContext:
+    """The context of the root ``root`` (after its lazy init)."""
+    state = get_state(root)
+    assert state is not None, "not a fully_shard module"
+    assert state.ctx is not None, "the root's lazy init has not run"
+    return state.ctx
 
 
 # ---- deep copy -----------------------------------------------------------------------------------

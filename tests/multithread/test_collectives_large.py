@@ -27,7 +27,7 @@ from fsdp2.comm._collectives import (
     reduce_scatter_copy_in,
     view_out_shards,
 )
-from fsdp2.group._param_group import FSDPParamGroup
+from fsdp2.group._param_group import FSDPParamGroup, build_group
 from fsdp2.param._dtensor import local_of
 from fsdp2.param._param import chunk_rows
 from fsdp2.testing import CollectiveLog
@@ -62,7 +62,7 @@ def _build_group(
     post_info = post_forward_mesh_info(reshard_after_forward, mesh_info)
     specs = [ParamSpec(p, tuple(owners[id(p)])) for p in params]
     config = GroupConfig(mesh_info, mp_policy, OffloadPolicy(), torch.device("cpu"))
-    group = FSDPParamGroup(specs, (module,), config, post_info)
+    group = build_group(specs, (module,), config, post_info)
     group.lazy_init()
     return module, group
 

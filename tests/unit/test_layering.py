@@ -194,7 +194,14 @@ ENGINE_INTERNALS = {
     "group._reduce",
     "group._gather",
 }
-TOOLS = ["tools/_copy", "tools/_memory", "tools/_accumulate", "tools/_guard", "testing/_recording"]
+TOOLS = [
+    "tools/_copy",
+    "tools/_memory",
+    "tools/_accumulate",
+    "tools/_guard",
+    "tools/_keep_frozen",
+    "testing/_recording",
+]
 # Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
 ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
 
