@@ -32,8 +32,7 @@ def _load(consumer: nn.Module, name: str, tensor: torch.Tensor) -> None:
     target = consumer.get_parameter(name)
     with torch.no_grad():
         if tensor.is_sparse:
-            indices = tensor._indices()
-            target[tuple(indices)] = tensor._values()
+            target[tuple(tensor.indices())] = tensor.values()  # coalesced
         else:
             target.copy_(tensor)
 
