@@ -6,15 +6,18 @@ dtype), and one sync: per parameter, how many of its values changed on any rank,
 own: the gathers (DTensor's ``full_tensor``, one parameter at a time) or the consumer.
 
 [Note: What a sync costs]
-Per parameter and call: one small all-reduce (how many values changed, summed over the ranks that
-hold distinct elements); nothing more when none did. A changed parameter is gathered in the sync
-dtype (one all-gather of its shards); a sparse one also gathers its change mask (one byte per
-element). Each rank keeps its local shard as last sent (one shard of the model in the sync dtype).
+Per call after the first: one small all-reduce of how many values of each parameter changed (for
+parameters sharded on one 1-D mesh, as an FSDP model's; others count with a DTensor sum each, replicas
+once); nothing more for a parameter none of whose values did. A changed parameter is gathered in the
+sync dtype (one all-gather of its shards); a sparse one also gathers its change mask (one byte per
+element). Each rank keeps its local shard as last sent (one shard of the model in the sync dtype),
+and compares it twice per call (counting, then sending).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,30 +67,63 @@ class WeightSync:
     def updates(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield what changed since the last finished call (everything the first time); see the class."""
         here = self.rank is None or not dist.is_initialized() or dist.get_rank() == self.rank
+        params = list(self.model.named_parameters())
+        with torch.no_grad():
+            changed = self._changed_counts(params) if self._sent else None
         sending: dict[str, torch.Tensor] = {}
         total = 0
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                source = _local(param)
-                local = source.to(self.dtype)
-                if local is source:  # already in the sync dtype: keep a copy, the shard changes in place
-                    local = local.clone()
-                previous = self._sent.get(name)
+            for index, (name, param) in enumerate(params):
+                local = self._local_values(param)
                 sending[name] = local
-                if previous is None:
+                if changed is None:
                     out = _full(param, local)
+                elif changed[index] == 0:
+                    continue
                 else:
-                    mask = _bits(local) != _bits(previous)
-                    changed = int(_full_sum(param, mask))
-                    if changed == 0:
-                        continue
-                    out = self._changed(param, local, mask, changed)
+                    mask = _bits(local) != _bits(self._sent[name])
+                    out = self._changed(param, local, mask, changed[index])
                 if here:
                     total += _nbytes(out)
                     yield name, out
                 del out
         self._sent = sending
         self.bytes_sent = total if here else 0
+
+    def _local_values(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's values of ``param`` in the sync dtype, as a tensor of their own."""
+        source = _local(param)
+        local = source.to(self.dtype)
+        return local.clone() if local is source else local  # the shard changes in place
+
+    def _changed_counts(self, params: Sequence[tuple[str, torch.Tensor]]) -> list[int]:
+        """How many values of each parameter changed on any rank since the last call.
+
+        One all-reduce for the parameters sharded on one 1-D mesh (an FSDP model's); a DTensor sum
+        each for the others (replicas counted once).
+        """
+        counts: list[int] = [0] * len(params)
+        batched: dict[int, tuple[Any, list[int], list[torch.Tensor]]] = {}
+        for index, (name, param) in enumerate(params):
+            previous = self._sent.get(name)
+            local = self._local_values(param)
+            if previous is None or previous.shape != local.shape:
+                counts[index] = local.numel() or 1  # new, or reshaped: sent dense
+                continue
+            mask = _bits(local) != _bits(previous)
+            if isinstance(param, DTensor) and param.device_mesh.ndim == 1:
+                mesh = param.device_mesh
+                entry = batched.setdefault(id(mesh), (mesh, [], []))
+                entry[1].append(index)
+                entry[2].append(mask.sum().reshape(1))
+            else:
+                counts[index] = int(_full_sum(param, mask))
+        for mesh, indices, local_counts in batched.values():
+            summed = torch.cat(local_counts).to(mesh.device_type)
+            dist.all_reduce(summed, group=mesh.get_group())
+            for index, count in zip(indices, summed.tolist(), strict=True):
+                counts[index] = int(count)
+        return counts
 
     def _changed(
         self, param: torch.Tensor, local: torch.Tensor, mask: torch.Tensor, changed: int
