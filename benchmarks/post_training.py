@@ -154,7 +154,7 @@ def measure_peaks(args: argparse.Namespace) -> dict[str, int]:
             _step(model, optims[dist.get_rank()], args.dim, args.micro, torch.Generator().manual_seed(0))
 
         report = measure_memory(2, build, step, steps=2)[0]
-        peaks["fsdp2 keep" if keep else "fsdp2"] = report.step_peak_bytes()
+        peaks["fsdp2 keep" if keep else "fsdp2"] = report.step_peak_bytes
     return peaks
 
 
