@@ -348,7 +348,13 @@ def _validate_spmd_param(
                 f"With dp_mesh_dims, {name} must be Replicate() on the data-parallel dim "
                 f"{mesh.mesh_dim_names[index] if mesh.mesh_dim_names else index}, got {param.placements}."
             )
-    if dim != 0 or not default:
+    if not default:
+        raise ValueError(
+            f"{name}: with dp_mesh_dims, shard_placement_fn returned a ShardPlacementResult on another mesh; "
+            "every parameter is sharded over fully_shard's own mesh (the dims dp_mesh_dims names). Return "
+            "None or Shard(0) for it (torch's fully_shard raises ValueError here too)."
+        )
+    if dim != 0:
         raise NotImplementedError(
             f"{name}: with dp_mesh_dims fsdp2 shards on dim 0 of fully_shard's mesh only (shard_placement_fn "
             "must return None or Shard(0))."

@@ -126,6 +126,16 @@ def _errors() -> None:
     )
     with pytest.raises(ValueError, match=r"must be Replicate\(\) on the data-parallel dim dp"):
         fsdp2.fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"))
+    other = fsdp2.FSDPMeshInfo(init_device_mesh("cpu", (4,)), shard_mesh_dim=0)
+    with pytest.raises(
+        ValueError, match=r"up\.weight: with dp_mesh_dims, shard_placement_fn returned a Shard"
+    ):
+        fsdp2.fully_shard(
+            model,
+            mesh=mesh,
+            dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"),
+            shard_placement_fn=lambda p: fsdp2.ShardPlacementResult(Shard(0), other),
+        )
     assert not isinstance(model, fsdp2.FSDPModule)  # nothing changed by the refused calls
     fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"))
 
