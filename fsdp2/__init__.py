@@ -21,6 +21,7 @@ from .tools._guard import DivergenceError
 from .tools._keep_frozen import keep_frozen_gathered
 from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from .tools._plan import Plan, PlanError, plan
+from .tools._replicas import check_replicas
 from .tools._weight_sync import WeightSync
 from .tools._wrap import apply_fully_shard
 from .trace._debug import set_debug
@@ -62,6 +63,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "apply_fully_shard",
+    "check_replicas",
     "clip_grad_norm_",
     "communication_report",
     "estimate_memory",

@@ -14,6 +14,7 @@ from ._clip import clip_grad_norm_
 from ._keep_frozen import keep_frozen_gathered
 from ._memory import estimate_memory
 from ._plan import plan
+from ._replicas import check_replicas
 from ._weight_sync import WeightSync
 from ._wrap import apply_fully_shard
 
@@ -21,6 +22,7 @@ __all__ = [
     "WeightSync",
     "accumulate",
     "apply_fully_shard",
+    "check_replicas",
     "clip_grad_norm_",
     "estimate_memory",
     "keep_frozen_gathered",

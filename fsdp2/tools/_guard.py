@@ -37,9 +37,10 @@ from ..comm._comms import ForwardingComm
 from ..param._dtensor import local_of
 from ..runtime._optimizer_hooks import take_part
 from ..runtime._step_guard import sharded_params
-from ..trace._debug import debug_enabled, guard_timeout, on_root_init
+from ..trace._debug import debug_enabled, guard_timeout, on_root_init, replica_check_every
 from . import _engine as engine
 from ._board import Board, Outcome, board_key, digest, open_board
+from ._replicas import check_replicas
 
 
 class DivergenceError(RuntimeError):
@@ -471,6 +472,10 @@ class _Steps:
     def stepped(self) -> None:
         self.count += 1
         self.mark = self.facts.iteration() if self.facts is not None else 0
+        every = replica_check_every()
+        root = self._root()
+        if every and self.count % every == 0 and root is not None:
+            check_replicas(root)  # every rank steps: a collective every rank reaches
 
 
 _all_steps: weakref.WeakSet[_Steps] = weakref.WeakSet()

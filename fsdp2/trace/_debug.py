@@ -34,6 +34,7 @@ class _Settings:
     enabled = os.environ.get("FSDP2_DEBUG", "") not in ("", "0")
     deadline_s = float(os.environ.get("FSDP2_DEBUG_DEADLINE", "60"))
     timeout_s = float(os.environ.get("FSDP2_DEBUG_TIMEOUT", "8"))
+    replicas_every = int(os.environ.get("FSDP2_DEBUG_REPLICAS", "100"))  # optimizer steps; 0: never
     report: Callable[[str], None] | None = None  # where watchdog reports go (default: stderr)
     root_init_hooks: list[Callable[[Any, list[Any]], None]] = []  # noqa: RUF012 - one list, by design
 
@@ -79,6 +80,11 @@ def set_debug(
 
 def debug_enabled() -> bool:
     return _Settings.enabled
+
+
+def replica_check_every() -> int:
+    """Debug mode compares the replicas every this many optimizer steps (``FSDP2_DEBUG_REPLICAS``)."""
+    return _Settings.replicas_every
 
 
 def guard_timeout() -> float:

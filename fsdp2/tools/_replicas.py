@@ -1,0 +1,103 @@
+"""Replicas checked to the bit: ``fsdp2.check_replicas``.
+
+Owns: a fingerprint of each parameter's local tensor (its bytes as 64-bit words: their count, wrapping
+sum and position-weighted wrapping sum; 24 bytes), one all-gather of a rank's fingerprints per
+replicated mesh dim, the comparison, and the error every rank raises. A flipped bit changes the
+wrapping sum, so it is always found; other differences are found unless two different tensors agree on
+both sums, a 2^-64 chance. Does not own: the parameters or their meshes (read from the DTensors).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["check_replicas"]
+
+
+def check_replicas(model: nn.Module) -> None:
+    """Compare every parameter's local shard across its replicas, bit for bit; raise if any differ.
+
+    Replicas are the ranks that hold the same shard: the replicate dim of an HSDP mesh, and any mesh
+    dim on which a parameter is ``Replicate()`` (a tensor-parallel bias). Every rank must call it; it
+    sends 24 bytes per parameter and replicated dim (one all-gather per dim, one all-reduce), and
+    reads each local tensor once. Plain (non-DTensor) parameters are not compared.
+
+    Raises:
+        RuntimeError: on every rank, when some replicas differ: each differing parameter with the
+            replicas that differ (the minority when there are more than two, else both).
+    """
+    if not dist.is_initialized():
+        return
+    by_dim: dict[tuple[int, int], tuple[Any, list[str], list[torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            mesh = param.device_mesh
+            for dim, placement in enumerate(param.placements):
+                if placement.is_replicate() and mesh.size(dim) > 1:
+                    entry = by_dim.setdefault((id(mesh), dim), (mesh, [], []))
+                    entry[1].append(name)
+                    entry[2].append(_fingerprint(param.to_local()))
+    problems: list[str] = []
+    for (_, dim), (mesh, names, prints) in sorted(by_dim.items(), key=lambda item: item[0][1]):
+        group = mesh.get_group(dim)
+        local = torch.stack(prints).to(mesh.device_type)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        rows = [g.cpu() for g in gathered]
+        dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
+        for index, name in enumerate(names):
+            values = [tuple(row[index].tolist()) for row in rows]
+            if len(set(values)) > 1:
+                problems.append(f"{name}: {_who_differs(values)} on mesh dim {dim_name!r}")
+    _raise_everywhere(problems)
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """``[words, sum, weighted sum]`` of ``tensor``'s bytes as 64-bit words (wrapping int64 sums)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = (-data.numel()) % 8
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int64)
+    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+    return torch.stack(
+        [torch.tensor(words.numel(), device=words.device), words.sum(), (words * weights).sum()]
+    )
+
+
+def _who_differs(values: list[tuple[int, ...]]) -> str:
+    """The replicas (indices along the dim) that differ: the minority, or all of them with two."""
+    counts = Counter(values)
+    majority, count = counts.most_common(1)[0]
+    if count * 2 > len(values):
+        odd = [i for i, v in enumerate(values) if v != majority]
+        return f"replica(s) {odd} differ from the other {count}"
+    return f"replicas {list(range(len(values)))} do not agree (no majority)"
+
+
+def _raise_everywhere(problems: list[str]) -> None:
+    """Every rank raises when any rank found a difference (each replica group sees only its own)."""
+    flag = torch.tensor([len(problems)], dtype=torch.int64)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    flag = flag.to(device)
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    found = sorted({line for lines in everyone for line in lines or ()})
+    raise RuntimeError(
+        "check_replicas: parameters differ across their replicas (ranks that hold the same shard), so the "
+        f"replicas train different models: {'; '.join(found)}. Restore the replicas from a checkpoint, or "
+        "broadcast the parameters from one replica; look for a rank that skipped a step or a "
+        "non-deterministic update."
+    )
