@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import sys
@@ -312,6 +313,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     interrupted = False
     try:
         return train(args, device)
+    except CheckpointError as error:
+        if not created_group:
+            raise  # called from the caller's own process group: let it decide
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        interrupted = True  # no collective teardown: exit at once, every rank alike
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank: one line each, no traceback; the checkpoints on disk are complete.
         interrupted = True
@@ -411,14 +420,72 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
 # checkpoints: DCP for the sharded model and optimizer, one small file for the rest
 #
 # A checkpoint is complete or invisible. Every rank writes into DIR/step_<n>.partial; once all have
-# finished (a barrier), rank 0 writes COMPLETE and renames the folder to DIR/step_<n> in one atomic
-# step. A kill at any point leaves either a .partial folder, which --resume ignores (and the next save
-# of that step clears), or a complete step_<n>. Nothing in a checkpoint depends on the world size:
+# finished (a barrier), the ranks hash the files (MANIFEST.json: each file's size and sha256), rank 0
+# writes COMPLETE and renames the folder to DIR/step_<n> in one atomic step. --resume verifies the
+# newest complete checkpoint against its manifest and falls back to the newest intact one, naming what
+# is missing or damaged; with none intact it stops with one line. A kill at any point leaves either a
+# .partial folder, which --resume ignores (and the next save of that step clears), or a complete
+# step_<n>. Nothing in a checkpoint depends on the world size:
 # DCP reshards the model and optimizer onto any number of ranks, the schedule is the same on every
 # rank, and each batch is drawn from a generator seeded by (seed, step, rank), so a run resumed on
 # another number of ranks continues deterministically.
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"  # every file of the checkpoint: size and sha256, written before COMPLETE
+
+
+class CheckpointError(RuntimeError):
+    """No intact checkpoint to resume from (main() prints it as one line, without a traceback)."""
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Every rank hashes its share of the checkpoint's files; rank 0 writes the manifest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE, MANIFEST))
+    mine = {
+        n: {"size": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names[rank::world]
+    }
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {name: entry for part in everyone for name, entry in part.items()}
+        (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+
+
+def damage(folder: Path) -> list[str]:
+    """What is wrong with a complete checkpoint's files (every rank checks its share; all agree)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems: list[str] = []
+    files: dict[str, Any] = {}
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        if MANIFEST not in (folder / COMPLETE).read_text():
+            return []  # saved before manifests existed: loaded unverified, as before
+        problems.append(f"{MANIFEST} missing")
+    except (ValueError, KeyError) as error:
+        problems.append(f"{MANIFEST} unreadable ({error})")
+    for name in sorted(files)[rank::world]:
+        path, entry = folder / name, files[name]
+        if not path.exists():
+            problems.append(f"{name} missing")
+        elif path.stat().st_size != entry["size"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, {entry['size']} written")
+        elif _sha256(path) != entry["sha256"]:
+            problems.append(f"{name} changed since it was written (sha256)")
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for part in everyone for p in part})
 
 
 def checkpoint_stage(stage: str) -> None:
@@ -454,8 +521,9 @@ def save_checkpoint(
         )
     checkpoint_stage("state_written")
     dist.barrier()  # every rank's files are written
+    write_manifest(partial)  # sizes and checksums, so --resume can tell a damaged checkpoint
     if rank == 0:
-        (partial / COMPLETE).write_text(f"step {step}\n")
+        (partial / COMPLETE).write_text(f"step {step}\n{MANIFEST}\n")  # this save wrote a manifest
         checkpoint_stage("marked")
         replaced = root / f"step_{step}.replaced"
         if final.exists():  # an earlier run's step n: set aside, dropped once the new one is in place
@@ -497,7 +565,20 @@ def load_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if rank == 0:
             print(f"no complete checkpoint in {root}: starting from step 0", flush=True)
         return 0
-    path = root / f"step_{steps[-1]}"
+    damaged = []
+    for step in reversed(steps):  # the newest intact one
+        problems = damage(root / f"step_{step}")
+        if not problems:
+            break
+        damaged.append(f"step_{step} ({'; '.join(problems)})")
+        if rank == 0:
+            print(f"skipped damaged checkpoint {root / f'step_{step}'}: {'; '.join(problems)}", flush=True)
+    else:
+        raise CheckpointError(
+            f"every checkpoint in {root} is damaged: {', '.join(damaged)}. Remove them to start from step 0, "
+            "or restore the files from a copy."
+        )
+    path = root / f"step_{step}"
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=str(path))  # reshards onto this run's ranks
     set_model_state_dict(model, state["model"])
