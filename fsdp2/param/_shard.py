@@ -79,44 +79,15 @@ class LocalShard:
         ``slot``: a zeroed 1-D buffer of ``layout.padded_shard_numel`` elements to hold the shard (a
         slot of the group's packed buffer, on the shard's device); ``None``: a tensor of its own.
         """
+        self.layout, self.device, self.offload, self.pin = layout, device, offload, pin
         source = param.detach()
         if slot is None and layout.shard_dim == 0 and may_gain_hooks(source):
             # A tensor subclass (a quantized weight: NF4, float8) implements the few ops torch's
             # fully_shard uses on it, on its own shape: chunk, new_zeros, narrow, copy_, view(-1).
             shard, view = subclass_shard(source, layout)
-            self._finish(param, layout, spec, device, offload, pin, shard, view)
-            return
-        # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
-        if slot is not None:
-            assert slot.numel() == layout.padded_shard_numel, "a shard slot of the wrong size"
-            shard = slot
         else:
-            shard = source.new_zeros(layout.padded_shard_numel)
-        if param.device.type != "meta":
-            if layout.shard_dim == 0:
-                flat = param.detach().reshape(-1)
-                first = layout.start_row * layout.row_numel
-                shard[: layout.local_numel].copy_(flat[first : first + layout.local_numel])
-            else:
-                piece = param.detach().chunk(layout.world, dim=layout.shard_dim)[layout.rank]
-                shard.view(layout.local_shard_size).copy_(piece)
-        if offload and not shard.is_meta and slot is None:
-            # A meta shard stays meta until materialized; readopt offloads it then.
-            shard = self._offloaded(shard)
-        self._finish(param, layout, spec, device, offload, pin, shard, shard[: layout.local_numel])
-
-    def _finish(
-        self,
-        param: nn.Parameter,
-        layout: ShardLayout,
-        spec: DTensorSpec,
-        device: torch.device,
-        offload: bool,
-        pin: bool,
-        shard: torch.Tensor,
-        view: torch.Tensor,
-    ) -> None:
-        self.layout, self.device, self.offload, self.pin = layout, device, offload, pin
+            shard = self._plain_shard(source, slot)
+            view = shard[: layout.local_numel]
         self.shard = shard
         self.view = view.view(layout.local_shard_size)
         self.spec = spec
@@ -127,6 +98,28 @@ class LocalShard:
         self.grad_dtype = grad_dtype if grad_dtype not in (None, param.dtype) else None
         if self.grad_dtype is not None:  # the unsharded model's .grad dtype, kept by the shard
             self.param.grad_dtype = self.grad_dtype
+
+    def _plain_shard(self, source: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+        """The padded 1-D shard of ``source``: in ``slot`` (a packed slot) or a tensor of its own."""
+        layout = self.layout
+        # new_zeros keeps a tensor subclass (an all-gather extension's weight type) for the local shard.
+        if slot is not None:
+            assert slot.numel() == layout.padded_shard_numel, "a shard slot of the wrong size"
+            shard = slot
+        else:
+            shard = source.new_zeros(layout.padded_shard_numel)
+        if source.device.type != "meta":
+            if layout.shard_dim == 0:
+                flat = source.reshape(-1)
+                first = layout.start_row * layout.row_numel
+                shard[: layout.local_numel].copy_(flat[first : first + layout.local_numel])
+            else:
+                piece = source.chunk(layout.world, dim=layout.shard_dim)[layout.rank]
+                shard.view(layout.local_shard_size).copy_(piece)
+        if self.offload and not shard.is_meta and slot is None:
+            # A meta shard stays meta until materialized; readopt offloads it then.
+            shard = self._offloaded(shard)
+        return shard
 
     def settle_dtype(self) -> torch.dtype:
         """Take the sharded parameter's current dtype and ``grad_dtype`` (lazy init); return the dtype."""

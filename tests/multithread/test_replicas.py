@@ -8,6 +8,7 @@ parameter and the replica that differs.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -29,17 +30,28 @@ def _flip_one_bit(tensor: torch.Tensor) -> None:
         tensor.view(-1).view(torch.int32)[3] ^= 1 << 7
 
 
-def _check(base: nn.Module, replicas: int, flip_on: int | None) -> str:
+def _sharded(base: nn.Module, replicas: int) -> tuple[nn.Module, Any]:
+    """``base`` sharded on a (replicas, rest) HSDP mesh, its first block a group of its own."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     model = copy.deepcopy(base)
     fsdp2.fully_shard(model[0], mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def _step(model: nn.Module, shard_rank: int, step: int) -> None:
+    """Forward and backward of this shard's batch (the replicas of a shard see the same)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * shard_rank + step))
+    model(x).pow(2).sum().backward()
+
+
+def _check(base: nn.Module, replicas: int, flip_on: int | None) -> str:
+    model, mesh = _sharded(base, replicas)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard_rank = mesh.get_local_rank("shard")
     for step in range(2):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * shard_rank + step))
-        model(x).pow(2).sum().backward()
+        _step(model, shard_rank, step)
         optim.step()
         optim.zero_grad()
     assert fsdp2.check_replicas(model) is None
@@ -70,15 +82,11 @@ def test_without_replicas_or_a_process_group_there_is_nothing_to_compare() -> No
 
 
 def _debug_mode_checks_every_two_steps(base: nn.Module) -> str:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = copy.deepcopy(base)
-    fsdp2.fully_shard(model[0], mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
+    model, mesh = _sharded(base, 2)
     optim = torch.optim.SGD(model.parameters(), lr=1e-2)
     shard_rank = mesh.get_local_rank("shard")
     for step in range(4):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * shard_rank + step))
-        model(x).pow(2).sum().backward()
+        _step(model, shard_rank, step)
         if step == 2 and mesh.get_local_rank("replicate") == 1 and shard_rank == 1:
             _flip_one_bit(model[2].weight.to_local())
         try:
