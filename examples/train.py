@@ -299,10 +299,12 @@ def write_traces(events: list[fsdp2.Event], out: Path, rank: int, world_size: in
     out.mkdir(parents=True, exist_ok=True)
     fsdp2.save_timeline(events, out / f"rank{rank}.json")
     fsdp2.save_timeline(events, out / f"rank{rank}.png")
+    stragglers = fsdp2.straggler_report(events)  # every rank: one exchange of the recorded waits
     dist.barrier()
     if rank == 0:
         fsdp2.merge_timelines([out / f"rank{r}.json" for r in range(world_size)], out / "timeline.json")
         print(f"rank 0: {fsdp2.communication_report(events)}", flush=True)
+        print(f"the rank the others waited for (all ranks):\n{stragglers}", flush=True)
         print(f"timelines in {out}/ (open timeline.json in https://ui.perfetto.dev)", flush=True)
 
 

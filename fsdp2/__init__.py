@@ -27,6 +27,7 @@ from .tools._wrap import apply_fully_shard
 from .trace._debug import set_debug
 from .trace._events import Event, Span, record_events, save_chrome_trace
 from .trace._report import CommunicationReport, CommunicationRow, communication_report
+from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
 
 __version__ = "0.1.0"
@@ -56,6 +57,8 @@ __all__ = [
     "ShardPlacementResult",
     "SimulatedValueError",
     "Span",
+    "StragglerReport",
+    "StragglerRow",
     "TorchPatch",
     "TrainingState",
     "UnshardHandle",
@@ -83,4 +86,5 @@ __all__ = [
     "save_timeline",
     "set_debug",
     "share_comm_ctx",
+    "straggler_report",
 ]
