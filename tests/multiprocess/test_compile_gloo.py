@@ -11,7 +11,9 @@ fp32 ``reduce_dtype`` (sharded on dim 0 and on dim 1), activation checkpointing 
 hooks, and around them as Hugging Face does it: the Llama below), HSDP (2 replicas of 1 shard, in
 fp32 and bf16/fp32; 1 of 2), and transformers' Llama with and without its gradient checkpointing;
 with ``inductor`` and its bucketing passes, within fp32 rounding. Each setting is compiled once: a
-check that needs no setting of its own runs on a compile that runs anyway. The eager engine does
+check that needs no setting of its own runs on a compile that runs anyway, and the settings that
+change only each parameter's collectives (the dtypes, dim-1 shards, HSDP 2 x 1) compile ``Small``,
+the Transformer without attention and norms (a third of the compile time). The eager engine does
 not run (no event recorded); a forward that raises leaves the sharded parameters registered; the
 state dict after compiled steps loads into an eager model that continues identically, and back; and
 a model the compiled path does not cover (CPU offload here) compiles as before, with the eager hooks
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch import nn
@@ -47,9 +50,39 @@ WORLD_SIZE = 2
 ARGS = ModelArgs(n_layers=2)
 
 
-def _sharded(args: ModelArgs = ARGS, wrap_blocks: bool = False, **options: Any) -> Transformer:
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(dim, 3 * dim + 2)
+        self.w_out = nn.Linear(3 * dim + 2, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.w_out(F.gelu(self.w_in(h)))
+
+
+class Small(nn.Module):
+    """The Transformer's embedding, feed-forward blocks and output, without attention or norms: 10
+    parameters instead of 29, a third of the compile time. For the settings that change each
+    parameter's collectives (dtypes, dim-1 shards, HSDP) and nothing in the blocks' computation."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(_Block(args.dim) for _ in range(args.n_layers))
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.output(h)
+
+
+def _sharded(
+    args: ModelArgs = ARGS, wrap_blocks: bool = False, small: bool = False, **options: Any
+) -> Transformer | Small:
     torch.manual_seed(0)  # the same parameters in every process
-    model = Transformer(args)
+    model = Small(args) if small else Transformer(args)
     for i, layer in enumerate(model.layers):
         if wrap_blocks:  # activation checkpointing outside the FSDP hooks (torchtitan's way)
             layer = model.layers[i] = checkpoint_wrapper(layer)
@@ -96,7 +129,7 @@ def _steps(model: Any, optim: torch.optim.Optimizer, first: int, count: int) -> 
     return losses
 
 
-def _parity(options: dict[str, Any], replicas: int = 1) -> tuple[Counter[str], Transformer, Any]:
+def _parity(options: dict[str, Any], replicas: int = 1) -> tuple[Counter[str], Transformer | Small, Any]:
     """Compiled whole model against eager fsdp2, bit for bit with aot_eager; collectives in the graph.
 
     Returns the counts, and the model with its compiled wrapper (after three steps)."""
@@ -126,7 +159,7 @@ def _parity(options: dict[str, Any], replicas: int = 1) -> tuple[Counter[str], T
     return counts, model, compiled
 
 
-def _resume_eagerly(model: Transformer, compiled: Any) -> None:
+def _resume_eagerly(model: Transformer | Small, compiled: Any) -> None:
     """A state dict saved after compiled steps (``_parity``'s, default options) loads into an eager
     model, which continues the same, and the other way round."""
     # A forward that raises after the root's pre-forward ran (a frame of its own): the sharded
@@ -253,14 +286,18 @@ def _all_cases() -> None:
     assert counts["backward all_gather"] == read, (counts, read)
     _resume_eagerly(model, compiled)
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    _parity({"mp_policy": bf16})
+    _parity({"mp_policy": bf16, "small": True})
     # bf16 all-gathers, fp32 reductions: one of each per parameter, in those dtypes (FSDP; HSDP below)
     bf16_fp32 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    counts = _parity({"mp_policy": bf16_fp32})[0]
+    counts = _parity({"mp_policy": bf16_fp32, "small": True})[0]
     assert counts["forward all_gather torch.bfloat16"] == counts["forward all_gather"] > 0, counts
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # ... and parameters sharded on dim 1: gathered in fp32 (cast after), reduced in fp32
-    on_dim_1 = {"mp_policy": bf16_fp32, "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None}
+    on_dim_1 = {
+        "mp_policy": bf16_fp32,
+        "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None,
+        "small": True,
+    }
     counts = _parity(on_dim_1)[0]
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # activation checkpointing (its regions draw randomness: attention is tagged random), outside
@@ -273,8 +310,8 @@ def _all_cases() -> None:
     # HSDP: 2 replicas of 1 shard (the gradients all-reduced across replicas) and 1 of 2; the latter
     # in fp32 with reshard_after_forward=None (the default: True for blocks) gathers again like True
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    _parity({"mesh": mesh}, replicas=2)
-    _parity({"mesh": mesh, "mp_policy": bf16_fp32}, replicas=2)
+    _parity({"mesh": mesh, "small": True}, replicas=2)
+    _parity({"mesh": mesh, "mp_policy": bf16_fp32, "small": True}, replicas=2)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     counts = _parity({"mesh": mesh, "reshard_after_forward": None})[0]
     assert counts["backward all_gather"] == read, (counts, read)
