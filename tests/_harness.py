@@ -17,6 +17,7 @@ seed, while spawned ranks (and torchrun's) each drew their own; the torchrun tes
 
 from __future__ import annotations
 
+import collections
 import gc
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2.testing import count_collectives
 from fsdp2.testing._threads import _run, _run_lock
@@ -38,6 +40,7 @@ from fsdp2.testing._threads import _run, _run_lock
 _THREAD_TIMEOUT_S = 240.0
 
 __all__ = [
+    "C10dOps",
     "assert_sharded_parity",
     "broadcast_module_",
     "count_collectives",
@@ -111,6 +114,24 @@ def run_multiprocess(world_size: int, fn: Callable[..., Any], *args: Any) -> Non
         join=True,
         start_method="forkserver",
     )
+
+
+class C10dOps(TorchDispatchMode):
+    """Counts the c10d ops (collectives, sends, receives) the calling thread dispatches while active.
+
+    ``counts`` is keyed by op packet (``torch.ops.c10d._allgather_base_``, ``_reduce_scatter_base_``,
+    ``allreduce_``, ``send``...), as ``CommDebugMode.get_comm_counts()`` is for these ops, without its
+    module tracking and per-op bookkeeping (which took a third of a small model's gloo step).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[Any] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            self.counts[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def broadcast_module_(module: nn.Module, src: int = 0) -> nn.Module:

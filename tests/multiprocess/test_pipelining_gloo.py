@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests._harness import run_multiprocess
+from tests._harness import C10dOps, run_multiprocess
 from tests._training import fill_deterministic_
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -83,22 +82,6 @@ def _reference_grads(dp_size: int) -> dict[int, dict[str, torch.Tensor]]:
     }
 
 
-class _Collectives(TorchDispatchMode):
-    """Counts the c10d collectives this rank issues while active, by op, but pipelining's sends and
-    receives (a dispatch mode: a third of the profiler's cost, which recorded every op)."""
-
-    def __init__(self, counts: collections.Counter[str]) -> None:
-        super().__init__()
-        self.counts = counts
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d":
-            name = func.__name__.split(".")[0]  # _allgather_base_, _reduce_scatter_base_, allreduce_ ...
-            if name not in ("send", "recv_", "recv_any_source_"):
-                self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -143,8 +126,11 @@ def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any
         losses: list[torch.Tensor] = []
         args = (x,) if 0 in stage_ids else ()
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in stage_ids else {}
-        with _Collectives(out["counts"]):
+        with C10dOps() as ops:  # a dispatch mode: a third of the profiler's cost, which recorded every op
             schedule.step(*args, **kwargs)
+        for op, n in ops.counts.items():  # the collectives, not pipelining's sends and receives
+            if op not in (torch.ops.c10d.send, torch.ops.c10d.recv_, torch.ops.c10d.recv_any_source_):
+                out["counts"][op.__name__] += n
         out["losses"].append([loss.detach() for loss in losses])
         out["grads"].append(
             {
