@@ -172,8 +172,10 @@ DIMS_EVEN = [32] * 13  # 12 blocks of dim 32
 DIMS_UNEVEN = [16, 19, 23, 17, 31, 21, 18, 29, 22, 25]  # no dim divisible by 4 or 3 beyond chance
 
 
+# Even dims at world 2: the world changes no layout here. Bucketing at 4 ranks (and 3) runs below:
+# uneven shapes, mixed precision, accumulation, collective counts, HSDP, the random caps and dims.
 @pytest.mark.first_case_in_quick_loop
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize("raf", [True, False])
 @pytest.mark.parametrize("caps", [(ALL, ALL), (0.01, 0.02), (ALL, None), (None, 0.01)], ids=str)
 def test_parity_exact(world: int, raf: bool, caps: tuple[float | None, float | None]) -> None:
