@@ -202,7 +202,7 @@ def test_parity_gradient_accumulation(raf: bool) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.integers(2, 4),
     dims=st.lists(st.integers(3, 24), min_size=3, max_size=9),
