@@ -5,8 +5,8 @@
   depends on where it sits in the buffer, so a bucket (a longer buffer, the group at an offset)
   may round the last bit differently: close, not equal (measured: at most ~6e-8 on these grads).
   With 2 ranks (one addition per element) it is exact;
-- collective counts per step from torch's ``CommDebugMode``: 2 all-gathers and 1 reduce-scatter
-  once the order is known;
+- collective counts per step (the c10d ops each rank dispatches, ``tests/_harness.py``'s
+  ``C10dOps``): 2 all-gathers and 1 reduce-scatter once the order is known;
 - ``set_bucket_cap_mb("auto")``: every process holds the same caps and fits (the measurement's
   times differ between processes; the agreement makes them equal), at least 1 MiB, which holds this
   model: the same buckets as 25 MiB, so bit-identical to that run.
@@ -20,10 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp2
-from tests._harness import run_multiprocess
+from tests._harness import C10dOps, run_multiprocess
 from tests.multithread.test_bucketing import Blocks
 
 WORLD_SIZE = 4
@@ -64,10 +63,10 @@ def _train(model: Blocks) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
     }
     for step in range(STEPS):
         x = torch.randn(4, DIMS[0], generator=torch.Generator().manual_seed(100 * step + rank))
-        with CommDebugMode() as mode:
+        with C10dOps() as mode:
             loss = model(x).sum()
             loss.backward()
-        counts.append({names.get(op, str(op)): n for op, n in mode.get_comm_counts().items() if n})
+        counts.append({names.get(op, str(op)): n for op, n in mode.counts.items() if n})
         out.append(loss.detach())
         if step == 0:
             out.extend(_full(p.grad) for p in params)

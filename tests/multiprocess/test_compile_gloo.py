@@ -4,29 +4,34 @@
 with no graph break (fullgraph would raise at one), every all-gather, reduce-scatter and all-reduce
 counted in the graphs AOTAutograd hands its compilers (with inductor's min-cut partitioner). With
 the ``aot_eager`` backend the losses and parameters of three AdamW steps are bit-equal to eager
-fsdp2's for fp32 with ``reshard_after_forward`` False / None / True (resharding is gathering again in
-backward: the backward all-gathers are counted), bf16 ``param_dtype``, activation checkpointing
-(outside the FSDP hooks, and around them as Hugging Face does it), HSDP (2 replicas of 1 shard, 1 of
-2), and transformers' Llama with and without its gradient checkpointing; with ``inductor`` and its
-bucketing passes, within fp32 rounding. The eager engine does not run (no event recorded); a forward
-that raises leaves the sharded parameters registered; the state dict after compiled steps loads into
-an eager model that continues identically; and a model the
-compiled path does not cover (CPU offload here) compiles as before, with the eager hooks and a graph
-break at each FSDP module, ``fullgraph=True`` failing with fsdp2's message naming the module and
-setting. (Thread ranks cannot run the compiled path: torch's threaded process group has no
-functional reduce-scatter, so these tests need processes.)
+fsdp2's for fp32 with ``reshard_after_forward`` True (resharding is gathering again in backward: the
+backward all-gathers are counted), False (with activation checkpointing outside the hooks: none
+gathered again) and None (HSDP 1 x 2: gathered again like True), bf16 ``param_dtype``, bf16 with
+fp32 ``reduce_dtype`` (sharded on dim 0 and on dim 1), activation checkpointing (outside the FSDP
+hooks, and around them as Hugging Face does it: the Llama below), HSDP (2 replicas of 1 shard, in
+fp32 and bf16/fp32; 1 of 2), and transformers' Llama with and without its gradient checkpointing;
+with ``inductor`` and its bucketing passes, within fp32 rounding. Each setting is compiled once: a
+check that needs no setting of its own runs on a compile that runs anyway, and the settings that
+change only each parameter's collectives (the dtypes, dim-1 shards, HSDP 2 x 1) compile ``Small``,
+the Transformer without attention and norms (a third of the compile time). The eager engine does
+not run (no event recorded); a forward that raises leaves the sharded parameters registered; the
+state dict after compiled steps loads into an eager model that continues identically, and back; and
+a model the compiled path does not cover (CPU offload here) compiles as before, with the eager hooks
+and a graph break at each FSDP module, ``fullgraph=True`` failing with fsdp2's message naming the
+module and setting. (Thread ranks cannot run the compiled path: torch's threaded process group has
+no functional reduce-scatter, so these tests need processes.)
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch import nn
@@ -45,9 +50,39 @@ WORLD_SIZE = 2
 ARGS = ModelArgs(n_layers=2)
 
 
-def _sharded(args: ModelArgs = ARGS, wrap_blocks: bool = False, **options: Any) -> Transformer:
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(dim, 3 * dim + 2)
+        self.w_out = nn.Linear(3 * dim + 2, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.w_out(F.gelu(self.w_in(h)))
+
+
+class Small(nn.Module):
+    """The Transformer's embedding, feed-forward blocks and output, without attention or norms: 10
+    parameters instead of 29, a third of the compile time. For the settings that change each
+    parameter's collectives (dtypes, dim-1 shards, HSDP) and nothing in the blocks' computation."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(_Block(args.dim) for _ in range(args.n_layers))
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.output(h)
+
+
+def _sharded(
+    args: ModelArgs = ARGS, wrap_blocks: bool = False, small: bool = False, **options: Any
+) -> Transformer | Small:
     torch.manual_seed(0)  # the same parameters in every process
-    model = Transformer(args)
+    model = Small(args) if small else Transformer(args)
     for i, layer in enumerate(model.layers):
         if wrap_blocks:  # activation checkpointing outside the FSDP hooks (torchtitan's way)
             layer = model.layers[i] = checkpoint_wrapper(layer)
@@ -94,8 +129,10 @@ def _steps(model: Any, optim: torch.optim.Optimizer, first: int, count: int) -> 
     return losses
 
 
-def _parity(options: dict[str, Any], replicas: int = 1) -> Counter[str]:
-    """Compiled whole model against eager fsdp2, bit for bit with aot_eager; collectives in the graph."""
+def _parity(options: dict[str, Any], replicas: int = 1) -> tuple[Counter[str], Transformer | Small, Any]:
+    """Compiled whole model against eager fsdp2, bit for bit with aot_eager; collectives in the graph.
+
+    Returns the counts, and the model with its compiled wrapper (after three steps)."""
     torch._dynamo.reset()
     eager, model = _sharded(**options), _sharded(**options)
     counts: Counter[str] = Counter()
@@ -119,17 +156,12 @@ def _parity(options: dict[str, Any], replicas: int = 1) -> Counter[str]:
     assert counts["forward all_gather"] == n_params * sharded, counts
     assert counts["backward reduce_scatter"] == n_params * sharded, counts
     assert counts["backward all_reduce"] == n_params * (replicas > 1), counts
-    return counts
+    return counts, model, compiled
 
 
-def _resume_eagerly() -> None:
-    """A state dict saved after compiled steps loads into an eager model, which continues the same,
-    and the other way round."""
-    torch._dynamo.reset()
-    model = _sharded()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    _steps(compiled, optim, 0, 2)
+def _resume_eagerly(model: Transformer | Small, compiled: Any) -> None:
+    """A state dict saved after compiled steps (``_parity``'s, default options) loads into an eager
+    model, which continues the same, and the other way round."""
     # A forward that raises after the root's pre-forward ran (a frame of its own): the sharded
     # parameters are registered again, not the gathered tensors (the saved state below would hold
     # plain full tensors otherwise).
@@ -181,7 +213,10 @@ def _inductor_bucketed() -> None:
     grouped; other kernels)."""
     torch._dynamo.reset()
     eager, model = _sharded(), _sharded()
-    passes = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+    passes: dict[str, Any] = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+    # Kernels compiled in this process: a pool of compile workers (their start-up) does not pay on
+    # 2 cores that both ranks already use (cold caches: ~43 s instead of ~55 s).
+    passes["compile_threads"] = 1
     with torch._inductor.config.patch(passes):
         compiled = torch.compile(model, fullgraph=True, backend="inductor")
         losses = _steps(compiled, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 2)
@@ -236,11 +271,7 @@ def _hf_llama(checkpointing: bool) -> None:
 
 
 def _all_cases() -> None:
-    bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    regathered = {
-        str(reshard): _parity({"reshard_after_forward": reshard})["backward all_gather"]
-        for reshard in (False, None, True)
-    }
+    # Each setting once; checks that need no setting of their own ride along with one that runs anyway.
     # Resharding after forward is gathering again in backward what backward reads: every block
     # parameter but the Linear biases (10 a block); the root keeps its own (its backward is first).
     read = sum(
@@ -249,32 +280,41 @@ def _all_cases() -> None:
         for m in b.modules()
         for n, _ in m.named_parameters(recurse=False)
     )
-    assert regathered == {"False": 0, "None": read, "True": read}, (regathered, read)
-    _parity({"mp_policy": bf16})
-    # bf16 all-gathers, fp32 reductions: one of each per parameter, in those dtypes (FSDP, HSDP)
+    # fp32, reshard_after_forward=True: the backward all-gathers are exactly those; then the
+    # state dict of this compiled run continues eagerly and back
+    counts, model, compiled = _parity({"reshard_after_forward": True})
+    assert counts["backward all_gather"] == read, (counts, read)
+    _resume_eagerly(model, compiled)
+    bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    _parity({"mp_policy": bf16, "small": True})
+    # bf16 all-gathers, fp32 reductions: one of each per parameter, in those dtypes (FSDP; HSDP below)
     bf16_fp32 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    counts = _parity({"mp_policy": bf16_fp32})
+    counts = _parity({"mp_policy": bf16_fp32, "small": True})[0]
     assert counts["forward all_gather torch.bfloat16"] == counts["forward all_gather"] > 0, counts
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # ... and parameters sharded on dim 1: gathered in fp32 (cast after), reduced in fp32
-    on_dim_1 = {"mp_policy": bf16_fp32, "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None}
-    counts = _parity(on_dim_1)
+    on_dim_1 = {
+        "mp_policy": bf16_fp32,
+        "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None,
+        "small": True,
+    }
+    counts = _parity(on_dim_1)[0]
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
     # activation checkpointing (its regions draw randomness: attention is tagged random), outside
-    # the FSDP hooks: blocks wrapped before fully_shard
-    for reshard in (True, False):
-        _parity({"wrap_blocks": True, "reshard_after_forward": reshard})
-    # ... and around the FSDP module's call (Hugging Face's way), which needs dynamo to allow the
-    # hooks' attribute writes inside the checkpointed region (undone there, nothing to replay)
-    checkpointed = dataclasses.replace(ARGS, checkpoint_activations=True)
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        _parity({"args": checkpointed})
-    # HSDP: 2 replicas of 1 shard (the gradients all-reduced across replicas) and 1 of 2
-    for shape in ((2, 1), (1, 2)):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        _parity({"mesh": mesh}, replicas=shape[0])
-        _parity({"mesh": mesh, "mp_policy": bf16_fp32}, replicas=shape[0])
-    _resume_eagerly()
+    # the FSDP hooks: blocks wrapped before fully_shard; with reshard_after_forward=False (fp32) no
+    # all-gather runs again in backward. (Around the FSDP module's call, Hugging Face's way: the
+    # Llama below with its gradient checkpointing.)
+    counts = _parity({"wrap_blocks": True, "reshard_after_forward": False})[0]
+    assert counts["backward all_gather"] == 0, counts
+    _parity({"wrap_blocks": True, "reshard_after_forward": True})
+    # HSDP: 2 replicas of 1 shard (the gradients all-reduced across replicas) and 1 of 2; the latter
+    # in fp32 with reshard_after_forward=None (the default: True for blocks) gathers again like True
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    _parity({"mesh": mesh, "small": True}, replicas=2)
+    _parity({"mesh": mesh, "mp_policy": bf16_fp32, "small": True}, replicas=2)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    counts = _parity({"mesh": mesh, "reshard_after_forward": None})[0]
+    assert counts["backward all_gather"] == read, (counts, read)
     _not_traced_yet()
     for checkpointing in (False, True):
         _hf_llama(checkpointing)

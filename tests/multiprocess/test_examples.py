@@ -1,15 +1,18 @@
 """Smoke tests of examples/train.py, the README's main job, in two real gloo processes, and of the
 tensor- and pipeline-parallel examples in four.
 
-One test imports the example and calls its ``main()`` inside ranks spawned by the harness; the
-other runs the exact ``torchrun`` command line a user types. Both use a model small enough to take
-a few seconds per rank, so the cost is dominated by process start-up.
+Some tests import an example and call its ``main()`` inside the harness's ranks (several runs share
+one world); the others run the exact ``torchrun`` command line a user types (train.py: with
+``--trace``, and interrupted with Ctrl-C). All use models small enough to take a few seconds per
+rank, so a ``torchrun`` run's cost is mostly its interpreters' start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
+import io
 import json
 import math
 import os
@@ -32,11 +35,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
 def _load_train() -> ModuleType:
-    # examples/ is not a package: load train.py from its path. The module must be in sys.modules
+    return _load_example("train")
+
+
+def _load_example(name: str) -> ModuleType:
+    # examples/ is not a package: load the example from its path. The module must be in sys.modules
     # before it runs, because dataclasses look their module up there.
-    spec = importlib.util.spec_from_file_location("fsdp2_example_train", TRAIN_PY)
-    assert spec is not None, f"cannot load {TRAIN_PY}"
-    assert spec.loader is not None, f"cannot load {TRAIN_PY}"
+    path = REPO_ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"fsdp2_example_{name}", path)
+    assert spec is not None, f"cannot load {path}"
+    assert spec.loader is not None, f"cannot load {path}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -133,55 +141,38 @@ def test_torchrun_command_line(tmp_path: Path) -> None:
         assert 0 <= exposed_ms <= total_ms + 0.01 * count  # printed to 0.01 ms per row
 
 
-def test_tensor_parallel_example_command_line() -> None:
-    """docs/parallelism.md's command: 4 gloo processes, (dp=2, tp=2); the script checks itself."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    example = REPO_ROOT / "examples" / "tp_fsdp.py"
-    command = [*launcher, "--standalone", "--nproc-per-node", "4", str(example), "--steps", "3"]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=100, check=False
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
-    assert "parameters equal the unsharded reference" in result.stdout, output[-4000:]
-    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (2, 2)" in result.stdout, output[-4000:]
+TP_PLACEMENTS = "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on mesh (2, 2)"
 
 
-def test_pipeline_parallel_example_command_line() -> None:
-    """docs/parallelism.md's command: 4 gloo processes, (pp=2, dp=2), zero-bubble; it checks itself."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    example = REPO_ROOT / "examples" / "pp_fsdp.py"
-    command = [
-        *launcher,
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        str(example),
-        "--schedule",
-        "ZBVZeroBubble",
+def _parallel_examples() -> None:
+    """On each of 4 ranks: each example's ``main()`` with docs/parallelism.md's arguments, in turn;
+    rank 0 checks what it printed (each example asserts its own numbers on every rank)."""
+    runs = [
+        ("tp_fsdp", ["--steps", "3"], ["parameters equal the unsharded reference", TP_PLACEMENTS]),
+        (
+            "pp_fsdp",
+            ["--schedule", "ZBVZeroBubble", "--steps", "2"],
+            ["every stage's parameters equal the unsharded reference"],
+        ),
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [*command, "--steps", "2"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{output[-4000:]}"
-    assert "every stage's parameters equal the unsharded reference" in result.stdout, output[-4000:]
+    for name, argv, expected in runs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            _load_example(name).main(argv)
+        if dist.get_rank() == 0:
+            for text in expected:
+                assert text in printed.getvalue(), (name, argv, printed.getvalue()[-4000:])
+        gc.collect()
+        dist.barrier()
+
+
+def test_tensor_and_pipeline_parallel_examples() -> None:
+    """docs/parallelism.md's two examples, (dp=2, tp=2) and (pp=2, dp=2) zero-bubble, in one world of 4.
+
+    Their ``main()`` runs in the harness's ranks instead of under ``torchrun`` (4 more interpreters
+    each); the ``torchrun`` command line itself is tested with train.py above.
+    """
+    run_multiprocess(4, _parallel_examples)
 
 
 def test_ctrl_c_ends_the_main_job_with_one_line_per_rank(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@
 once every rank's files and the ``COMPLETE`` marker are written. Here both ranks are killed with
 SIGKILL at each point of the second save (after DCP's files, after the training state, after the
 marker, after the rename); ``--resume`` then continues from the latest complete checkpoint and gives
-the uninterrupted run's losses bit for bit. A checkpoint saved on 2 ranks loads on 3, and one saved on
-4 loads on 2: the full model and optimizer state after the load equal the saved ones exactly (DCP
-reshards them) and training continues.
+the uninterrupted run's losses bit for bit. A checkpoint saved on 2 ranks loads on 3, which train on
+and save again, and that one loads on 2: the full model and optimizer state after each load equal the
+saved ones exactly (DCP reshards them) and training continues.
 """
 
 from __future__ import annotations
@@ -115,23 +115,33 @@ def _save_then_record(ckpt_dir: str, out: str) -> None:
     gc.collect()
 
 
-def _load_elsewhere_and_compare(ckpt_dir: str, saved: str) -> None:
+def _load_compare_continue(ckpt_dir: str, saved: str, step: int, argv: list[str], record: str | None) -> None:
+    """Load the latest checkpoint (``step``) on these ranks: it must equal what the saving ranks
+    loaded (``saved``); then continue training with ``argv`` and, with ``record``, record the
+    checkpoint that run saved as loaded on these ranks."""
     train = _load_train()
     state = _full_state(train, ckpt_dir)
     expected = torch.load(saved, weights_only=False)
-    assert state["step"] == expected["step"] == 2
+    assert state["step"] == expected["step"] == step
     torch.testing.assert_close(state["model"], expected["model"], rtol=0, atol=0)
     torch.testing.assert_close(state["optim"]["state"], expected["optim"]["state"], rtol=0, atol=0)
     assert state["optim"]["param_groups"] == expected["optim"]["param_groups"]
     assert state["schedule"]["last_epoch"] == expected["schedule"]["last_epoch"]
-    losses = train.main(["--steps", "4", *SMALL, "--ckpt-dir", ckpt_dir, "--resume"])
-    assert len(losses) == 2  # steps 2 and 3 ran
+    losses = train.main([*argv, *SMALL, "--ckpt-dir", ckpt_dir, "--resume"])
+    assert len(losses) == int(argv[argv.index("--steps") + 1]) - step  # the steps after the checkpoint ran
     assert all(loss == loss for loss in losses)  # no NaN
+    if record is not None:
+        state = _full_state(train, ckpt_dir)
+        if dist.get_rank() == 0:
+            torch.save(state, record)
     gc.collect()
 
 
-@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 3), (4, 2)])
-def test_resume_on_another_number_of_ranks(tmp_path: Path, saved_on: int, loaded_on: int) -> None:
-    ckpt, saved = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
-    run_multiprocess(saved_on, _save_then_record, ckpt, saved)
-    run_multiprocess(loaded_on, _load_elsewhere_and_compare, ckpt, saved)
+def test_resume_on_more_ranks_then_on_fewer(tmp_path: Path) -> None:
+    """step_2 saved on 2 ranks loads on 3 (more ranks, uneven shards), which train on and save step_4;
+    that loads on 2 (fewer ranks)."""
+    ckpt = str(tmp_path / "ckpt")
+    on_2, on_3 = str(tmp_path / "saved_on_2.pt"), str(tmp_path / "saved_on_3.pt")
+    run_multiprocess(2, _save_then_record, ckpt, on_2)
+    run_multiprocess(3, _load_compare_continue, ckpt, on_2, 2, ["--steps", "6", "--ckpt-every", "2"], on_3)
+    run_multiprocess(2, _load_compare_continue, ckpt, on_3, 4, ["--steps", "6"], None)

@@ -172,8 +172,10 @@ DIMS_EVEN = [32] * 13  # 12 blocks of dim 32
 DIMS_UNEVEN = [16, 19, 23, 17, 31, 21, 18, 29, 22, 25]  # no dim divisible by 4 or 3 beyond chance
 
 
+# Even dims at world 2: the world changes no layout here. Bucketing at 4 ranks (and 3) runs below:
+# uneven shapes, mixed precision, accumulation, collective counts, HSDP, the random caps and dims.
 @pytest.mark.first_case_in_quick_loop
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize("raf", [True, False])
 @pytest.mark.parametrize("caps", [(ALL, ALL), (0.01, 0.02), (ALL, None), (None, 0.01)], ids=str)
 def test_parity_exact(world: int, raf: bool, caps: tuple[float | None, float | None]) -> None:
@@ -200,7 +202,7 @@ def test_parity_gradient_accumulation(raf: bool) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.integers(2, 4),
     dims=st.lists(st.integers(3, 24), min_size=3, max_size=9),

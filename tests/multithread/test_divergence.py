@@ -3,7 +3,7 @@
 Each fault runs on thread ranks with a short timeout; every rank that reaches an FSDP collective must
 raise ``fsdp2.DivergenceError`` naming the module, the iteration, the phase and the ranks on each side
 (the same text on every rank), and a rank that never arrives is named by the ranks that waited. Real
-gloo processes (2 and 4 ranks, faults seeded per rank) are in ``tests/multiprocess/test_divergence_gloo.py``.
+gloo processes (4 ranks, faults seeded per rank) are in ``tests/multiprocess/test_divergence_gloo.py``.
 Training without a fault gives the numbers of a run without debug mode, bit for bit. Ranks that run
 different numbers of micro-batches before an optimizer step raise at once (the descriptions carry the
 optimizer step count), and the same number on every rank never raises, whatever the loop does around it.

@@ -449,7 +449,7 @@ def _random_edits(rank: int, world_size: int, base: nn.Module, edits: list[str],
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     edits=st.lists(st.sampled_from(EDITS), min_size=3, max_size=12),
     optimizer=st.sampled_from(["adamw", "sgd", "sgd-plain", "replacing"]),

@@ -68,7 +68,9 @@ def _job(model_name: str, world: int, mp: fsdp2.MixedPrecisionPolicy) -> tuple[A
     return build, step
 
 
-@pytest.mark.parametrize("world", [4, 8])
+# World 4: the shards are padded (widths 50 and 203, vocab 101, 17 positions) and the blocks model's
+# output layer (3 rows) leaves a rank an empty shard; world 8 adds more of both, nothing else.
+@pytest.mark.parametrize("world", [4])
 @pytest.mark.parametrize("model_name", ["blocks", "transformer"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_estimate_within_10_percent_of_measured(world: int, model_name: str, precision: str) -> None:

@@ -189,7 +189,6 @@ def _train(
         pytest.param("2d", 4, False, False, id="2x2-mlp"),
         pytest.param("2d", 4, True, False, id="2x2-attention"),
         pytest.param("2d", 4, True, True, id="2x2-attention-bf16"),
-        pytest.param("3d", 8, True, False, id="2x2x2-attention"),
     ],
 )
 def test_tensor_parallel_trains_like_the_reference(
@@ -197,6 +196,19 @@ def test_tensor_parallel_trains_like_the_reference(
 ) -> None:
     torch.manual_seed(0)  # built here: seeding inside the rank threads races on the global RNG
     run_threaded(world_size, _train, impl_name, shape, attention, bf16, False, Model(attention))
+
+
+def _train_torch_then_fsdp2(*args: Any) -> list[list[float]]:
+    return [_train(impl_name, *args) for impl_name in ("torch", "fsdp2")]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_3d_trains_like_the_reference() -> None:
+    """(rep 2, shard 2, tp 2): torch's fully_shard, then fsdp2, each against the reference, in the
+    same rank threads. DTensor caches its sharding propagation per thread, by op and specs, and fills
+    it slowly over a 3-D mesh: fsdp2's run finds what torch's identical ops computed."""
+    torch.manual_seed(0)  # built here: seeding inside the rank threads races on the global RNG
+    run_threaded(8, _train_torch_then_fsdp2, "3d", True, False, False, Model(True))
 
 
 @pytest.mark.parametrize("impl_name", ["fsdp2", "torch"])
