@@ -38,7 +38,7 @@ def quick(session: nox.Session) -> None:
 
 @nox.session
 def multiprocess(session: nox.Session) -> None:
-    """Tests that spawn real gloo ranks (about 10 s per spawn on 2 cores)."""
+    """Tests in real gloo ranks (forked from a preloaded server; about 4 minutes on 2 cores)."""
     _install(session, "test")
     session.run("pytest", "-m", "multiprocess", *session.posargs)
 

@@ -54,7 +54,7 @@ def _clip(
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
     norms = []
-    for step in range(3):
+    for step in range(2):  # clipped at the initial parameters, then at once-clipped-and-stepped ones
         tokens = make_tokens(args, 100 * step + rank)
         model(tokens).mean().backward()
         ref(tokens).mean().backward()
