@@ -12,7 +12,8 @@ per training step (AdamW), for:
 
 Tokens per rank and routing vary: uniform routing, and a skewed router (experts 0 and 1 favoured, as
 early in training or with a collapsed router). Also reported: the experts idle on every rank per layer
-and step, and the agreements (small all-reduces) fsdp2 issued per step.
+and step, the agreements (small all-reduces) fsdp2 issued per step, and fsdp2's worst step against
+the bytes the parameters some rank used need (the first step included).
 
 Run:  torchrun --standalone --nproc-per-node 2 benchmarks/moe_bytes.py [--dim 128 --steps 6]
 (part (h) of ``suite.py``).
@@ -90,6 +91,15 @@ class ByteCounter:
         return self.original(output, input, *args, **kwargs)
 
 
+def _padded_bytes(module: nn.Module, world: int) -> int:
+    """Bytes of ``module``'s parameters in a reduce-scatter input: dim 0 padded to a multiple of ``world``."""
+    total = 0
+    for p in module.parameters():
+        rows = -(-p.shape[0] // world) * world
+        total += rows * (p.numel() // p.shape[0]) * 4  # fp32 gradients
+    return total
+
+
 def _mark(used: torch.Tensor, layer: int, expert: int) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         used[layer, expert] = 1
@@ -111,6 +121,8 @@ def run(variant: str, dim: int, tokens: int, skew: bool, steps: int) -> dict[str
     rank = dist.get_rank()
     idle = agreements = 0
     per_step: list[int] = []
+    used_ratio: list[float] = []  # bytes sent / bytes of the parameters some rank used, per step
+    world = dist.get_world_size()
     try:
         for step in range(steps):
             before = counter.bytes
@@ -132,12 +144,20 @@ def run(variant: str, dim: int, tokens: int, skew: bool, steps: int) -> dict[str
             idle += int((used == 0).sum())
             agreements += counts["all_reduce"] if variant == "fsdp2" else 0
             per_step.append(counter.bytes - before)
+            # what the parameters some rank used need: every padded shard, less the idle experts'
+            idle_bytes = sum(
+                _padded_bytes(expert, world)
+                for i, layer in enumerate((model[1], model[2]))
+                for e, expert in enumerate(layer.experts)
+                if not used[i, e]
+            )
+            used_ratio.append((counter.bytes - before) / (_padded_bytes(model, world) - idle_bytes))
     finally:
         setattr(dist, _RS, counter.original)
     return {
         "bytes_per_step": counter.bytes / steps,
-        # fsdp2 leaves parameters out from the second backward on (the first one's rows show idle experts)
         "bytes_per_step_after_first": sum(per_step[1:]) / max(1, steps - 1),
+        "worst_step_over_used": max(used_ratio),
         "idle_experts_per_layer_step": idle / (2 * steps),
         "agreements_per_step": agreements / steps,
     }
@@ -162,7 +182,7 @@ def main() -> None:
         print(f"world {world}, dim {args.dim}, {EXPERTS} experts top-1, 2 MoE layers, {platform.node()}")
         print(
             "routing  tokens/rank  idle/layer  torch MB  fsdp2-all MB  fsdp2 MB  fsdp2/torch  "
-            "after step 1  agreements"
+            "after step 1  agreements  worst step / used"
         )
         for row in rows:
             torch_b, all_b, ours = (row[v]["bytes_per_step"] / 2**20 for v in ("torch", "fsdp2 all", "fsdp2"))
@@ -171,7 +191,8 @@ def main() -> None:
                 f"{row['routing']:8s} {row['tokens_per_rank']:11d} "
                 f"{row['fsdp2']['idle_experts_per_layer_step']:10.2f} {torch_b:9.3f} {all_b:13.3f} "
                 f"{ours:9.3f} {ours / torch_b:12.3f} {later:13.3f} "
-                f"{row['fsdp2']['agreements_per_step']:11.2f}"
+                f"{row['fsdp2']['agreements_per_step']:11.2f} "
+                f"{row['fsdp2']['worst_step_over_used']:18.3f}"
             )
         if args.json:
             Path(args.json).write_text(json.dumps({"world": world, "dim": args.dim, "rows": rows}, indent=1))

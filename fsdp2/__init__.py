@@ -20,7 +20,8 @@ from .tools._clip import clip_grad_norm_
 from .tools._guard import DivergenceError
 from .tools._keep_frozen import keep_frozen_gathered
 from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
-from .tools._plan import Plan, PlanError, plan
+from .tools._plan import Plan, PlanError
+from .tools._planner import plan
 from .tools._replicas import check_replicas
 from .tools._weight_sync import WeightSync
 from .tools._wrap import apply_fully_shard

@@ -19,14 +19,15 @@ its parent, a tie). Parameters of the group's own module are never left out.
 
 Which submodules ran on some rank is agreed by one all-reduce (MAX over the groups' common shard
 group, one int32 per tracked submodule of every group: whether it ran), issued at the first
-pre-backward and waited for by the first reduction. It is needed only when some submodule is idle on
-some rank, and a dense model should not pay for it, so each group's usage row carries one more
-element: 1 where a tracked submodule of the group was idle on this rank. Every rank reads the same
-reduced value (on CUDA through a pinned copy, read at the next backward), and the next backward
-agrees only if some group saw an idle submodule somewhere. A model whose submodules all run on every
-rank issues exactly the collectives it issues without this; a mixture of experts starts leaving
-parameters out from its second backward. (MAX, not a sum: simulated ranks, whose collectives return
-their input, then agree as identical ranks would.)
+pre-backward and waited for by the first reduction. The first backward that reduces always agrees,
+so a mixture of experts leaves parameters out from its first step. Later it is needed only when some
+submodule is idle on some rank, and a dense model should not pay for it every step, so each group's
+usage row carries one more element: 1 where a tracked submodule of the group was idle on this rank.
+Every rank reads the same reduced value (on CUDA through a pinned copy, read at the next backward),
+and the next backward agrees only if some group saw an idle submodule somewhere. A model whose
+submodules all run on every rank issues one small all-reduce more than torch in its first backward,
+then exactly the collectives it issues without this. (MAX, not a sum: simulated ranks, whose
+collectives return their input, then agree as identical ranks would.)
 
 A wrong prediction is caught, not trusted: a rank that holds a gradient for a parameter left out keeps
 it and says so in its usage row, which has one element per parameter left out. Every rank reads

@@ -30,6 +30,7 @@ class UseAgreement:
         process_group / device: the members' common shard group and the tensor device it reduces on.
         _pending: the issued all-reduce (``_Pending``) of the running backward, until a group reads it.
         _unused: per member group (by id), the parameter ids it may leave out in this backward.
+        _agreed: whether a reducing backward has agreed yet (the first one always does).
     """
 
     def __init__(self, groups: Sequence[FSDPParamGroup]) -> None:
@@ -53,15 +54,21 @@ class UseAgreement:
         self._trackers = {id(group): tracker for group, tracker in self.members}
         self._pending: _Pending | None = None
         self._unused: dict[int, frozenset[int]] | None = None
+        self._agreed = not self.members  # the first reducing backward agrees: nothing was signalled yet
 
     def begin_backward(self) -> None:
-        """The first pre-backward: agree if the last reductions saw an idle submodule on some rank."""
+        """The first pre-backward: agree if the last reductions saw an idle submodule on some rank.
+
+        The first backward that reduces always agrees (no reduction has signalled yet), so parameters
+        no rank used are left out from the first step on.
+        """
         self._pending, self._unused = None, None
         if not any(g.controls.reduce_grads for g, _ in self.members):
             return  # a no-sync backward: the signals wait for the backward that reduces
         seen = [tracker.signal.read() for _, tracker in self.members]  # every signal is read
-        if not any(seen):
-            return
+        if not any(seen) and self._agreed:
+            return  # no rank saw an idle submodule in the last reducing backward
+        self._agreed = True
         bits = [int(ran) for _, tracker in self.members for ran in tracker.ran]
         self._pending = self._issue(torch.tensor(bits, dtype=torch.int32))
 

@@ -13,7 +13,7 @@ from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._clip import clip_grad_norm_
 from ._keep_frozen import keep_frozen_gathered
 from ._memory import estimate_memory
-from ._plan import plan
+from ._planner import plan
 from ._replicas import check_replicas
 from ._weight_sync import WeightSync
 from ._wrap import apply_fully_shard

@@ -7,7 +7,8 @@ has not arrived after the debug timeout); the comm wrappers that run it, install
 ``_engine.wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
 full-weight export and import; and the count of optimizer steps over each guarded root's parameters
 (a participant in the optimizer post-step hook, ``runtime._optimizer_hooks``), which every
-description carries, so the collectives of two different steps never pair up. Does not own: the
+description carries, so the collectives of two different steps never pair up; each agreement's wait
+is handed to the root's ``StragglerWatch`` (``_straggler_watch.py``). Does not own: the
 collectives (the groups' comms), the debug switch and its settings (``_debug``), or what the root's
 first forward compares once (``check_same_model``).
 Invariants: every rank of a process group numbers the FSDP collectives it issues there in the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from ..trace._debug import debug_enabled, guard_timeout, on_root_init, replica_c
 from . import _engine as engine
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._replicas import check_replicas
+from ._straggler_watch import StragglerWatch
 
 
 class DivergenceError(RuntimeError):
@@ -204,15 +207,17 @@ def _channel(group: dist.ProcessGroup) -> _Channel:
     return channel
 
 
-def agree(point: Point, group: dist.ProcessGroup) -> None:
+def agree(point: Point, group: dist.ProcessGroup) -> float:
     """Raise ``DivergenceError`` on every rank of ``group`` unless all are about to do ``point``.
 
     Ranks on one host meet on a shared-memory board (a digest of the point each), and go to the store
     only to explain a difference; ranks on several hosts exchange the points through the store.
+    Returns the seconds this rank waited there for the others (on its own clock).
     """
     c = _channel(group)
     if len(c.ranks) < 2:
-        return
+        return 0.0
+    start = time.perf_counter()
     seq = c.seq
     c.seq = seq + 1
     if c.board is None:
@@ -223,6 +228,7 @@ def agree(point: Point, group: dist.ProcessGroup) -> None:
     else:
         _agree_by_store(c, seq, point, mine)
     c.last = point
+    return time.perf_counter() - start
 
 
 def _open_board(c: _Channel, point: Point) -> Board | bool:
@@ -438,7 +444,7 @@ class Guarded(ForwardingComm):
             steps.count,
             iteration - steps.mark,
         )
-        agree(point, group)
+        steps.watch.waited(group, self._kind, point.module, agree(point, group))
 
 
 class _Steps:
@@ -450,10 +456,11 @@ class _Steps:
     in ``_all_steps``.
     """
 
-    __slots__ = ("__weakref__", "_root", "count", "facts", "mark")
+    __slots__ = ("__weakref__", "_root", "count", "facts", "mark", "watch")
 
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
+        self.watch = StragglerWatch()  # the waits at this root's agreements: a straggler is named
         self.facts: engine.GroupFacts | None = None  # one group's, to read the root's iteration
         self.count = 0
         self.mark = 0
@@ -472,6 +479,7 @@ class _Steps:
     def stepped(self) -> None:
         self.count += 1
         self.mark = self.facts.iteration() if self.facts is not None else 0
+        self.watch.stepped()
         every = replica_check_every()
         root = self._root()
         if every and self.count % every == 0 and root is not None:

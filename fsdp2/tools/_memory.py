@@ -512,9 +512,10 @@ def estimate_memory(
         (parameters, gradients, optimizer states, unsharded parameters, activations and
         temporaries). ``print(report)`` shows a table.
 
+    It may run inside a job, on any rank: the simulation has a c10d world of its own, and the job's
+    process groups are left as they were (no other thread may issue collectives meanwhile).
+
     Raises:
-        RuntimeError: a process group is already initialized in this thread (call it before
-            ``init_process_group`` or in a separate process).
         SimulatedValueError: the step read a tensor's value.
     """
     _check_int("steps", steps, 1)
@@ -534,21 +535,81 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
     _check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"estimate_memory: rank must be in [0, world_size={world_size}), got {rank}.")
-    if dist.is_initialized():
-        raise RuntimeError(
-            "estimate_memory simulates its own world of ranks, but a process group is already initialized "
-            "here; call it before torch.distributed.init_process_group, or in a separate process."
-        )
     _register_backend()
     propagator = ShardingPropagator._fake_mode_lock  # noqa: SLF001 - see _ShapeInference
-    ShardingPropagator._fake_mode_lock = _ShapeInference(propagator)  # type: ignore[assignment]  # noqa: SLF001 - idem
-    dist.init_process_group(_SIM_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]  # reason: HashStore is not re-exported in the stubs
+    with _own_world():
+        ShardingPropagator._fake_mode_lock = _ShapeInference(propagator)  # type: ignore[assignment]  # noqa: SLF001 - idem
+        dist.init_process_group(_SIM_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]  # reason: HashStore is not re-exported in the stubs
+        try:
+            with process_hooks(), FakeTensorMode(allow_non_fake_inputs=True):
+                yield
+        finally:
+            ShardingPropagator._fake_mode_lock = propagator  # noqa: SLF001 - restore
+
+
+@contextlib.contextmanager
+def _own_world() -> Iterator[None]:
+    """A c10d world of its own for this thread while the simulation runs, the job's restored after.
+
+    c10d keeps its default group and group registry in one ``_world`` object, which torch names as
+    the place to override; the threaded process group of torch's tests keeps one per thread. So a
+    simulation inside a running job (``plan`` on every rank) sees no process group of the job's, and
+    the job's groups are untouched. Other threads of a real job must not issue collectives meanwhile.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world  # noqa: SLF001 - the documented extension point
+    count = world.group_count  # group names continue the job's: c10d registers them by name
+    per_thread = getattr(type(world), "_world", None)
+    threaded = isinstance(per_thread, threading.local)  # torch's threaded process group
+    saved = getattr(per_thread, "world", None) if threaded else world
+    if threaded and saved is not None:
+        del per_thread.world  # type: ignore[union-attr]
+    elif not threaded:
+        c10d._world = _isolated_world(c10d._World)()  # noqa: SLF001 - idem
+    c10d._world.group_count = count  # noqa: SLF001 - idem
     try:
-        with process_hooks(), FakeTensorMode(allow_non_fake_inputs=True):
-            yield
+        yield
     finally:
-        ShardingPropagator._fake_mode_lock = propagator  # noqa: SLF001 - restore
-        dist.destroy_process_group()
+        # Unregister only the simulation's groups: destroying its default group would unregister
+        # every group of the process, the job's too.
+        for group in list(c10d._world.pg_map):  # noqa: SLF001 - idem
+            c10d._unregister_process_group(group.group_name)  # type: ignore[attr-defined]  # noqa: SLF001 - idem
+        if threaded:
+            if saved is not None:
+                per_thread.world = saved  # type: ignore[union-attr]
+            else:
+                del per_thread.world  # type: ignore[union-attr]
+        else:
+            c10d._world = world  # noqa: SLF001 - idem
+
+
+def _isolated_world(base: type[Any]) -> type[Any]:
+    """c10d's ``_World`` with maps and a group count of its own (``_World`` keeps them in globals)."""
+
+    class IsolatedWorld(base):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.own: dict[str, Any] = {name: {} for name in _WORLD_MAPS}
+            self.own_count = 0
+
+        def _get_count(self) -> int:
+            return self.own_count
+
+        def _set_count(self, value: int) -> None:
+            self.own_count = value
+
+        group_count = property(_get_count, _set_count)
+
+    def mapped(name: str) -> property:
+        return property(lambda self: self.own[name])
+
+    for name in _WORLD_MAPS:
+        setattr(IsolatedWorld, name, mapped(name))
+    return IsolatedWorld
+
+
+_WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
 
 
 class _ShapeInference:

@@ -1,16 +1,19 @@
-"""Choose how to wrap a model so one rank's peak fits a byte budget with the fewest collectives.
+"""Plans of how to wrap a model, their simulated trials, and the search by fewest collectives.
 
-Owns: ``plan`` (the search), ``Plan`` (the choice, its estimate, and ``apply``), the default
-candidates (the blocks of the model's ``nn.ModuleList`` containers). Does not own: the estimate
-(``_memory``), sharding (``fully_shard``).
+Owns: ``Plan`` (the choice, its estimate, ``explain`` and ``apply``), ``PlanError``, the default
+candidates (the blocks of the model's ``nn.ModuleList`` containers), the simulated trial of one
+setting (``_Search``) and the search by collectives. Does not own: ``plan`` itself and the search by
+time (``_planner``), the estimate (``_memory``), the step-time model (``_cost``), sharding
+(``fully_shard``).
 
-The search: blocks b0..b(n-1) in module order are grouped ``k`` consecutive blocks per
-``fully_shard`` call (``k`` from n down to 1, and "root only" first); within a grouping the first
-``m`` groups reshard after forward and the others keep their parameters until backward (they are
-needed first there). Collectives per step = all-gathers (one per group, one more per resharding
-group) + reduce-scatters (one per group), so fewer groups and fewer resharding groups cost fewer
-collectives; for each ``k`` the smallest ``m`` that fits is found by bisection (more resharding
-never raises the peak), and the cheapest fitting choice wins (ties: the lower peak).
+The search by collectives (``objective="collectives"``): blocks b0..b(n-1) in module order are
+grouped ``k`` consecutive blocks per ``fully_shard`` call (``k`` from n down to 1, and "root only"
+first); within a grouping the first ``m`` groups reshard after forward and the others keep their
+parameters until backward (they are needed first there). Collectives per step = all-gathers (one
+per group, one more per resharding group) + reduce-scatters (one per group), so fewer groups and
+fewer resharding groups cost fewer collectives; for each ``k`` the smallest ``m`` that fits is found
+by bisection (more resharding never raises the peak), and the cheapest fitting choice wins (ties:
+the lower peak).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from ..base._api import CPUOffloadPolicy
 from ..frontend._fully_shard import fully_shard
+from ._cost import Setting
+from ._keep_frozen import keep_frozen_gathered
 from ._memory import MemoryReport, MemoryTracker, run_tracked, simulated_world
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -35,6 +41,9 @@ class Plan:
 
     ``groups[i]`` lists the module names (as in ``named_modules``) of one ``fully_shard`` call,
     ``reshard_after_forward[i]`` its setting; the root is sharded last with the default.
+    ``bucket_cap_mb``: given to ``set_bucket_cap_mb`` for both collectives (``None``: not called);
+    ``keep_frozen``: ``keep_frozen_gathered`` is called on the root; ``offload[i]``: group ``i`` gets
+    ``CPUOffloadPolicy``. ``predicted_step_s``: the step-time model's prediction (``objective="time"``).
     """
 
     world_size: int
@@ -43,6 +52,12 @@ class Plan:
     reshard_after_forward: list[bool]
     report: MemoryReport
     tried: list[tuple[str, int, int]]  # (description, peak bytes, collectives per step)
+    bucket_cap_mb: float | None = None
+    keep_frozen: bool = False
+    offload: list[bool] = dataclasses.field(default_factory=list)
+    predicted_step_s: float | None = None
+    objective: str = "collectives"
+    reasons: list[str] = dataclasses.field(default_factory=list)  # what ``explain`` says
 
     @property
     def peak_bytes(self) -> int:
@@ -59,36 +74,67 @@ class Plan:
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
 
+    @property
+    def setting(self) -> Setting:
+        """The wrapping as the step-time model sees it."""
+        return Setting(
+            tuple(tuple(g) for g in self.groups),
+            tuple(self.reshard_after_forward),
+            self.bucket_cap_mb,
+            self.keep_frozen,
+            tuple(self.offload),
+        )
+
     def apply(self, model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
         """``fully_shard`` ``model`` as planned (groups bottom-up, then the root); returns ``model``.
 
         ``fully_shard_kwargs`` (``mesh``, ``mp_policy``, ...) go to every call; give the same ones
-        ``plan`` was given.
+        ``plan`` was given. Then the bucket cap and the frozen parameters' residency are set on the
+        root, as planned.
         """
         fully_shard_kwargs.pop("reshard_after_forward", None)
-        _shard(model, self.groups, self.reshard_after_forward, fully_shard_kwargs)
+        apply_setting(model, self.setting, fully_shard_kwargs)
         return model
+
+    def explain(self) -> str:
+        """Why this wrapping: the objective, the measured constants, and what the runner-up costs."""
+        return "\n".join([str(self), *self.reasons])
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
         peak, budget = self.peak_bytes / 2**20, self.budget_bytes / 2**20
+        step_s = self.predicted_step_s
+        predicted = "" if step_s is None else f", predicted {step_s * 1e3:.1f} ms per step"
         lines = [
             f"plan for {self.world_size} ranks: peak {peak:.2f} MiB per rank {verdict} the budget of "
-            f"{budget:.2f} MiB; {self.collectives_per_step} collectives per step",
+            f"{budget:.2f} MiB; {self.collectives_per_step} collectives per step{predicted}",
         ]
-        for names, raf in zip(self.groups, self.reshard_after_forward, strict=True):
+        offload = self.offload or [False] * len(self.groups)
+        for names, raf, off in zip(self.groups, self.reshard_after_forward, offload, strict=True):
             shown = names[0] if len(names) == 1 else f"[{names[0]} .. {names[-1]}] ({len(names)} modules)"
-            lines.append(f"  fully_shard({shown}, reshard_after_forward={raf})")
+            extra = ", offload_policy=CPUOffloadPolicy()" if off else ""
+            lines.append(f"  fully_shard({shown}, reshard_after_forward={raf}{extra})")
         lines.append("  fully_shard(<root>)")
+        if self.bucket_cap_mb is not None:
+            lines.append(f"  <root>.set_bucket_cap_mb({self.bucket_cap_mb:g})")
+        if self.keep_frozen:
+            lines.append("  fsdp2.keep_frozen_gathered(<root>)")
         return "\n".join(lines)
 
 
-def _shard(model: nn.Module, groups: list[list[str]], rafs: list[bool], kwargs: dict[str, Any]) -> None:
-    """``fully_shard`` each group of named modules (bottom-up), then the root."""
-    for names, raf in zip(groups, rafs, strict=True):
+def apply_setting(model: nn.Module, setting: Setting, kwargs: dict[str, Any]) -> None:
+    """``fully_shard`` each group of named modules (bottom-up), the root, then the root's settings."""
+    offload = setting.offload or (False,) * len(setting.groups)
+    for names, raf, off in zip(setting.groups, setting.reshard_after_forward, offload, strict=True):
         modules = [model.get_submodule(name) for name in names]
-        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=raf, **kwargs)
+        extra: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if off else {}
+        target: Any = modules if len(modules) > 1 else modules[0]
+        fully_shard(target, reshard_after_forward=raf, **kwargs, **extra)
     fully_shard(model, **kwargs)
+    if setting.bucket_cap_mb is not None:
+        model.set_bucket_cap_mb(setting.bucket_cap_mb)  # type: ignore[operator]
+    if setting.keep_frozen:
+        keep_frozen_gathered(model)
 
 
 class PlanError(RuntimeError):
@@ -99,95 +145,27 @@ class PlanError(RuntimeError):
         self.best = best
 
 
-def plan(
-    build_model: Callable[[], nn.Module],
-    train_step: Callable[[Any], Any],
-    *,
-    world_size: int,
-    budget_bytes: int,
-    optimizer: OptimizerFactory | None = None,
-    candidates: Sequence[str] | Sequence[type[nn.Module]] | None = None,
-    **fully_shard_kwargs: Any,
-) -> Plan:
-    """Propose how to ``fully_shard`` a model so one rank's peak memory fits ``budget_bytes``.
-
-    ``build_model()`` returns the model *unsharded* (no ``fully_shard`` calls); every trial builds
-    it in a simulated world of ``world_size`` ranks (see :func:`fsdp2.estimate_memory`: fake
-    tensors, nothing allocated), shards it on a 1-D mesh over all ranks with ``fully_shard_kwargs``
-    (e.g. ``mp_policy``), creates ``optimizer(model.parameters())`` (default AdamW) and runs
-    ``train_step((model, optimizer))`` twice.
-
-    Args:
-        build_model: returns a fresh, unsharded model.
-        train_step: one training step, called with ``(model, optimizer)``.
-        world_size: the job's number of ranks.
-        budget_bytes: the memory one rank may use (e.g. the GPU's memory minus a margin for the
-            caching allocator and the CUDA context).
-        optimizer: ``optimizer(params)`` builds the optimizer (default ``torch.optim.AdamW``).
-        candidates: the modules that may get their own ``fully_shard`` call, in execution order: a
-            list of names, or of module classes (every instance, in module order). Default: the
-            children of the model's ``nn.ModuleList`` containers (transformer blocks).
-        **fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ``offload_policy``).
-
-    Returns:
-        The :class:`Plan` with the fewest collectives per step whose peak fits.
-
-    Raises:
-        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan.
-    """
-    budget: object = budget_bytes
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        raise ValueError(f"plan: budget_bytes must be a positive int, got {budget_bytes!r}.")
-    if "mesh" in fully_shard_kwargs or "reshard_after_forward" in fully_shard_kwargs:
-        raise ValueError(
-            "plan chooses the mesh (1-D over world_size ranks) and reshard_after_forward itself; "
-            "pass neither, and give the mesh to Plan.apply instead."
-        )
-    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
-    names = _candidate_names(build_model, world_size, candidates)
-    search = _Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs)
-    trials: list[Plan] = []
-
-    def trial(groups: list[list[str]], rafs: list[bool]) -> Plan:
-        result = Plan(world_size, budget_bytes, groups, rafs, search.estimate(groups, rafs), [])
-        trials.append(result)
-        return result
-
+def by_collectives(search: _Search, names: list[str]) -> Plan:
+    """The fitting wrapping with the fewest collectives per step (see the module's docstring)."""
     best: Plan | None = None
-    root_only = trial([], [])
+    root_only = search.trial([], [])
     if root_only.fits:
         best = root_only
     for k in _group_sizes(len(names)):
         groups = [names[i : i + k] for i in range(0, len(names), k)]
         if best is not None and best.collectives_per_step <= 2 * len(groups):
             continue  # each group gathers and reduces at least once: cannot beat the best
-        fit = _fewest_resharding(groups, trial)
+        fit = _fewest_resharding(groups, search.trial)
         if fit is not None and (best is None or _cost(fit) < _cost(best)):
             best = fit
-    tried = [(_describe(t), t.peak_bytes, t.collectives_per_step) for t in trials]
     if best is None:
-        lowest = min(trials, key=lambda t: t.peak_bytes)
-        lowest = dataclasses.replace(lowest, tried=tried)
-        raise PlanError(
-            f"no wrapping of this model fits {budget_bytes / 2**20:.2f} MiB per rank at {world_size} ranks; "
-            f"the lowest estimated peak is {lowest.peak_bytes / 2**20:.2f} MiB ({_describe(lowest)}). Use "
-            "more ranks, bf16 parameters (MixedPrecisionPolicy), CPU offload, activation checkpointing or a "
-            "smaller batch.",
-            lowest,
-        )
-    return dataclasses.replace(best, tried=tried)
+        search.fail()
+    assert best is not None
+    return dataclasses.replace(best, tried=search.tried())
 
 
 def _cost(p: Plan) -> tuple[int, int]:
     return p.collectives_per_step, p.peak_bytes
-
-
-def _describe(p: Plan) -> str:
-    if not p.groups:
-        return "root only"
-    size = max(len(g) for g in p.groups)
-    groups = f"{len(p.groups)} group{'s' if len(p.groups) > 1 else ''}"
-    return f"{groups} of up to {size}, {sum(p.reshard_after_forward)} resharding after forward"
 
 
 def _group_sizes(n: int) -> list[int]:
@@ -220,7 +198,7 @@ def _fewest_resharding(
 
 
 class _Search:
-    """Runs one trial: build, shard as proposed, two steps, in a simulated world."""
+    """Runs trials: build, shard as proposed, two steps, in a simulated world; keeps every trial."""
 
     def __init__(
         self,
@@ -229,24 +207,68 @@ class _Search:
         world_size: int,
         make_optimizer: OptimizerFactory,
         shard_kwargs: dict[str, Any],
+        budget_bytes: int,
     ) -> None:
         self.build_model = build_model
         self.train_step = train_step
         self.world_size = world_size
         self.make_optimizer = make_optimizer
         self.shard_kwargs = shard_kwargs
+        self.budget_bytes = budget_bytes
+        self.trials: list[Plan] = []
+        self.seen: dict[Setting, Plan] = {}
 
-    def estimate(self, groups: list[list[str]], rafs: list[bool]) -> MemoryReport:
+    def trial(self, groups: list[list[str]], rafs: list[bool]) -> Plan:
+        """The plan of ``groups`` with ``rafs``, its peak estimated (the other settings off)."""
+        return self.trial_setting(Setting(tuple(tuple(g) for g in groups), tuple(rafs)))
+
+    def trial_setting(self, setting: Setting) -> Plan:
+        """The plan of ``setting`` with its estimated peak (each setting is simulated once)."""
+        seen = self.seen.get(setting)
+        if seen is not None:
+            return seen
+        report = self.estimate(setting)
+        result = Plan(
+            self.world_size,
+            self.budget_bytes,
+            [list(g) for g in setting.groups],
+            list(setting.reshard_after_forward),
+            report,
+            [],
+            setting.bucket_cap_mb,
+            setting.keep_frozen,
+            list(setting.offload),
+        )
+        self.trials.append(result)
+        self.seen[setting] = result
+        return result
+
+    def estimate(self, setting: Setting) -> MemoryReport:
         def build() -> tuple[nn.Module, torch.optim.Optimizer]:
             model = self.build_model()
             mesh = init_device_mesh(_device_type(model), (self.world_size,))
-            _shard(model, groups, rafs, {"mesh": mesh, **self.shard_kwargs})
+            apply_setting(model, setting, {"mesh": mesh, **self.shard_kwargs})
             return model, self.make_optimizer(model.parameters())
 
         tracker = MemoryTracker(simulate=True)
         with simulated_world(self.world_size):
             run_tracked(tracker, build, self.train_step, 2)
         return tracker.report(self.world_size, 0)
+
+    def tried(self) -> list[tuple[str, int, int]]:
+        return [(t.setting.describe(), t.peak_bytes, t.collectives_per_step) for t in self.trials]
+
+    def fail(self) -> None:
+        """Raise ``PlanError`` with the lowest-peak trial."""
+        lowest = min(self.trials, key=lambda t: t.peak_bytes)
+        lowest = dataclasses.replace(lowest, tried=self.tried())
+        raise PlanError(
+            f"no wrapping of this model fits {self.budget_bytes / 2**20:.2f} MiB per rank at "
+            f"{self.world_size} ranks; the lowest estimated peak is {lowest.peak_bytes / 2**20:.2f} MiB "
+            f"({lowest.setting.describe()}). Use more ranks, bf16 parameters (MixedPrecisionPolicy), "
+            "activation checkpointing or a smaller batch.",
+            lowest,
+        )
 
 
 def _device_type(model: nn.Module) -> str:

@@ -35,6 +35,9 @@ class _Settings:
     deadline_s = float(os.environ.get("FSDP2_DEBUG_DEADLINE", "60"))
     timeout_s = float(os.environ.get("FSDP2_DEBUG_TIMEOUT", "8"))
     replicas_every = int(os.environ.get("FSDP2_DEBUG_REPLICAS", "100"))  # optimizer steps; 0: never
+    # a rank whose lateness costs the others this fraction of a step is named, checked every N steps
+    straggler_fraction = float(os.environ.get("FSDP2_DEBUG_STRAGGLER", "0.1"))
+    straggler_steps = int(os.environ.get("FSDP2_DEBUG_STRAGGLER_STEPS", "10"))  # 0: never
     report: Callable[[str], None] | None = None  # where watchdog reports go (default: stderr)
     root_init_hooks: list[Callable[[Any, list[Any]], None]] = []  # noqa: RUF012 - one list, by design
 
@@ -45,6 +48,8 @@ def set_debug(
     deadline: float | None = None,
     report: Callable[[str], None] | None = None,
     timeout: float | None = None,
+    straggler: float | None = None,
+    straggler_steps: int | None = None,
 ) -> None:
     """Turn fsdp2's debug checks on or off (also ``FSDP2_DEBUG=1`` in the environment).
 
@@ -53,7 +58,11 @@ def set_debug(
     about to issue the same one, in the same optimizer step, and raise ``DivergenceError`` on every rank
     if not (or if a rank has not arrived after ``timeout`` seconds); and a collective that has not
     finished after ``deadline`` seconds is reported with its module group, kind and training state.
-    Turn it on before the root's first forward: the guard is installed there. See docs/debugging.md.
+    Every ``straggler_steps`` optimizer steps the ranks compare how long each waited at those
+    agreements, and a rank that kept the others waiting ``straggler`` of a step or more is named in a
+    ``RuntimeWarning`` on every rank (with the module whose collective it reached late); every
+    ``FSDP2_DEBUG_REPLICAS`` steps (default 100) ``check_replicas`` runs. Turn it on before the root's
+    first forward: the guard is installed there. See docs/debugging.md.
 
     Args:
         enabled: on or off.
@@ -63,19 +72,35 @@ def set_debug(
         timeout: seconds a rank waits at an FSDP collective for the other ranks to reach it before it
             raises (default 8, or ``FSDP2_DEBUG_TIMEOUT``); raise it if a rank is legitimately that much
             slower between two collectives (data loading, logging, checkpoint writing on one rank).
+        straggler: the fraction of a step (default 0.1, or ``FSDP2_DEBUG_STRAGGLER``) the other ranks
+            must wait for one rank, on average over the checked steps, before it is named.
+        straggler_steps: optimizer steps between straggler checks (default 10, or
+            ``FSDP2_DEBUG_STRAGGLER_STEPS``; 0: never). The first step is never judged.
 
     Raises:
-        ValueError: a ``deadline`` or ``timeout`` that is not positive (nothing is changed).
+        ValueError: a ``deadline`` or ``timeout`` that is not positive, a ``straggler`` fraction
+            outside (0, 1] or a negative ``straggler_steps`` (nothing is changed).
     """
     for name, value in (("deadline", deadline), ("timeout", timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"set_debug({name}=...) must be a positive number of seconds, got {value!r}.")
+    if straggler is not None and not 0 < straggler <= 1:
+        raise ValueError(f"set_debug(straggler=...) is a fraction of a step in (0, 1], got {straggler!r}.")
+    steps: object = straggler_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        raise ValueError(
+            f"set_debug(straggler_steps=...) is a count of optimizer steps (0: never), got {steps!r}."
+        )
     _Settings.enabled = bool(enabled)
     if deadline is not None:
         _Settings.deadline_s = float(deadline)
     if timeout is not None:
         _Settings.timeout_s = float(timeout)
     _Settings.report = report
+    if straggler is not None:
+        _Settings.straggler_fraction = float(straggler)
+    if straggler_steps is not None:
+        _Settings.straggler_steps = int(straggler_steps)
 
 
 def debug_enabled() -> bool:
@@ -85,6 +110,16 @@ def debug_enabled() -> bool:
 def replica_check_every() -> int:
     """Debug mode compares the replicas every this many optimizer steps (``FSDP2_DEBUG_REPLICAS``)."""
     return _Settings.replicas_every
+
+
+def straggler_fraction() -> float:
+    """The share of a step the others must wait for one rank to name it (``FSDP2_DEBUG_STRAGGLER``)."""
+    return _Settings.straggler_fraction
+
+
+def straggler_check_steps() -> int:
+    """Optimizer steps between debug mode's straggler checks (``FSDP2_DEBUG_STRAGGLER_STEPS``)."""
+    return _Settings.straggler_steps
 
 
 def guard_timeout() -> float:

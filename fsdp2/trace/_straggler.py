@@ -83,10 +83,10 @@ def straggler_report(events: Any, group: dist.ProcessGroup | None = None) -> Str
     mine = [(w.name, w.module_fqn, (w.end_us - w.start_us) / 1e6) for w in waits]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    return _attribute(everyone)
+    return attribute(everyone)
 
 
-def _attribute(per_rank: Sequence[Sequence[tuple[str, str, float]]]) -> StragglerReport:
+def attribute(per_rank: Sequence[Sequence[tuple[str, str, float]]]) -> StragglerReport:
     """The report from each rank's ``(name, module, seconds blocked)`` in recording order."""
     count = min(len(waits) for waits in per_rank)
     sums: dict[tuple[int, str, str], list[float]] = {}

@@ -270,22 +270,22 @@ def _hf_llama(checkpointing: bool) -> None:
         torch.testing.assert_close(param.full_tensor(), ref.full_tensor(), rtol=0, atol=0)
 
 
-def _all_cases() -> None:
-    # Each setting once; checks that need no setting of their own ride along with one that runs anyway.
-    # Resharding after forward is gathering again in backward what backward reads: every block
-    # parameter but the Linear biases (10 a block); the root keeps its own (its backward is first).
-    def read(small: bool = False) -> int:
-        return sum(
-            not (isinstance(m, nn.Linear) and n == "bias")
-            for b in _sharded(small=small).layers
-            for m in b.modules()
-            for n, _ in m.named_parameters(recurse=False)
-        )
+def _blocks_read(small: bool = False) -> int:
+    """Parameters a block's backward reads again after resharding: all but the Linear biases."""
+    return sum(
+        not (isinstance(m, nn.Linear) and n == "bias")
+        for b in _sharded(small=small).layers
+        for m in b.modules()
+        for n, _ in m.named_parameters(recurse=False)
+    )
 
-    # fp32, reshard_after_forward=True: the backward all-gathers are exactly those; then the
-    # state dict of this compiled run continues eagerly and back
+
+def _dtypes_and_resume() -> None:
+    # fp32, reshard_after_forward=True: the backward all-gathers are exactly those (10 a block; the
+    # root keeps its own, its backward is first); then the state dict of this compiled run continues
+    # eagerly and back
     counts, model, compiled = _parity({"reshard_after_forward": True})
-    assert counts["backward all_gather"] == read() == 20, counts
+    assert counts["backward all_gather"] == _blocks_read() == 20, counts
     _resume_eagerly(model, compiled)
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     _parity({"mp_policy": bf16, "small": True})
@@ -302,28 +302,40 @@ def _all_cases() -> None:
     }
     counts = _parity(on_dim_1)[0]
     assert counts["backward reduce_scatter torch.float32"] == counts["backward reduce_scatter"], counts
+
+
+def _checkpointing_and_hsdp() -> None:
     # activation checkpointing (its regions draw randomness: attention is tagged random), outside
     # the FSDP hooks: blocks wrapped before fully_shard; with reshard_after_forward=False (fp32) no
     # all-gather runs again in backward. (Around the FSDP module's call, Hugging Face's way: the
-    # Llama below with its gradient checkpointing.)
+    # Llama with its gradient checkpointing.)
     counts = _parity({"wrap_blocks": True, "reshard_after_forward": False})[0]
     assert counts["backward all_gather"] == 0, counts
     _parity({"wrap_blocks": True, "reshard_after_forward": True})
     # HSDP: 2 replicas of 1 shard (the gradients all-reduced across replicas) and 1 of 2; the latter
     # in fp32 with reshard_after_forward=None (the default: True for blocks) gathers again like True:
     # the blocks' weights (4 in Small)
+    bf16_fp32 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     _parity({"mesh": mesh, "small": True}, replicas=2)
     _parity({"mesh": mesh, "mp_policy": bf16_fp32, "small": True}, replicas=2)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     counts = _parity({"mesh": mesh, "reshard_after_forward": None, "small": True})[0]
-    assert counts["backward all_gather"] == read(small=True) == 4, counts
+    assert counts["backward all_gather"] == _blocks_read(small=True) == 4, counts
     _not_traced_yet()
+
+
+def _clients_and_inductor() -> None:
     for checkpointing in (False, True):
         _hf_llama(checkpointing)
     _inductor_bucketed()
 
 
+# Each setting once; checks that need no setting of their own ride along with one that runs anyway.
+# Three worlds, so that the whole suite can run them side by side (each forks in under a second).
 @pytest.mark.multiprocess
-def test_whole_model_compile_on_gloo() -> None:
-    run_multiprocess(WORLD_SIZE, _all_cases)
+@pytest.mark.parametrize(
+    "cases", [_dtypes_and_resume, _checkpointing_and_hsdp, _clients_and_inductor], ids=lambda f: f.__name__
+)
+def test_whole_model_compile_on_gloo(cases: Any) -> None:
+    run_multiprocess(WORLD_SIZE, cases)

@@ -64,3 +64,64 @@ def _deadline_past_the_timeout() -> None:
 def test_a_watchdog_deadline_past_the_group_timeout_warns() -> None:
     # Before: the watchdog printed nothing, the process group's timeout ended the job first.
     run_multiprocess(2, _deadline_past_the_timeout)
+
+
+SLEEP_S = 0.15
+
+
+class _Sleepy(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            time.sleep(SLEEP_S)  # the slow rank: more data to load, a throttled device
+        return super().forward(x)
+
+
+def _straggler_in_processes() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # lazy init, outside the recording
+    with fsdp2.record_events() as events:
+        for _ in range(3):
+            step()
+    report = fsdp2.straggler_report(events)  # the same rows on both processes, from their own clocks
+    top = report.rows[0]
+    assert (top.rank, top.module_fqn, top.collective) == (1, "2", "all_gather"), str(report)
+    assert 3 * SLEEP_S * 0.6 < top.lag_s < 3 * SLEEP_S * 3, str(report)
+    everyone: list[object] = [None, None]
+    dist.all_gather_object(everyone, [(r.rank, r.module_fqn, r.collective, r.count) for r in report.rows])
+    assert everyone[0] == everyone[1]
+
+    # Debug mode: the same rank is named while training runs (a new root: the guard installs at init).
+    fsdp2.set_debug(True, straggler=0.2, straggler_steps=3)
+    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # warm-up, then the check after 3 more steps
+            step()
+    fsdp2.set_debug(False, straggler=0.1, straggler_steps=10)
+    named = [str(w.message) for w in caught if "kept the other ranks" in str(w.message)]
+    assert len(named) == 1, named
+    assert named[0].startswith("fsdp2 debug: rank 1 kept"), named
+    assert "of module '2'" in named[0]
+
+
+def test_the_slow_rank_is_named_across_processes() -> None:
+    """straggler_report and debug mode's warning in real processes, one clock each."""
+    run_multiprocess(2, _straggler_in_processes)

@@ -121,7 +121,7 @@ def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any
         )
     schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
     optim = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=1e-2)
-    out: dict[str, Any] = {"losses": [], "grads": [], "counts": collections.Counter()}
+    out: dict[str, Any] = {"losses": [], "grads": [], "counts": collections.Counter(), "roots": len(modules)}
     for _ in range(STEPS):
         losses: list[torch.Tensor] = []
         args = (x,) if 0 in stage_ids else ()
@@ -172,7 +172,10 @@ def _compare_schedules() -> None:
         for a, b in zip(ours["params"], theirs["params"], strict=True):
             torch.testing.assert_close(a, b, **exact, msg=lambda m, c=case: f"{c} params: {m}")
         for kind, n in ours["counts"].items():
-            assert n <= theirs["counts"][kind], (case, kind, dict(ours["counts"]), dict(theirs["counts"]))
+            # fsdp2's first backward of each root (a stage) agrees on which submodules ran: one all-reduce
+            extra = ours["roots"] if kind == "allreduce_" else 0
+            shown = (case, kind, dict(ours["counts"]), dict(theirs["counts"]))
+            assert n <= theirs["counts"][kind] + extra, shown
         assert ours["counts"]["_allgather_base_"] > 0, case  # the mode saw fsdp2's collectives
         assert ours["counts"]["_reduce_scatter_base_"] > 0, case
 

@@ -71,6 +71,10 @@ def test_collective_counts(
             ("reduce_scatter", W): backward_reduce_scatters,
         }
     )
+    # fsdp2's first backward adds one small all-reduce: the agreement on which submodules ran on some
+    # rank, so that conditional compute leaves unused parameters out from the first step on
+    # (docs/differences.md); torch issues none.
+    want_bwd[("all_reduce", W)] = 1 if impl.name == "fsdp2" else 0
     for rank, (fwd, bwd) in enumerate(run_threaded(W, _count_one_step, impl, raf, manual_reshard)):
         assert fwd == want_fwd, f"rank {rank} forward"
         assert +bwd == +want_bwd, f"rank {rank} backward"

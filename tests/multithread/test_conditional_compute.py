@@ -227,8 +227,8 @@ def train_counting(
         # The MoE group's reduce-scatter, the root group's, then any reduction after the fact.
         sent_rows.append([n // world for n in sizes.by_rank[rank][before:]])
         unused_sets.append(unused)
-        # From the second backward on (the first one's rows said experts were idle somewhere)
-        expected_rows.append(_moe_row(ref.moe, world, unused if step else set()))
+        # From the first backward on: it agrees on what ran before its first reduction
+        expected_rows.append(_moe_row(ref.moe, world, unused))
         agreements.append(counts["all_reduce"])
         model.zero_grad()
         ref.zero_grad()
@@ -236,29 +236,29 @@ def train_counting(
 
 
 def check_left_out(result: dict[str, Any]) -> None:
-    """One reduce-scatter for the MoE group per step, from the second without exactly the experts no
-    rank routed to (the first backward's usage rows showed experts idle somewhere)."""
+    """One reduce-scatter for the MoE group per step, from the first without exactly the experts no
+    rank routed to (every first backward agrees; later ones do while usage rows show idle experts)."""
     assert [rows[0] for rows in result["sent"]] == result["expected"]
     assert all(len(rows) == 2 for rows in result["sent"])  # then the root group's
-    assert all(row < _moe_row(MoE(), 2, set()) for row in result["expected"][1:])
-    assert result["agreements"] == [0, 1, 1]  # then one small all-reduce per backward
+    assert all(row < _moe_row(MoE(), 2, set()) for row in result["expected"])
+    assert result["agreements"] == [1, 1, 1]  # one small all-reduce per backward
 
 
 def check_wrong_prediction(result: dict[str, Any]) -> None:
     """A weight read outside its expert's forward on rank 0: one reduction after the fact, once."""
     sent, expected = result["sent"], result["expected"]
-    assert sent[0] == [expected[0], sent[0][1]]  # the first backward leaves nothing out
-    # Step 1: the never-routed expert's weight is left out too (its module never ran), but rank 0
+    # Step 0: the never-routed expert's weight is left out too (its module never ran), but rank 0
     # holds a gradient for it: after the root group's reduction, every rank reduces that weight
     # alone (gradients checked in train_counting against the reference).
     weight = f"experts.{UNUSED}.weight"
-    assert sent[1][0] == _moe_row(MoE(), 2, result["unused"][1] | {weight})
-    assert len(sent[1]) == 3
-    assert sent[1][2] == _shard(MoE().experts[UNUSED].weight, 2) + 1
+    assert sent[0][0] == _moe_row(MoE(), 2, result["unused"][0] | {weight})
+    assert len(sent[0]) == 3
+    assert sent[0][2] == _shard(MoE().experts[UNUSED].weight, 2) + 1
     # From then on that weight is always sent, and exactly what no rank used is left out: no more
     # reductions after the fact.
-    assert len(sent[2]) == 2
-    assert sent[2][0] == expected[2]
+    for step in (1, 2):
+        assert len(sent[step]) == 2
+        assert sent[step][0] == expected[step]
 
 
 def test_parameters_no_rank_used_are_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,10 +290,11 @@ def _dense_agreements(steps: int) -> list[int]:
     return agreements
 
 
-def test_a_model_whose_submodules_all_run_everywhere_issues_no_agreement() -> None:
-    # Its usage rows never show an idle submodule: the collectives are exactly torch's.
+def test_a_model_whose_submodules_all_run_everywhere_agrees_once() -> None:
+    # The first backward agrees (nothing has signalled yet); then the usage rows never show an idle
+    # submodule, and the collectives are exactly torch's.
     for agreements in run_threaded(2, _dense_agreements, 4):
-        assert agreements == [0, 0, 0, 0]
+        assert agreements == [1, 0, 0, 0]
 
 
 def _accumulate(sizes: Sizes) -> list[list[int]]:
@@ -329,8 +330,8 @@ def test_accumulation_leaves_out_only_what_no_micro_batch_used(monkeypatch: pyte
     for rows in run_threaded(2, _accumulate, sizes):
         # The no-sync backwards reduce nothing; the synced one sends the MoE group, then the root's.
         assert all(len(step_rows) == 2 for step_rows in rows)
-        assert rows[0][0] == full  # the first backward that reduces leaves nothing out
-        assert all(step_rows[0] < full for step_rows in rows[1:])  # the never-routed expert at least
+        # from the first backward that reduces on: the never-routed expert at least is left out
+        assert all(step_rows[0] < full for step_rows in rows)
 
 
 def test_a_wrong_prediction_is_exact_with_bucketing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,6 +339,6 @@ def test_a_wrong_prediction_is_exact_with_bucketing(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(dist, RS_NAME, sizes)
     # train_counting checks every gradient against the reference
     for result in run_threaded(2, train_counting, sizes, True, "cpu", True):
-        # One bucketed reduce-scatter per step (MoE and root groups), and in step 1 the weight read
+        # One bucketed reduce-scatter per step (MoE and root groups), and in step 0 the weight read
         # outside its expert reduced after the fact
-        assert [len(rows) for rows in result["sent"]] == [1, 2, 1]
+        assert [len(rows) for rows in result["sent"]] == [2, 1, 1]

@@ -211,13 +211,27 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: st
         fsdp2.estimate_memory(lambda: 3, lambda m: None, world_size=2)
 
 
-def test_inside_an_initialized_world_is_refused() -> None:
-    def rank_fn(rank: int, world: int) -> str:
-        with pytest.raises(RuntimeError, match="already initialized"):
-            fsdp2.estimate_memory(lambda: nn.Linear(2, 2), lambda m: None, world_size=2)
-        return torch.distributed.get_backend()
+def _linear_step(model: nn.Module) -> None:
+    model(torch.ones(3, 64)).sum().backward()
 
-    assert run_ranks(2, rank_fn) == ["threaded", "threaded"]
+
+def _sharded_linear() -> nn.Module:
+    model = nn.Linear(64, 64)
+    fsdp2.fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+    return model
+
+
+def test_inside_a_running_job_the_job_is_untouched() -> None:
+    """Every rank of a job may estimate (or plan): its own simulated world, the job's group kept."""
+    alone = fsdp2.estimate_memory(_sharded_linear, _linear_step, world_size=4).peak_bytes
+
+    def rank_fn(rank: int, world: int) -> tuple[str, int, int, float]:
+        peak = fsdp2.estimate_memory(_sharded_linear, _linear_step, world_size=4).peak_bytes
+        total = torch.ones(1)
+        torch.distributed.all_reduce(total)  # the job's default group still works
+        return torch.distributed.get_backend(), torch.distributed.get_world_size(), peak, float(total)
+
+    assert run_ranks(2, rank_fn) == [("threaded", 2, alone, 2.0)] * 2
 
 
 # -- plan ------------------------------------------------------------------------------------------
@@ -233,17 +247,18 @@ def _plan_step(built: tuple[nn.Module, torch.optim.Optimizer]) -> None:
 @pytest.mark.slow
 def test_plan_fewest_collectives_that_fit_and_measured_peak_agrees() -> None:
     world = 4
-    roomy = fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=2**30)
+    by = {"objective": "collectives"}
+    roomy = fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=2**30, **by)
     assert roomy.groups == []
     assert roomy.collectives_per_step == 2
 
     with pytest.raises(fsdp2.PlanError) as info:
-        fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=1)
+        fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=1, **by)
     lowest = info.value.best
     assert lowest.peak_bytes < roomy.peak_bytes
     assert lowest.collectives_per_step > roomy.collectives_per_step
     tight_budget = (lowest.peak_bytes + roomy.peak_bytes) // 2
-    tight = fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=tight_budget)
+    tight = fsdp2.plan(lambda: Blocks(n=6), _plan_step, world_size=world, budget_bytes=tight_budget, **by)
     assert tight.fits
     assert tight.peak_bytes <= tight_budget
     assert tight.collectives_per_step > 2

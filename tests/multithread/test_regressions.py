@@ -369,8 +369,8 @@ def test_chunked_loss_with_grouped_norm_and_head_matches_torch(per_chunk: bool) 
     theirs, their_counts = run_threaded(2, _train_chunked_loss, "torch", per_chunk)[0]
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, **EXACT)
-    if not per_chunk:
-        assert our_counts == their_counts
+    if not per_chunk:  # and fsdp2's first backward agrees on which submodules ran (one all-reduce)
+        assert our_counts == {**their_counts, "all_reduce": their_counts.get("all_reduce", 0) + 1}
         return
     # Each chunk's backward ends with fsdp2's end-of-backward callback, which reshards the root (kept
     # unsharded after forward) that torch leaves gathered: one more all-gather per step (see

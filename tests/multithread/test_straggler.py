@@ -8,6 +8,7 @@ collective. The reference is what the test did: rank 1, about the sleep per step
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
-from fsdp2.trace._straggler import _attribute
+from fsdp2.trace._debug import debug_enabled
+from fsdp2.trace._straggler import attribute
 from tests._harness import run_threaded
 
 SLEEP_S = 0.2
@@ -57,6 +59,45 @@ def test_the_sleeping_rank_is_named_on_every_rank() -> None:
     assert text.splitlines()[1].split()[:2] == ["1", "2"]
 
 
+def _train_in_debug_mode() -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 8)
+    for _ in range(4):  # the first step is warm-up; the check comes after the next 3
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return float(model(x).sum())
+
+
+def test_debug_mode_names_the_sleeping_rank_while_training() -> None:
+    fsdp2.set_debug(True, straggler=0.2, straggler_steps=3)
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the rank threads warn in this process
+            warnings.simplefilter("always")
+            losses = run_threaded(2, _train_in_debug_mode)
+    finally:
+        fsdp2.set_debug(False, straggler=0.1, straggler_steps=10)
+    named = [str(w.message) for w in caught if "kept the other ranks" in str(w.message)]
+    assert len(named) == 2, [str(w.message) for w in caught]  # once on each rank, after step 4
+    for message in named:
+        assert message.startswith("fsdp2 debug: rank 1 kept the other ranks")
+        assert "of module '2'" in message  # the block after the sleep: its all-gather waited
+    assert losses[0] == losses[1]  # and training went on, the same on both ranks
+
+
+def test_straggler_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"straggler=\.\.\.\) is a fraction"):
+        fsdp2.set_debug(True, straggler=1.5)
+    with pytest.raises(ValueError, match="count of optimizer steps"):
+        fsdp2.set_debug(True, straggler_steps=-1)
+    assert not debug_enabled()  # the failed calls switched nothing on
+
+
 def test_attribution_from_durations_alone() -> None:
     """Three ranks; rank 2 arrives last at the first collective, rank 0 at the second (longer)."""
     waits = [
@@ -64,7 +105,7 @@ def test_attribution_from_durations_alone() -> None:
         [("all-gather", "a", 0.3), ("reduce-scatter", "b", 0.5)],
         [("all-gather", "a", 0.1), ("reduce-scatter", "b", 0.2)],
     ]
-    report = _attribute(waits)
+    report = attribute(waits)
     assert [(r.rank, r.module_fqn, r.collective, r.count) for r in report.rows] == [
         (0, "b", "reduce_scatter", 1),  # the others waited 0.5 and 0.2 s: 0.35 on average
         (2, "a", "all_gather", 1),  # 0.4 and 0.2 s: 0.3

@@ -1,0 +1,332 @@
+"""``plan``: the fastest wrapping whose peak fits a budget (or the one with the fewest collectives).
+
+Owns: ``plan`` (validation, the choice of search), the search by time (``search_by_time``), the
+calibration of the step-time model on this job (network fits and two timed real wrappings, or
+before a job one timed unsharded step), and what ``Plan.explain`` says of it. Does not own: the
+trials, ``Plan`` and the search by collectives (``_plan``), the model (``_cost``).
+
+The search: a setting is a grouping (``k`` consecutive candidates per group, or root only), a bucket
+cap (none, the cap the measured network implies, or one that packs 2 or 4 of the largest
+candidates), and whether frozen parameters stay gathered;
+within it, the first ``m`` groups reshard after forward. More resharding lowers the peak and adds
+all-gathers, so for each setting the fewest resharding groups that fit (found by bisection on the
+simulated peak) is its fastest fitting variant. Settings are visited by their predicted time with no
+resharding, a bound no variant beats, and the search stops once that bound is no better than the
+best fitting plan found. Where nothing fits, the groups are offloaded to CPU, largest first, one more
+at a time, until the peak fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..runtime._bucket import MIB
+from ._cost import NOMINAL_FITS, CostModel, GroupBytes, Setting, calibrate, measure_network
+from ._memory import simulated_world
+from ._plan import (
+    OptimizerFactory,
+    Plan,
+    _candidate_names,
+    _device_type,
+    _fewest_resharding,
+    _group_sizes,
+    _Search,
+    apply_setting,
+    by_collectives,
+)
+
+NOMINAL_PER_GROUP_S = 2e-4  # fsdp2's hooks and copies per group and step, before a job (CPU, measured)
+TIMED_STEPS = 3  # per calibration run, after one untimed step
+
+
+def plan(
+    build_model: Callable[[], nn.Module],
+    train_step: Callable[[Any], Any],
+    *,
+    world_size: int,
+    budget_bytes: int,
+    objective: str = "time",
+    optimizer: OptimizerFactory | None = None,
+    candidates: Sequence[str] | Sequence[type[nn.Module]] | None = None,
+    **fully_shard_kwargs: Any,
+) -> Plan:
+    """Propose how to ``fully_shard`` a model so one rank's peak memory fits ``budget_bytes``.
+
+    ``build_model()`` returns the model *unsharded* (no ``fully_shard`` calls); every trial builds
+    it in a simulated world of ``world_size`` ranks (see :func:`fsdp2.estimate_memory`: fake
+    tensors, nothing allocated), shards it on a 1-D mesh over all ranks with ``fully_shard_kwargs``
+    (e.g. ``mp_policy``), creates ``optimizer(model.parameters())`` (default AdamW) and runs
+    ``train_step((model, optimizer))`` twice.
+
+    With ``objective="time"`` (the default) the search covers the grouping of the candidates,
+    ``reshard_after_forward`` per group, bucket caps, keeping frozen parameters gathered and, only
+    where nothing else fits, CPU offload of the largest groups; among the settings whose estimated
+    peak fits it returns the one with the lowest predicted step time. The prediction comes from a
+    model measured on this job (see [Note: The step-time model] in ``fsdp2/tools/_cost.py``): called
+    on every rank inside a running job of ``world_size`` ranks, it times the process group's
+    collectives and two real wrappings of the model (a few steps each), and every rank gets the same
+    plan; before a job, it times one unsharded step here and uses nominal network figures
+    (``Plan.explain()`` says which). ``objective="collectives"`` returns the wrapping with the
+    fewest collectives per step that fits (grouping and resharding only), and runs nothing for real.
+
+    Args:
+        build_model: returns a fresh, unsharded model.
+        train_step: one training step, called with ``(model, optimizer)``.
+        world_size: the job's number of ranks.
+        budget_bytes: the memory one rank may use (e.g. the GPU's memory minus a margin for the
+            caching allocator and the CUDA context).
+        objective: ``"time"`` or ``"collectives"``.
+        optimizer: ``optimizer(params)`` builds the optimizer (default ``torch.optim.AdamW``).
+        candidates: the modules that may get their own ``fully_shard`` call, in execution order: a
+            list of names, or of module classes (every instance, in module order). Default: the
+            children of the model's ``nn.ModuleList`` containers (transformer blocks).
+        **fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``).
+
+    Returns:
+        The fitting :class:`Plan` with the lowest predicted step time (or the fewest collectives).
+
+    Raises:
+        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan.
+        ValueError: a bad budget or objective, ``mesh``/``reshard_after_forward``/``offload_policy``
+            given (the plan chooses them), or a running job whose size is not ``world_size``.
+    """
+    budget: object = budget_bytes
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ValueError(f"plan: budget_bytes must be a positive int, got {budget_bytes!r}.")
+    if objective not in ("time", "collectives"):
+        raise ValueError(f"plan: objective is 'time' or 'collectives', got {objective!r}.")
+    chosen = sorted({"mesh", "reshard_after_forward", "offload_policy"} & set(fully_shard_kwargs))
+    if chosen:
+        raise ValueError(
+            f"plan chooses the mesh (1-D over world_size ranks), reshard_after_forward and CPU offload "
+            f"itself; do not pass {', '.join(chosen)}, and give the mesh to Plan.apply instead."
+        )
+    if objective == "time" and dist.is_initialized() and dist.get_world_size() != world_size:
+        raise ValueError(
+            f"plan: this job has {dist.get_world_size()} ranks but world_size={world_size}; the time "
+            "objective measures the job it runs in. Plan for another size before a job, or pass "
+            "objective='collectives'."
+        )
+    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+    names = _candidate_names(build_model, world_size, candidates)
+    search = _Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs, budget_bytes)
+    return search_by_time(search, names) if objective == "time" else by_collectives(search, names)
+
+
+def search_by_time(search: _Search, names: list[str]) -> Plan:
+    sizes = _candidate_bytes(search, names)
+    model, notes, device = _cost_model(search, names, sizes)
+    frozen = any(g.frozen for g in sizes.values())
+    settings: list[tuple[float, Setting]] = []
+    # caps: none, the one the network implies, and ones that pack 2 or 4 of the largest candidates
+    largest = max(g.total for g in sizes.values())
+    packing = [round(b * largest / MIB, 3) for b in (2, 4)]
+    caps: list[float | None] = [None, *sorted({round(model.all_gather.cap() / MIB, 1), *packing})]
+    for k in [0, *_group_sizes(len(names))]:
+        groups = tuple(tuple(names[i : i + k]) for i in range(0, len(names), k)) if k else ()
+        for cap in caps if len(groups) > 1 else [None]:  # one group and the root: nothing to pack
+            for keep in (False, True) if frozen else (False,):
+                setting = Setting(groups, (False,) * len(groups), cap, keep)
+                settings.append((_predict(model, setting, sizes), setting))
+    settings.sort(key=lambda item: item[0])
+    fitting: list[tuple[float, Plan]] = []
+    lowest: dict[tuple[tuple[str, ...], ...], bool] = {}  # grouping -> its lowest-peak variant fits
+    for bound, setting in settings:
+        times = sorted(t for t, _ in fitting)
+        if len(times) >= 2 and bound >= times[1]:
+            break  # no variant of this setting (or a later one) beats the best or the runner-up
+        if setting.groups not in lowest:  # buckets and kept frozen parameters only add memory
+            plain = Setting(setting.groups, (True,) * len(setting.groups))
+            lowest[setting.groups] = search.trial_setting(plain).fits
+        if not lowest[setting.groups]:
+            continue
+        found = _fewest_resharding_of(search, setting)
+        if found is not None:
+            fitting.append((_predict(model, found.setting, sizes), found))
+    if not fitting:
+        if device == "cpu":  # the parameters are in host memory already: offload frees nothing
+            search.fail()
+        offloaded = _offload_until_it_fits(search, names, sizes)
+        fitting.append((_predict(model, offloaded.setting, sizes), offloaded))
+    fitting.sort(key=lambda item: (item[0], item[1].peak_bytes))
+    best_time, best = fitting[0]
+    reasons = [*notes, *_runner_up(fitting)]
+    chosen = dataclasses.replace(
+        best, tried=search.tried(), predicted_step_s=best_time, objective="time", reasons=reasons
+    )
+    return _agreed(chosen)
+
+
+def _fewest_resharding_of(search: _Search, setting: Setting) -> Plan | None:
+    if not setting.groups:  # root only: nothing to reshard
+        found = search.trial_setting(setting)
+        return found if found.fits else None
+
+    def trial(groups: list[list[str]], rafs: list[bool]) -> Plan:
+        return search.trial_setting(dataclasses.replace(setting, reshard_after_forward=tuple(rafs)))
+
+    return _fewest_resharding([list(g) for g in setting.groups], trial)
+
+
+def _offload_until_it_fits(search: _Search, names: list[str], sizes: dict[str, GroupBytes]) -> Plan:
+    groups = tuple((name,) for name in names)
+    order = sorted(range(len(names)), key=lambda i: (-sizes[names[i]].total, i))
+    offload = [False] * len(names)
+    for index in order:
+        offload[index] = True
+        found = search.trial_setting(Setting(groups, (True,) * len(groups), None, False, tuple(offload)))
+        if found.fits:
+            return found
+    search.fail()
+    raise AssertionError("unreachable")  # fail() raises
+
+
+def _runner_up(fitting: Sequence[tuple[float, Plan]]) -> list[str]:
+    best_time, best = fitting[0]
+    lines = [
+        f"chosen: {best.setting.describe()}: predicted {best_time * 1e3:.2f} ms, peak "
+        f"{best.peak_bytes / MIB:.2f} MiB"
+    ]
+    others = [(t, p) for t, p in fitting[1:] if p.setting != best.setting]
+    if others:
+        t, p = others[0]
+        lines.append(
+            f"runner-up: {p.setting.describe()}: predicted {t * 1e3:.2f} ms ({t / best_time - 1:+.1%}), "
+            f"peak {p.peak_bytes / MIB:.2f} MiB"
+        )
+    return lines
+
+
+def _agreed(chosen: Plan) -> Plan:
+    """Every rank of a running job takes rank 0's plan (they compute the same one from agreed figures)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return chosen
+    box: list[Any] = [chosen.setting]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != chosen.setting:
+        raise RuntimeError(
+            f"fsdp2.plan: ranks chose different wrappings ({box[0].describe()} on rank 0, "
+            f"{chosen.setting.describe()} here); build_model or train_step differs between ranks."
+        )
+    return chosen
+
+
+def _predict(model: CostModel, setting: Setting, sizes: dict[str, GroupBytes]) -> float:
+    groups = [_sum(f"group {i}", [sizes[n] for n in names]) for i, names in enumerate(setting.groups)]
+    return model.predict(setting, groups, sizes[""])
+
+
+def _sum(name: str, parts: Sequence[GroupBytes]) -> GroupBytes:
+    return GroupBytes(name, sum(p.total for p in parts), sum(p.trainable for p in parts))
+
+
+def _candidate_bytes(search: _Search, names: list[str]) -> dict[str, GroupBytes]:
+    """Gathered bytes per candidate (``""``: the root's own), from one simulated build."""
+    dtype = getattr(search.shard_kwargs.get("mp_policy"), "param_dtype", None)
+    with simulated_world(search.world_size):
+        model = search.build_model()
+        out: dict[str, GroupBytes] = {}
+        taken: set[int] = set()
+        for name in names:
+            params = list(model.get_submodule(name).parameters())
+            taken |= {id(p) for p in params}
+            out[name] = _bytes_of(name, params, dtype)
+        out[""] = _bytes_of("", [p for p in model.parameters() if id(p) not in taken], dtype)
+    return out
+
+
+def _bytes_of(name: str, params: Sequence[nn.Parameter], dtype: torch.dtype | None) -> GroupBytes:
+    def size(p: nn.Parameter) -> int:
+        cast = dtype is not None and p.is_floating_point()
+        return p.numel() * (dtype.itemsize if cast and dtype is not None else p.element_size())
+
+    return GroupBytes(name, sum(size(p) for p in params), sum(size(p) for p in params if p.requires_grad))
+
+
+def _cost_model(
+    search: _Search, names: list[str], sizes: dict[str, GroupBytes]
+) -> tuple[CostModel, list[str], str]:
+    """The step-time model of this job, lines saying where its figures came from, the device type."""
+    if not dist.is_initialized():
+        model, seconds = _time_unsharded(search)
+        device = _device_type(model)
+        del model
+        fit = NOMINAL_FITS.get(device, NOMINAL_FITS["cpu"])
+        cost = CostModel(fit, fit, seconds, NOMINAL_PER_GROUP_S, device == "cuda", False)
+        return (
+            cost,
+            [
+                f"compute: {seconds * 1e3:.2f} ms per step, timed unsharded in this process (no job yet)",
+                f"network: nominal for {device} (latency {fit.latency_s * 1e6:.0f} us, "
+                f"{fit.bytes_per_second / 1e9:.1f} GB/s); plan inside the job to measure it",
+            ],
+            device,
+        )
+    world = dist.get_world_size()
+    first = [(name,) for name in names]
+    pairs = [tuple(names[i : i + 2]) for i in range(0, len(names), 2)]
+    runs = [Setting(tuple(first), (True,) * len(first)), Setting(tuple(pairs), (True,) * len(pairs))]
+    if len(pairs) == len(first):  # one candidate: compare with root only
+        runs[1] = Setting((), ())
+    timed, device = [], "cpu"
+    for setting in runs:
+        seconds, device = _time_wrapped(search, setting, world)
+        timed.append((seconds, setting))
+    ag, rs = measure_network(dist.group.WORLD, torch.device(device))  # type: ignore[arg-type]
+    zero = CostModel(ag, rs, 0.0, 0.0, device == "cuda", True)
+    groups_of = [[_sum(str(i), [sizes[n] for n in g]) for i, g in enumerate(s.groups)] for _, s in timed]
+    cost = calibrate(timed, groups_of, sizes[""], zero)
+    return (
+        cost,
+        [
+            f"network (measured on the job's {world} ranks): all-gather {ag.latency_s * 1e6:.0f} us + "
+            f"{ag.bytes_per_second / 1e9:.2f} GB/s, reduce-scatter {rs.latency_s * 1e6:.0f} us + "
+            f"{rs.bytes_per_second / 1e9:.2f} GB/s",
+            f"compute: {cost.compute_s * 1e3:.2f} ms per step, per group {cost.per_group_s * 1e3:.3f} ms "
+            f"(from timed steps: {', '.join(f'{s.describe()} {t * 1e3:.2f} ms' for t, s in timed)})",
+        ],
+        device,
+    )
+
+
+def _time_wrapped(search: _Search, setting: Setting, world: int) -> tuple[float, str]:
+    """Median seconds of a real step under ``setting`` on this job (the slowest rank's), and the device."""
+    model = search.build_model()
+    device = _device_type(model)
+    apply_setting(model, setting, {"mesh": init_device_mesh(device, (world,)), **search.shard_kwargs})
+    seconds = _time_steps(search, model, device)
+    agreed = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    del model
+    gc.collect()
+    return float(agreed.item()), device
+
+
+def _time_unsharded(search: _Search) -> tuple[nn.Module, float]:
+    model = search.build_model()
+    return model, _time_steps(search, model, _device_type(model))
+
+
+def _time_steps(search: _Search, model: nn.Module, device: str) -> float:
+    optimizer = search.make_optimizer(model.parameters())
+    times = []
+    for i in range(TIMED_STEPS + 1):
+        if device != "cpu":
+            torch.accelerator.synchronize()
+        start = time.perf_counter()
+        search.train_step((model, optimizer))
+        if device != "cpu":
+            torch.accelerator.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

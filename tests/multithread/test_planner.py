@@ -1,0 +1,170 @@
+"""``fsdp2.plan(objective="time")``: the search by predicted step time, inside a job and before one.
+
+The step-time model is checked against its own arithmetic (packing, calibration, resharding and
+buckets in the right direction); the search against what it must return (fits the budget, the same
+plan on every rank, the frozen-residency and bucket settings searched, one clear error when nothing
+fits); the applied plan trains like the unsharded model. How close the prediction comes to measured
+steps is a benchmark (``benchmarks/plan_time.py``), not a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from fsdp2.runtime._autocap import CollectiveFit
+from fsdp2.testing import run_ranks
+from fsdp2.tools._cost import CostModel, GroupBytes, Setting, _packed, calibrate
+from tests.models import make_input
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 4, dim: int = 24, frozen: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, dim)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(n)
+        )
+        self.out = nn.Linear(dim, 3)
+        if frozen:  # a frozen backbone: only the head trains
+            for p in [*self.inp.parameters(), *self.layers.parameters()]:
+                p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
+
+
+def _step(built: tuple[nn.Module, torch.optim.Optimizer]) -> None:
+    model, optim = built
+    model(make_input((16, 12), 0)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+FIT = CollectiveFit(1e-3, 1e-9)
+SIZES = [GroupBytes(f"b{i}", 1000, 1000) for i in range(4)]
+ROOT = GroupBytes("", 100, 100)
+
+
+def test_the_model_counts_latencies_and_bytes() -> None:
+    model = CostModel(FIT, FIT, compute_s=0.05, per_group_s=1e-4, overlap=False, measured_network=True)
+    groups = tuple((f"b{i}",) for i in range(4))
+    resharding = model.predict(Setting(groups, (True,) * 4), SIZES, ROOT)
+    keeping = model.predict(Setting(groups, (False,) * 4), SIZES, ROOT)
+    # 4 backward all-gathers of 1000 bytes more: exactly their latency and bytes
+    assert resharding - keeping == pytest.approx(4 * FIT.seconds(1000))
+    bucketed = model.predict(Setting(groups, (False,) * 4, bucket_cap_mb=1.0), SIZES, ROOT)
+    # one all-gather and one reduce-scatter of 4100 bytes instead of 5 each: 8 latencies fewer
+    assert keeping - bucketed == pytest.approx(8 * FIT.latency_s)
+    assert _packed([3, 3, 3, 0, 5], 6) == [6, 3, 5]
+    assert _packed([3, 3], None) == [3, 3]
+    frozen = [GroupBytes(f"b{i}", 1000, 0) for i in range(4)]
+    kept = model.predict(Setting(groups, (True,) * 4, keep_frozen=True), frozen, ROOT)
+    gathered = model.predict(Setting(groups, (True,) * 4), frozen, ROOT)
+    assert gathered - kept == pytest.approx(8 * FIT.seconds(1000))  # no frozen bytes gathered, twice
+
+
+def test_calibration_separates_compute_from_per_group_cost() -> None:
+    true = CostModel(FIT, FIT, compute_s=0.2, per_group_s=3e-4, overlap=False, measured_network=True)
+    zero = CostModel(FIT, FIT, 0.0, 0.0, False, True)
+    a = Setting(tuple((f"b{i}",) for i in range(4)), (True,) * 4)
+    b = Setting((("b0", "b1"), ("b2", "b3")), (True, True))
+    pairs = [GroupBytes("p0", 2000, 2000), GroupBytes("p1", 2000, 2000)]
+    timed = [(true.predict(a, SIZES, ROOT), a), (true.predict(b, pairs, ROOT), b)]
+    fitted = calibrate(timed, [SIZES, pairs], ROOT, zero)
+    assert fitted.compute_s == pytest.approx(0.2)
+    assert fitted.per_group_s == pytest.approx(3e-4)
+
+
+def _plan_in_job(rank: int, world: int, budget: int, frozen: bool) -> tuple[str, float, list[str], str]:
+    """plan() on every rank of a running job (thread ranks)."""
+    chosen = fsdp2.plan(lambda: Blocks(frozen=frozen), _step, world_size=world, budget_bytes=budget)
+    assert chosen.fits
+    assert chosen.objective == "time"
+    described = [description for description, _, _ in chosen.tried]
+    return str(chosen.setting), chosen.predicted_step_s or 0.0, described, chosen.explain()
+
+
+def test_inside_a_job_every_rank_gets_the_same_fitting_plan() -> None:
+    results = run_ranks(2, _plan_in_job, 2**30, False)
+    (setting, predicted, described, explained), other = results
+    assert other[0] == setting
+    assert predicted > 0
+    assert "measured on the job's 2 ranks" in explained
+    assert "runner-up" in explained
+    assert described  # what was tried, with its peak
+
+
+def test_where_latency_dominates_buckets_win_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp2.tools import _planner
+
+    slow = CollectiveFit(20e-3, 1e-9)  # 20 ms a collective: bucketing pays
+    model = CostModel(slow, slow, compute_s=0.01, per_group_s=1e-4, overlap=False, measured_network=True)
+    monkeypatch.setattr(_planner, "_cost_model", lambda *args: (model, ["fixed"], "cpu"))
+    with pytest.raises(fsdp2.PlanError) as info:
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=1, objective="collectives")
+    budget = int(info.value.best.peak_bytes * 1.1)  # every block resharding fits; root only does not
+    chosen = fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=budget)
+    assert chosen.fits
+    assert any("MiB buckets" in d for d, _, _ in chosen.tried)  # fewer latencies: tried first
+    assert chosen.predicted_step_s == pytest.approx(_planner._predict(model, chosen.setting, _sizes()))
+    # every fitting plan tried is predicted no faster
+    assert all(peak > budget for d, peak, _ in chosen.tried if d.startswith("root only"))
+
+
+def _sizes() -> dict[str, GroupBytes]:
+    from fsdp2.tools import _planner
+    from fsdp2.tools._plan import _Search
+
+    search = _Search(Blocks, _step, 2, torch.optim.AdamW, {}, 2**30)
+    return _planner._candidate_bytes(search, [f"layers.{i}" for i in range(4)])
+
+
+def test_frozen_parameters_kept_gathered_are_searched() -> None:
+    (setting, _, described, _), _ = run_ranks(2, _plan_in_job, 2**30, True)
+    assert any("frozen parameters kept gathered" in d for d in described)
+    assert "keep_frozen=True" in setting  # nothing gathered again: the fastest where it fits
+
+
+def test_nothing_fits_raises_one_error_with_the_lowest_peak() -> None:
+    with pytest.raises(fsdp2.PlanError, match="no wrapping of this model fits") as info:
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=4096)
+    best = info.value.best
+    assert not best.fits
+    assert best.peak_bytes == min(peak for _, peak, _ in best.tried)
+
+
+def test_bad_calls_are_refused() -> None:
+    with pytest.raises(ValueError, match="objective is 'time' or 'collectives'"):
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=2**30, objective="fast")
+    with pytest.raises(ValueError, match="offload_policy"):
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=2**30, offload_policy=fsdp2.CPUOffloadPolicy())
+
+    def rank_fn(rank: int, world: int) -> None:
+        with pytest.raises(ValueError, match="this job has 2 ranks but world_size=4"):
+            fsdp2.plan(Blocks, _step, world_size=4, budget_bytes=2**30)
+
+    run_ranks(2, rank_fn)
+
+
+def test_the_applied_plan_trains_like_the_unsharded_model() -> None:
+    chosen = fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=2**30)  # before a job
+    assert "nominal" in chosen.explain()
+
+    def rank_fn(rank: int, size: int) -> list[float]:
+        mesh = init_device_mesh("cpu", (size,))
+        return fsdp2.testing.assert_matches_unsharded(
+            Blocks,
+            lambda model: chosen.apply(model, mesh=mesh),
+            lambda r, s: make_input((8, 12), r, seed=s),
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        )
+
+    losses = run_ranks(2, rank_fn)  # each rank's own batch; every step checked against the reference
+    assert len(losses[0]) == 3
