@@ -4,9 +4,10 @@ A model of ``--blocks`` blocks (LayerNorm + MLP of width 4 x ``--dim``), batch 8
 Every rank builds a grid of hand settings (one group per block, pairs, one group of all blocks, root
 only; resharding after forward or not; no bucket cap or 25 MiB), measures each one's peak of new
 tensors in a step (fsdp2's storage tracker, real tensors) and its step time (median over interleaved
-rounds, the slowest rank's). Then for budgets of 1.0x, 1.3x and 1.7x the default's peak (one group per
-block, resharding; measured, or estimated where that is a few bytes higher), ``plan`` is called inside the job; its plan is applied, measured
-in the same interleaved rounds, and compared with the fastest hand setting whose measured peak fits.
+rounds, the slowest rank's). Then for budgets of 1.0x, 1.3x and 1.7x the default's peak (one
+group per block, resharding; measured, or estimated where that is a few bytes higher), ``plan`` is
+called inside the job; its plan is applied, measured in the same interleaved rounds, and compared
+with the fastest hand setting whose measured peak fits.
 
 Run:  torchrun --standalone --nproc-per-node 2 benchmarks/plan_time.py [--blocks 8 --dim 256]
 """
@@ -162,7 +163,8 @@ def _report(
     print(f"{'setting':<40} {'step ms':>8} {'/ default':>9} {'peak MiB':>9}")
     for name in settings:
         if not name.startswith("plan"):
-            print(f"{name:<40} {medians[name] * 1e3:8.2f} {medians[name] / base:9.3f} {peaks[name] / 2**20:9.2f}")
+            ms, mib = medians[name] * 1e3, peaks[name] / 2**20
+            print(f"{name:<40} {ms:8.2f} {medians[name] / base:9.3f} {mib:9.2f}")
     rows = []
     for name, info in plans.items():
         budget, chosen = info["budget"], info["plan"]
