@@ -8,9 +8,11 @@ sharding with padding is exercised by every test that uses the defaults.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -151,3 +153,22 @@ def make_input(shape: tuple[int, ...], rank: int, seed: int = 0) -> torch.Tensor
     """Per-rank float input from a generator seeded by ``rank`` and ``seed``."""
     gen = torch.Generator().manual_seed(10_000 * seed + 7 + rank)
     return torch.randn(shape, generator=gen)
+
+
+class SleepyLinear(nn.Linear):
+    """A ``Linear`` whose forward sleeps ``seconds`` on rank ``slow_rank``: a straggler (more data to
+    load, a throttled device, a noisy neighbour)."""
+
+    def __init__(self, dim: int, seconds: float, slow_rank: int = 1) -> None:
+        super().__init__(dim, dim)
+        self.seconds, self.slow_rank = seconds, slow_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.slow_rank:
+            time.sleep(self.seconds)
+        return super().forward(x)
+
+
+def sleepy_chain(seconds: float, dim: int = 8) -> nn.Sequential:
+    """Three blocks (unsharded); rank 1 sleeps ``seconds`` in block ``1``'s forward."""
+    return nn.Sequential(nn.Linear(dim, dim), SleepyLinear(dim, seconds), nn.Linear(dim, dim))

@@ -46,6 +46,7 @@ __all__ = [
     "CapMBOrUnset",
     "CollectiveFit",
     "choose_caps",
+    "fit_collective",
     "measure_fit",
     "read_caps",
 ]
@@ -203,17 +204,37 @@ def measure_fit(
     process_group = info.shard_group
     if kind == "reduce_scatter" and group.comms.reduce_scatter_group is not None:
         process_group = group.comms.reduce_scatter_group
+    agree_on = [info.shard_group]
+    if info.replicate_group is not None and info.replicate_size > 1:
+        agree_on.append(info.replicate_group)
+    return fit_collective(kind, comm, process_group, info.shard_size, group.device, agree_on, sizes, repeats)
+
+
+def fit_collective(
+    kind: Literal["all_gather", "reduce_scatter"],
+    comm: Any,
+    process_group: dist.ProcessGroup,
+    world: int,
+    device: torch.device,
+    agree_on: Sequence[dist.ProcessGroup],
+    sizes: Sequence[int] = SIZES,
+    repeats: int = REPEATS,
+) -> CollectiveFit:
+    """Time ``comm`` (an fsdp2 all-gather or reduce-scatter) at two sizes on ``process_group``.
+
+    The line through the two medians, with the slowest rank's latency and seconds per byte (an
+    all-reduce MAX over each group of ``agree_on``), so every rank holds the same fit.
+    """
     small, large = sizes
     with torch.no_grad():
-        t_small = _median_seconds(kind, comm, process_group, info.shard_size, group.device, small, repeats)
-        t_large = _median_seconds(kind, comm, process_group, info.shard_size, group.device, large, repeats)
-    n_small, n_large = (_elements(n, info.shard_size) * 4 for n in sizes)
+        t_small = _median_seconds(kind, comm, process_group, world, device, small, repeats)
+        t_large = _median_seconds(kind, comm, process_group, world, device, large, repeats)
+    n_small, n_large = (_elements(n, world) * 4 for n in sizes)
     per_byte = max((t_large - t_small) / (n_large - n_small), 0.0)
     latency = max(t_small - n_small * per_byte, 0.0)
-    agreed = torch.tensor([latency, per_byte], dtype=torch.float64, device=group.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=info.shard_group)
-    if info.replicate_group is not None and info.replicate_size > 1:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=info.replicate_group)
+    agreed = torch.tensor([latency, per_byte], dtype=torch.float64, device=device)
+    for agree_group in agree_on:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=agree_group)
     latency, per_byte = agreed.tolist()
     return CollectiveFit(latency, per_byte)
 

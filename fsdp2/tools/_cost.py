@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..runtime._autocap import CollectiveFit
+from ..comm._comms import DefaultAllGather, DefaultReduceScatter
+from ..runtime._autocap import CollectiveFit, fit_collective
 
 __all__ = ["CostModel", "GroupBytes", "Setting", "measure_network"]
 
@@ -39,9 +39,6 @@ NOMINAL_FITS = {
     "cpu": CollectiveFit(1e-3, 1.0 / 1e9),  # gloo over loopback on a shared host
     "cuda": CollectiveFit(30e-6, 1.0 / 100e9),  # NCCL within one node
 }
-# torch 2.13 names them *_single (the *_tensor names warn); earlier releases have only the latter
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 HOST_LINK_BYTES_PER_S = 20e9  # pinned host <-> GPU copies (PCIe 4 x16, about); offload only
 
 
@@ -168,39 +165,10 @@ def measure_network(
 ) -> tuple[CollectiveFit, CollectiveFit]:
     """The all-gather and reduce-scatter fits of ``group`` (full-buffer bytes), agreed by its ranks.
 
-    Each is timed at two sizes (median of 5 after one call that lines the ranks up); the slowest
-    rank's latency and seconds per byte win (an all-reduce MAX), so every rank plans alike.
+    fsdp2's default collectives, timed as ``set_bucket_cap_mb("auto")`` times a group's own.
     """
     world = dist.get_world_size(group)
-    fits: list[float] = []
-    for kind in ("all_gather", "reduce_scatter"):
-        times = [_median(kind, group, device, world, nbytes) for nbytes in sizes]
-        numels = [_elements(n, world) * 4 for n in sizes]
-        per_byte = max((times[1] - times[0]) / (numels[1] - numels[0]), 0.0)
-        fits += [max(times[0] - numels[0] * per_byte, 0.0), per_byte]
-    agreed = torch.tensor(fits, dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    values = agreed.tolist()
-    return CollectiveFit(values[0], values[1]), CollectiveFit(values[2], values[3])
-
-
-def _elements(nbytes: int, world: int) -> int:
-    return max(nbytes // (4 * world), 1) * world
-
-
-def _median(kind: str, group: dist.ProcessGroup, device: torch.device, world: int, nbytes: int) -> float:
-    numel = _elements(nbytes, world)
-    full = torch.zeros(numel, device=device)
-    part = torch.zeros(numel // world, device=device)
-    times = []
-    for i in range(6):
-        start = time.perf_counter()
-        if kind == "all_gather":
-            _ALL_GATHER(full, part, group=group)
-        else:
-            _REDUCE_SCATTER(part, full, group=group)
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return (
+        fit_collective("all_gather", DefaultAllGather(), group, world, device, [group], sizes),
+        fit_collective("reduce_scatter", DefaultReduceScatter(), group, world, device, [group], sizes),
+    )

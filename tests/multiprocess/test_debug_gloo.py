@@ -18,6 +18,7 @@ from torch import nn
 
 import fsdp2
 from tests._harness import run_multiprocess
+from tests.models import sleepy_chain
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -69,21 +70,18 @@ def test_a_watchdog_deadline_past_the_group_timeout_warns() -> None:
 SLEEP_S = 0.15
 
 
-class _Sleepy(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dist.get_rank() == 1:
-            time.sleep(SLEEP_S)  # the slow rank: more data to load, a throttled device
-        return super().forward(x)
+def _sharded() -> nn.Module:
+    torch.manual_seed(0)
+    model = sleepy_chain(SLEEP_S)
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    return fsdp2.fully_shard(model)
 
 
 def _straggler_in_processes() -> None:
     import warnings
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    fsdp2.fully_shard(model)
+    model = _sharded()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 8)
 
@@ -106,10 +104,7 @@ def _straggler_in_processes() -> None:
 
     # Debug mode: the same rank is named while training runs (a new root: the guard installs at init).
     fsdp2.set_debug(True, straggler=0.2, straggler_steps=3)
-    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    fsdp2.fully_shard(model)
+    model = _sharded()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -168,3 +168,21 @@ def test_the_applied_plan_trains_like_the_unsharded_model() -> None:
 
     losses = run_ranks(2, rank_fn)  # each rank's own batch; every step checked against the reference
     assert len(losses[0]) == 3
+
+
+@pytest.mark.slow  # a dozen simulated trials
+def test_offload_is_the_last_resort_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing fits: on an accelerator the groups are offloaded, largest first; on the CPU never."""
+    from fsdp2.tools import _planner
+
+    model = CostModel(FIT, FIT, compute_s=0.01, per_group_s=1e-4, overlap=True, measured_network=True)
+    monkeypatch.setattr(_planner, "_cost_model", lambda *args: (model, ["fixed"], "cuda"))
+    with pytest.raises(fsdp2.PlanError) as info:
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=4096)
+    offloaded = [d for d, _, _ in info.value.best.tried if "offloaded to CPU" in d]
+    # the simulated CPU run frees nothing by offloading, so every group is tried in turn, one more each
+    assert [d.rsplit(", ", 1)[-1] for d in offloaded] == [f"{n} offloaded to CPU" for n in range(1, 5)]
+    monkeypatch.setattr(_planner, "_cost_model", lambda *args: (model, ["fixed"], "cpu"))
+    with pytest.raises(fsdp2.PlanError) as info:
+        fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=4096)
+    assert not any("offloaded" in d for d, _, _ in info.value.best.tried)

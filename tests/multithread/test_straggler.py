@@ -7,35 +7,31 @@ collective. The reference is what the test did: rank 1, about the sleep per step
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fsdp2
 from fsdp2.trace._debug import debug_enabled
 from fsdp2.trace._straggler import attribute
 from tests._harness import run_threaded
+from tests.models import sleepy_chain
 
 SLEEP_S = 0.2
 
 
-class _Sleepy(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dist.get_rank() == 1:
-            time.sleep(SLEEP_S)  # a slow rank: more work, a throttled GPU, a noisy neighbour
-        return super().forward(x)
+def _sharded() -> nn.Module:
+    torch.manual_seed(0)
+    model = sleepy_chain(SLEEP_S)
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    return fsdp2.fully_shard(model)
 
 
 def _run() -> tuple[str, list[tuple[int, str, str, float, int]]]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    fsdp2.fully_shard(model)
+    model = _sharded()
     x = torch.ones(2, 8)
     model(x).sum().backward()  # lazy init, outside the recording
     with fsdp2.record_events() as events:
@@ -60,11 +56,7 @@ def test_the_sleeping_rank_is_named_on_every_rank() -> None:
 
 
 def _train_in_debug_mode() -> float:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _Sleepy(8, 8), nn.Linear(8, 8))
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    fsdp2.fully_shard(model)
+    model = _sharded()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 8)
     for _ in range(4):  # the first step is warm-up; the check comes after the next 3
