@@ -2,7 +2,7 @@
 
 Owns: ``Plan`` (the choice, its estimate, ``explain`` and ``apply``), ``PlanError``, the default
 candidates (the blocks of the model's ``nn.ModuleList`` containers), the simulated trial of one
-setting (``_Search``) and the search by collectives. Does not own: ``plan`` itself and the search by
+setting (``Search``) and the search by collectives. Does not own: ``plan`` itself and the search by
 time (``_planner``), the estimate (``_memory``), the step-time model (``_cost``), sharding
 (``fully_shard``).
 
@@ -145,17 +145,17 @@ class PlanError(RuntimeError):
         self.best = best
 
 
-def by_collectives(search: _Search, names: list[str]) -> Plan:
+def by_collectives(search: Search, names: list[str]) -> Plan:
     """The fitting wrapping with the fewest collectives per step (see the module's docstring)."""
     best: Plan | None = None
     root_only = search.trial([], [])
     if root_only.fits:
         best = root_only
-    for k in _group_sizes(len(names)):
+    for k in group_sizes(len(names)):
         groups = [names[i : i + k] for i in range(0, len(names), k)]
         if best is not None and best.collectives_per_step <= 2 * len(groups):
             continue  # each group gathers and reduces at least once: cannot beat the best
-        fit = _fewest_resharding(groups, search.trial)
+        fit = fewest_resharding(groups, search.trial)
         if fit is not None and (best is None or _cost(fit) < _cost(best)):
             best = fit
     if best is None:
@@ -168,7 +168,7 @@ def _cost(p: Plan) -> tuple[int, int]:
     return p.collectives_per_step, p.peak_bytes
 
 
-def _group_sizes(n: int) -> list[int]:
+def group_sizes(n: int) -> list[int]:
     """Group sizes to try: n, then halving down to 1 (and every size up to 4)."""
     sizes = {n, *range(1, min(n, 4) + 1)}
     k = n
@@ -178,7 +178,7 @@ def _group_sizes(n: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def _fewest_resharding(
+def fewest_resharding(
     groups: list[list[str]], trial: Callable[[list[list[str]], list[bool]], Plan]
 ) -> Plan | None:
     """The fitting plan with the fewest resharding groups (the earliest groups reshard first)."""
@@ -197,7 +197,7 @@ def _fewest_resharding(
     return best
 
 
-class _Search:
+class Search:
     """Runs trials: build, shard as proposed, two steps, in a simulated world; keeps every trial."""
 
     def __init__(
@@ -246,7 +246,7 @@ class _Search:
     def estimate(self, setting: Setting) -> MemoryReport:
         def build() -> tuple[nn.Module, torch.optim.Optimizer]:
             model = self.build_model()
-            mesh = init_device_mesh(_device_type(model), (self.world_size,))
+            mesh = init_device_mesh(device_type(model), (self.world_size,))
             apply_setting(model, setting, {"mesh": mesh, **self.shard_kwargs})
             return model, self.make_optimizer(model.parameters())
 
@@ -271,12 +271,12 @@ class _Search:
         )
 
 
-def _device_type(model: nn.Module) -> str:
+def device_type(model: nn.Module) -> str:
     tensor = next(model.parameters(), None)
     return "cpu" if tensor is None or tensor.device.type == "meta" else tensor.device.type
 
 
-def _candidate_names(
+def candidate_names(
     build_model: Callable[[], nn.Module],
     world_size: int,
     candidates: Sequence[str] | Sequence[type[nn.Module]] | None,

@@ -36,13 +36,13 @@ from ._memory import simulated_world
 from ._plan import (
     OptimizerFactory,
     Plan,
-    _candidate_names,
-    _device_type,
-    _fewest_resharding,
-    _group_sizes,
-    _Search,
+    Search,
     apply_setting,
     by_collectives,
+    candidate_names,
+    device_type,
+    fewest_resharding,
+    group_sizes,
 )
 
 NOMINAL_PER_GROUP_S = 2e-4  # fsdp2's hooks and copies per group and step, before a job (CPU, measured)
@@ -118,12 +118,12 @@ def plan(
             "objective='collectives'."
         )
     make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
-    names = _candidate_names(build_model, world_size, candidates)
-    search = _Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs, budget_bytes)
+    names = candidate_names(build_model, world_size, candidates)
+    search = Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs, budget_bytes)
     return search_by_time(search, names) if objective == "time" else by_collectives(search, names)
 
 
-def search_by_time(search: _Search, names: list[str]) -> Plan:
+def search_by_time(search: Search, names: list[str]) -> Plan:
     sizes = _candidate_bytes(search, names)
     model, notes, device = _cost_model(search, names, sizes)
     frozen = any(g.frozen for g in sizes.values())
@@ -132,7 +132,7 @@ def search_by_time(search: _Search, names: list[str]) -> Plan:
     largest = max(g.total for g in sizes.values())
     packing = [round(b * largest / MIB, 3) for b in (2, 4)]
     caps: list[float | None] = [None, *sorted({round(model.all_gather.cap() / MIB, 1), *packing})]
-    for k in [0, *_group_sizes(len(names))]:
+    for k in [0, *group_sizes(len(names))]:
         groups = tuple(tuple(names[i : i + k]) for i in range(0, len(names), k)) if k else ()
         for cap in caps if len(groups) > 1 else [None]:  # one group and the root: nothing to pack
             for keep in (False, True) if frozen else (False,):
@@ -167,7 +167,7 @@ def search_by_time(search: _Search, names: list[str]) -> Plan:
     return _agreed(chosen)
 
 
-def _fewest_resharding_of(search: _Search, setting: Setting) -> Plan | None:
+def _fewest_resharding_of(search: Search, setting: Setting) -> Plan | None:
     if not setting.groups:  # root only: nothing to reshard
         found = search.trial_setting(setting)
         return found if found.fits else None
@@ -175,10 +175,10 @@ def _fewest_resharding_of(search: _Search, setting: Setting) -> Plan | None:
     def trial(groups: list[list[str]], rafs: list[bool]) -> Plan:
         return search.trial_setting(dataclasses.replace(setting, reshard_after_forward=tuple(rafs)))
 
-    return _fewest_resharding([list(g) for g in setting.groups], trial)
+    return fewest_resharding([list(g) for g in setting.groups], trial)
 
 
-def _offload_until_it_fits(search: _Search, names: list[str], sizes: dict[str, GroupBytes]) -> Plan:
+def _offload_until_it_fits(search: Search, names: list[str], sizes: dict[str, GroupBytes]) -> Plan:
     groups = tuple((name,) for name in names)
     order = sorted(range(len(names)), key=lambda i: (-sizes[names[i]].total, i))
     offload = [False] * len(names)
@@ -230,7 +230,7 @@ def _sum(name: str, parts: Sequence[GroupBytes]) -> GroupBytes:
     return GroupBytes(name, sum(p.total for p in parts), sum(p.trainable for p in parts))
 
 
-def _candidate_bytes(search: _Search, names: list[str]) -> dict[str, GroupBytes]:
+def _candidate_bytes(search: Search, names: list[str]) -> dict[str, GroupBytes]:
     """Gathered bytes per candidate (``""``: the root's own), from one simulated build."""
     dtype = getattr(search.shard_kwargs.get("mp_policy"), "param_dtype", None)
     with simulated_world(search.world_size):
@@ -254,12 +254,12 @@ def _bytes_of(name: str, params: Sequence[nn.Parameter], dtype: torch.dtype | No
 
 
 def _cost_model(
-    search: _Search, names: list[str], sizes: dict[str, GroupBytes]
+    search: Search, names: list[str], sizes: dict[str, GroupBytes]
 ) -> tuple[CostModel, list[str], str]:
     """The step-time model of this job, lines saying where its figures came from, the device type."""
     if not dist.is_initialized():
         model, seconds = _time_unsharded(search)
-        device = _device_type(model)
+        device = device_type(model)
         del model
         fit = NOMINAL_FITS.get(device, NOMINAL_FITS["cpu"])
         cost = CostModel(fit, fit, seconds, NOMINAL_PER_GROUP_S, device == "cuda", False)
@@ -299,10 +299,10 @@ def _cost_model(
     )
 
 
-def _time_wrapped(search: _Search, setting: Setting, world: int) -> tuple[float, str]:
+def _time_wrapped(search: Search, setting: Setting, world: int) -> tuple[float, str]:
     """Median seconds of a real step under ``setting`` on this job (the slowest rank's), and the device."""
     model = search.build_model()
-    device = _device_type(model)
+    device = device_type(model)
     apply_setting(model, setting, {"mesh": init_device_mesh(device, (world,)), **search.shard_kwargs})
     seconds = _time_steps(search, model, device)
     agreed = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -312,12 +312,12 @@ def _time_wrapped(search: _Search, setting: Setting, world: int) -> tuple[float,
     return float(agreed.item()), device
 
 
-def _time_unsharded(search: _Search) -> tuple[nn.Module, float]:
+def _time_unsharded(search: Search) -> tuple[nn.Module, float]:
     model = search.build_model()
-    return model, _time_steps(search, model, _device_type(model))
+    return model, _time_steps(search, model, device_type(model))
 
 
-def _time_steps(search: _Search, model: nn.Module, device: str) -> float:
+def _time_steps(search: Search, model: nn.Module, device: str) -> float:
     optimizer = search.make_optimizer(model.parameters())
     times = []
     for i in range(TIMED_STEPS + 1):

@@ -120,9 +120,9 @@ def test_where_latency_dominates_buckets_win_within_the_budget(monkeypatch: pyte
 
 def _sizes() -> dict[str, GroupBytes]:
     from fsdp2.tools import _planner
-    from fsdp2.tools._plan import _Search
+    from fsdp2.tools._plan import Search
 
-    search = _Search(Blocks, _step, 2, torch.optim.AdamW, {}, 2**30)
+    search = Search(Blocks, _step, 2, torch.optim.AdamW, {}, 2**30)
     return _planner._candidate_bytes(search, [f"layers.{i}" for i in range(4)])
 
 
