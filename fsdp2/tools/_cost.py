@@ -137,21 +137,20 @@ def _packed(sizes: Sequence[int], cap: float | None) -> list[int]:
 
 def calibrate(
     timed: Sequence[tuple[float, Setting]],
-    sizes_of: Sequence[Sequence[GroupBytes]],
-    root: GroupBytes,
+    shapes: Sequence[tuple[Sequence[GroupBytes], GroupBytes]],
     model: CostModel,
 ) -> CostModel:
     """``model`` with ``compute_s`` and ``per_group_s`` fitted to measured steps of two settings.
 
-    ``timed[i]``: the measured seconds of a steady step under a setting, ``sizes_of[i]`` its groups'
-    bytes. The collectives are predicted from the network fits; what remains is ``compute_s +
-    per_group_s * groups``, two measurements with different group counts give both (a negative
-    per-group cost, from noise, is taken as zero).
+    ``timed[i]``: the measured seconds of a steady step under a setting, ``shapes[i]`` its groups'
+    bytes and the root's. The collectives are predicted from the network fits; what remains is
+    ``compute_s + per_group_s * groups``, two measurements with different group counts give both (a
+    negative per-group cost, from noise, is taken as zero).
     """
     zero = dataclasses.replace(model, compute_s=0.0, per_group_s=0.0)
     rest = [
-        (seconds - zero.predict(setting, sizes, root), len(setting.groups) + 1)
-        for (seconds, setting), sizes in zip(timed, sizes_of, strict=True)
+        (seconds - zero.predict(setting, groups, root), len(setting.groups) + 1)
+        for (seconds, setting), (groups, root) in zip(timed, shapes, strict=True)
     ]
     (r1, n1), (r2, n2) = rest[0], rest[-1]
     per_group = (r1 - r2) / (n1 - n2) if n1 != n2 else 0.0

@@ -222,8 +222,14 @@ def _agreed(chosen: Plan) -> Plan:
 
 
 def _predict(model: CostModel, setting: Setting, sizes: dict[str, GroupBytes]) -> float:
+    return model.predict(setting, *_shape(setting, sizes))
+
+
+def _shape(setting: Setting, sizes: dict[str, GroupBytes]) -> tuple[list[GroupBytes], GroupBytes]:
+    """The bytes of each group of ``setting`` and of the root (its own and every candidate left to it)."""
     groups = [_sum(f"group {i}", [sizes[n] for n in names]) for i, names in enumerate(setting.groups)]
-    return model.predict(setting, groups, sizes[""])
+    grouped = {n for names in setting.groups for n in names}
+    return groups, _sum("", [part for name, part in sizes.items() if name not in grouped])
 
 
 def _sum(name: str, parts: Sequence[GroupBytes]) -> GroupBytes:
@@ -284,8 +290,7 @@ def _cost_model(
         timed.append((seconds, setting))
     ag, rs = measure_network(dist.group.WORLD, torch.device(device))  # type: ignore[arg-type]
     zero = CostModel(ag, rs, 0.0, 0.0, device == "cuda", True)
-    groups_of = [[_sum(str(i), [sizes[n] for n in g]) for i, g in enumerate(s.groups)] for _, s in timed]
-    cost = calibrate(timed, groups_of, sizes[""], zero)
+    cost = calibrate(timed, [_shape(setting, sizes) for _, setting in timed], zero)
     return (
         cost,
         [

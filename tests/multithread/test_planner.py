@@ -70,6 +70,18 @@ def test_the_model_counts_latencies_and_bytes() -> None:
     assert gathered - kept == pytest.approx(8 * FIT.seconds(1000))  # no frozen bytes gathered, twice
 
 
+def test_the_root_carries_every_candidate_left_to_it() -> None:
+    from fsdp2.tools._planner import _shape
+
+    sizes = {"": ROOT, **{g.name: g for g in SIZES}}
+    groups, root = _shape(Setting((), ()), sizes)  # root only: one group of everything
+    assert groups == []
+    assert (root.total, root.trainable) == (4100, 4100)
+    groups, root = _shape(Setting((("b0", "b1"),), (True,)), sizes)
+    assert [g.total for g in groups] == [2000]
+    assert root.total == 2100
+
+
 def test_calibration_separates_compute_from_per_group_cost() -> None:
     true = CostModel(FIT, FIT, compute_s=0.2, per_group_s=3e-4, overlap=False, measured_network=True)
     zero = CostModel(FIT, FIT, 0.0, 0.0, False, True)
@@ -77,7 +89,7 @@ def test_calibration_separates_compute_from_per_group_cost() -> None:
     b = Setting((("b0", "b1"), ("b2", "b3")), (True, True))
     pairs = [GroupBytes("p0", 2000, 2000), GroupBytes("p1", 2000, 2000)]
     timed = [(true.predict(a, SIZES, ROOT), a), (true.predict(b, pairs, ROOT), b)]
-    fitted = calibrate(timed, [SIZES, pairs], ROOT, zero)
+    fitted = calibrate(timed, [(SIZES, ROOT), (pairs, ROOT)], zero)
     assert fitted.compute_s == pytest.approx(0.2)
     assert fitted.per_group_s == pytest.approx(3e-4)
 
