@@ -125,6 +125,7 @@ def plan(
 
 def search_by_time(search: Search, names: list[str]) -> Plan:
     sizes = _candidate_bytes(search, names)
+    _same_model_everywhere(sizes)  # before any real step: different models would hang in it
     model, notes, device = _cost_model(search, names, sizes)
     frozen = any(g.frozen for g in sizes.values())
     settings: list[tuple[float, Setting]] = []
@@ -207,16 +208,33 @@ def _runner_up(fitting: Sequence[tuple[float, Plan]]) -> list[str]:
     return lines
 
 
+def _same_model_everywhere(sizes: dict[str, GroupBytes]) -> None:
+    """Raise on every rank of a running job if its ranks build different models (names and bytes)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(sizes.items()))
+    differ = [rank for rank, seen in enumerate(everyone) if seen != everyone[0]]
+    if differ:
+        raise ValueError(
+            f"fsdp2.plan: ranks {differ} built another model than rank 0 (other candidate modules or "
+            "parameter sizes); build_model must build the same model on every rank, and plan must be "
+            "called on every rank of the job."
+        )
+
+
 def _agreed(chosen: Plan) -> Plan:
-    """Every rank of a running job takes rank 0's plan (they compute the same one from agreed figures)."""
+    """Check that every rank of a running job chose the same plan (each computes it from agreed figures)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return chosen
-    box: list[Any] = [chosen.setting]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] != chosen.setting:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, chosen.setting)
+    differ = [rank for rank, setting in enumerate(everyone) if setting != everyone[0]]
+    if differ:  # every rank sees the same list: all raise together
         raise RuntimeError(
-            f"fsdp2.plan: ranks chose different wrappings ({box[0].describe()} on rank 0, "
-            f"{chosen.setting.describe()} here); build_model or train_step differs between ranks."
+            f"fsdp2.plan: ranks {differ} chose another wrapping than rank 0 "
+            f"({everyone[differ[0]].describe()} against {everyone[0].describe()}); build_model and "
+            "train_step must be the same on every rank."
         )
     return chosen
 

@@ -161,6 +161,9 @@ def test_bad_calls_are_refused() -> None:
     def rank_fn(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match="this job has 2 ranks but world_size=4"):
             fsdp2.plan(Blocks, _step, world_size=4, budget_bytes=2**30)
+        # rank 1 builds a wider model: refused on both ranks before any real step could hang
+        with pytest.raises(ValueError, match=r"ranks \[1\] built another model than rank 0"):
+            fsdp2.plan(lambda: Blocks(dim=24 + 8 * rank), _step, world_size=2, budget_bytes=2**30)
 
     run_ranks(2, rank_fn)
 
