@@ -6,14 +6,15 @@ before a job one timed unsharded step), and what ``Plan.explain`` says of it. Do
 trials, ``Plan`` and the search by collectives (``_plan``), the model (``_cost``).
 
 The search: a setting is a grouping (``k`` consecutive candidates per group, or root only), a bucket
-cap (none, the cap the measured network implies, or one that packs 2 or 4 of the largest
-candidates), and whether frozen parameters stay gathered;
-within it, the first ``m`` groups reshard after forward. More resharding lowers the peak and adds
-all-gathers, so for each setting the fewest resharding groups that fit (found by bisection on the
-simulated peak) is its fastest fitting variant. Settings are visited by their predicted time with no
-resharding, a bound no variant beats, and the search stops once that bound is no better than the
-best fitting plan found. Where nothing fits, the groups are offloaded to CPU, largest first, one more
-at a time, until the peak fits.
+cap (none, the cap the measured network implies if it packs two candidates, or one that packs 2 or 4
+of the largest), and whether frozen parameters stay gathered; within it, the first ``m`` groups
+reshard after forward. More resharding lowers the peak and adds all-gathers, so for each setting the
+fewest resharding groups that fit (found by bisection on the simulated peak) is its fastest fitting
+variant. Settings are visited by their predicted time with no resharding, a bound no variant beats,
+and the search stops once that bound is no better than the runner-up found. Inside a job, when the
+best two are predicted within ``TIE`` (3%) of each other, both are timed for real (the model cannot
+resolve them) and the faster is taken. Where nothing fits, the groups are offloaded to CPU, largest
+first, one more at a time, until the peak fits.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ._plan import (
 
 NOMINAL_PER_GROUP_S = 2e-4  # fsdp2's hooks and copies per group and step, before a job (CPU, measured)
 TIMED_STEPS = 3  # per calibration run, after one untimed step
+TIE = 0.03  # inside a job, the best two are timed for real when predicted this close
 
 
 def plan(
@@ -131,8 +133,12 @@ def search_by_time(search: Search, names: list[str]) -> Plan:
     settings: list[tuple[float, Setting]] = []
     # caps: none, the one the network implies, and ones that pack 2 or 4 of the largest candidates
     largest = max(g.total for g in sizes.values())
-    packing = [round(b * largest / MIB, 3) for b in (2, 4)]
-    caps: list[float | None] = [None, *sorted({round(model.all_gather.cap() / MIB, 1), *packing})]
+    smallest = min(sizes[name].total for name in names)
+    packing = {round(b * largest / MIB, 3) for b in (2, 4)}
+    measured = round(model.all_gather.cap() / MIB, 1)
+    if measured * MIB >= 2 * smallest:  # a cap below two candidates packs nothing
+        packing.add(measured)
+    caps: list[float | None] = [None, *sorted(packing)]
     for k in [0, *group_sizes(len(names))]:
         groups = tuple(tuple(names[i : i + k]) for i in range(0, len(names), k)) if k else ()
         for cap in caps if len(groups) > 1 else [None]:  # one group and the root: nothing to pack
@@ -160,12 +166,34 @@ def search_by_time(search: Search, names: list[str]) -> Plan:
         offloaded = _offload_until_it_fits(search, names, sizes)
         fitting.append((_predict(model, offloaded.setting, sizes), offloaded))
     fitting.sort(key=lambda item: (item[0], item[1].peak_bytes))
-    best_time, best = fitting[0]
     reasons = [*notes, *_runner_up(fitting)]
+    if dist.is_initialized():
+        fitting, tie = _settle_a_tie(search, fitting)
+        reasons += tie
+    best_time, best = fitting[0]
     chosen = dataclasses.replace(
         best, tried=search.tried(), predicted_step_s=best_time, objective="time", reasons=reasons
     )
     return _agreed(chosen)
+
+
+def _settle_a_tie(
+    search: Search, fitting: list[tuple[float, Plan]]
+) -> tuple[list[tuple[float, Plan]], list[str]]:
+    """Inside a job, time the best two for real when their predictions are within ``TIE``."""
+    others = [(t, p) for t, p in fitting[1:] if p.setting != fitting[0][1].setting]
+    if not others or others[0][0] > fitting[0][0] * (1 + TIE):
+        return fitting, []
+    world = dist.get_world_size()
+    (_, first), (_, second) = fitting[0], others[0]
+    measured = [_time_wrapped(search, plan.setting, world)[0] for plan in (first, second)]
+    line = (
+        f"near tie (predicted within {TIE:.0%}): timed {measured[0] * 1e3:.2f} ms for "
+        f"{first.setting.describe()} and {measured[1] * 1e3:.2f} ms for {second.setting.describe()}"
+    )
+    if measured[1] < measured[0]:
+        return [others[0], *[item for item in fitting if item[1] is not second]], [line + ": took the latter"]
+    return fitting, [line + ": kept the former"]
 
 
 def _fewest_resharding_of(search: Search, setting: Setting) -> Plan | None:

@@ -201,3 +201,31 @@ def test_offload_is_the_last_resort_on_an_accelerator(monkeypatch: pytest.Monkey
     with pytest.raises(fsdp2.PlanError) as info:
         fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=4096)
     assert not any("offloaded" in d for d, _, _ in info.value.best.tried)
+
+
+def test_a_near_tie_inside_a_job_is_settled_by_timing_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from fsdp2.tools import _planner
+
+    free = CollectiveFit(0.0, 0.0)  # every setting predicted alike: the best two tie
+    model = CostModel(free, free, compute_s=0.01, per_group_s=0.0, overlap=False, measured_network=True)
+    monkeypatch.setattr(_planner, "_cost_model", lambda *args: (model, ["fixed"], "cpu"))
+    calls: dict[int, int] = {}
+
+    def timed(search: object, setting: Setting, world: int) -> tuple[float, str]:
+        count = calls[threading.get_ident()] = calls.get(threading.get_ident(), 0) + 1
+        return (1.0 if count == 1 else 0.5), "cpu"  # the runner-up is faster for real
+
+    monkeypatch.setattr(_planner, "_time_wrapped", timed)
+
+    def rank_fn(rank: int, world: int) -> tuple[str, str]:
+        chosen = fsdp2.plan(Blocks, _step, world_size=2, budget_bytes=2**30)
+        return chosen.setting.describe(), chosen.explain()
+
+    (described, explained), other = run_ranks(2, rank_fn)
+    assert other[0] == described
+    assert "near tie" in explained
+    assert "took the latter" in explained
+    runner_up = next(line for line in explained.splitlines() if line.startswith("runner-up: "))
+    assert runner_up.removeprefix("runner-up: ").startswith(described)  # the runner-up was taken
