@@ -14,10 +14,12 @@ bytes. A collective of ``B`` bytes costs ``latency + B * seconds_per_byte`` (``m
 with a bucket cap, consecutive groups' collectives are packed into buckets of at most the cap, as
 the schedule packs them, so fewer latencies are paid for the same bytes. CPU offload adds each
 offloaded group's bytes over the host link both ways. Where the device runs collectives on streams
-of their own (CUDA), a collective hides behind the compute of the group before it: only what exceeds
-that compute (its share of ``compute_s`` by parameter bytes) is exposed; on the CPU every collective
-is paid in full. ``compute_s`` and ``per_group_s`` come from timing two real wrappings of the job's
-model on its ranks (``calibrate``): their difference in groups separates the two.
+of their own (CUDA), a collective hides behind the compute of the group next to it: only what exceeds
+that compute (the collective's share of ``compute_s`` by parameter bytes, the model's compute being
+taken as proportional to them) is exposed, and the first all-gather is exposed in full; on the CPU
+every collective is paid in full. ``compute_s`` and ``per_group_s`` come from timing two real
+wrappings of the job's model on its ranks (``calibrate``): their difference in groups separates the
+two.
 """
 
 from __future__ import annotations
@@ -108,12 +110,13 @@ class CostModel:
         again = [b for b, raf in zip(gathered, rafs, strict=True) if raf]
         backward = _packed(again, cap)
         reduced = _packed([g.trainable for g in order], cap)
-        if self.overlap:  # each collective hides behind the compute of one group's share
-            share = self.compute_s / max(len(order), 1)
-            hidden = sum(max(self.all_gather.seconds(b) - share, 0.0) for b in forward)
-            hidden += sum(max(self.all_gather.seconds(b) - share, 0.0) for b in backward)
-            hidden += sum(max(self.reduce_scatter.seconds(b) - share, 0.0) for b in reduced)
-            comm = hidden + (self.all_gather.seconds(forward[0]) if forward else 0.0)
+        if self.overlap:  # a collective hides behind compute of its bytes' share (its neighbour's)
+            per_byte = self.compute_s / max(sum(g.total for g in order), 1)
+            first = forward[:1]  # nothing runs before the first all-gather: paid in full
+            gathers = [*forward[1:], *backward]
+            comm = sum(self.all_gather.seconds(b) for b in first)
+            comm += sum(max(self.all_gather.seconds(b) - b * per_byte, 0.0) for b in gathers)
+            comm += sum(max(self.reduce_scatter.seconds(b) - b * per_byte, 0.0) for b in reduced)
         else:
             comm = sum(self.all_gather.seconds(b) for b in [*forward, *backward])
             comm += sum(self.reduce_scatter.seconds(b) for b in reduced)

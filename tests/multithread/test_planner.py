@@ -9,6 +9,8 @@ steps is a benchmark (``benchmarks/plan_time.py``), not a test.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -68,6 +70,18 @@ def test_the_model_counts_latencies_and_bytes() -> None:
     kept = model.predict(Setting(groups, (True,) * 4, keep_frozen=True), frozen, ROOT)
     gathered = model.predict(Setting(groups, (True,) * 4), frozen, ROOT)
     assert gathered - kept == pytest.approx(8 * FIT.seconds(1000))  # no frozen bytes gathered, twice
+
+
+def test_on_streams_collectives_hide_behind_their_share_of_compute() -> None:
+    groups = tuple((f"b{i}",) for i in range(4))
+    setting = Setting(groups, (True,) * 4)
+    serial = CostModel(FIT, FIT, 0.0, 0.0, overlap=False, measured_network=True)
+    streams = dataclasses.replace(serial, overlap=True)
+    # no compute to hide behind: the same as paying every collective
+    assert streams.predict(setting, SIZES, ROOT) == pytest.approx(serial.predict(setting, SIZES, ROOT))
+    # ample compute: only the compute and the first all-gather (nothing runs before it) remain
+    busy = dataclasses.replace(streams, compute_s=10.0)
+    assert busy.predict(setting, SIZES, ROOT) == pytest.approx(10.0 + FIT.seconds(1000))
 
 
 def test_the_root_carries_every_candidate_left_to_it() -> None:
