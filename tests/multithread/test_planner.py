@@ -152,10 +152,14 @@ def _sizes() -> dict[str, GroupBytes]:
     return _planner._candidate_bytes(search, [f"layers.{i}" for i in range(4)])
 
 
-def test_frozen_parameters_kept_gathered_are_searched() -> None:
+def test_frozen_parameters_kept_gathered_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp2.tools import _planner
+
+    # no near-tie timing: on this toy model the two are within noise, and the model's choice is tested
+    monkeypatch.setattr(_planner, "TIE", -1.0)
     (setting, _, described, _), _ = run_ranks(2, _plan_in_job, 2**30, True)
     assert any("frozen parameters kept gathered" in d for d in described)
-    assert "keep_frozen=True" in setting  # nothing gathered again: the fastest where it fits
+    assert "keep_frozen=True" in setting  # nothing gathered again: predicted the fastest where it fits
 
 
 def test_nothing_fits_raises_one_error_with_the_lowest_peak() -> None:
