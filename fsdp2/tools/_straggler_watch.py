@@ -23,6 +23,7 @@ from ..trace._debug import straggler_check_steps, straggler_fraction
 from ..trace._straggler import attribute
 
 _Wait = tuple[str, str, float]  # (collective, module, seconds blocked)
+_MAX_WAITS = 1 << 16  # per process group between two checks
 
 
 class StragglerWatch:
@@ -37,9 +38,13 @@ class StragglerWatch:
 
     def waited(self, group: dist.ProcessGroup, collective: str, module: str, seconds: float) -> None:
         """Note that this rank was blocked ``seconds`` before ``module``'s ``collective`` on ``group``."""
+        if straggler_check_steps() <= 0:
+            return
         entry = self._waits.get(group.group_name)
         if entry is None:
             entry = self._waits[group.group_name] = (group, [])
+        elif len(entry[1]) >= _MAX_WAITS:  # no optimizer step for long (evaluation): start again
+            entry[1].clear()  # every rank reaches the same count at the same agreement
         entry[1].append((collective, module, seconds))
 
     def stepped(self) -> None:
