@@ -172,3 +172,14 @@ class SleepyLinear(nn.Linear):
 def sleepy_chain(seconds: float, dim: int = 8) -> nn.Sequential:
     """Three blocks (unsharded); rank 1 sleeps ``seconds`` in block ``1``'s forward."""
     return nn.Sequential(nn.Linear(dim, dim), SleepyLinear(dim, seconds), nn.Linear(dim, dim))
+
+
+def sharded_sleepy_chain(seconds: float) -> nn.Module:
+    """``sleepy_chain`` with each block and then the root sharded by fsdp2 (the same on every rank)."""
+    import fsdp2
+
+    torch.manual_seed(0)
+    model = sleepy_chain(seconds)
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    return fsdp2.fully_shard(model)

@@ -310,9 +310,7 @@ def _cost_model(
 ) -> tuple[CostModel, list[str], str]:
     """The step-time model of this job, lines saying where its figures came from, the device type."""
     if not dist.is_initialized():
-        model, seconds = _time_unsharded(search)
-        device = device_type(model)
-        del model
+        seconds, device = _time_unsharded(search)
         fit = NOMINAL_FITS.get(device, NOMINAL_FITS["cpu"])
         cost = CostModel(fit, fit, seconds, NOMINAL_PER_GROUP_S, device == "cuda", False)
         return (
@@ -363,9 +361,11 @@ def _time_wrapped(search: Search, setting: Setting, world: int) -> tuple[float, 
     return float(agreed.item()), device
 
 
-def _time_unsharded(search: Search) -> tuple[nn.Module, float]:
+def _time_unsharded(search: Search) -> tuple[float, str]:
+    """Median seconds of a step of the plain model in this process (no job yet), and its device."""
     model = search.build_model()
-    return model, _time_steps(search, model, device_type(model))
+    device = device_type(model)
+    return _time_steps(search, model, device), device
 
 
 def _time_steps(search: Search, model: nn.Module, device: str) -> float:

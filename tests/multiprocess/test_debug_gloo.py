@@ -18,7 +18,7 @@ from torch import nn
 
 import fsdp2
 from tests._harness import run_multiprocess
-from tests.models import sleepy_chain
+from tests.models import sharded_sleepy_chain
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -70,18 +70,10 @@ def test_a_watchdog_deadline_past_the_group_timeout_warns() -> None:
 SLEEP_S = 0.15
 
 
-def _sharded() -> nn.Module:
-    torch.manual_seed(0)
-    model = sleepy_chain(SLEEP_S)
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    return fsdp2.fully_shard(model)
-
-
 def _straggler_in_processes() -> None:
     import warnings
 
-    model = _sharded()
+    model = sharded_sleepy_chain(SLEEP_S)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 8)
 
@@ -104,7 +96,7 @@ def _straggler_in_processes() -> None:
 
     # Debug mode: the same rank is named while training runs (a new root: the guard installs at init).
     fsdp2.set_debug(True, straggler=0.2, straggler_steps=3)
-    model = _sharded()
+    model = sharded_sleepy_chain(SLEEP_S)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -11,27 +11,18 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import fsdp2
 from fsdp2.trace._debug import debug_enabled
 from fsdp2.trace._straggler import attribute
 from tests._harness import run_threaded
-from tests.models import sleepy_chain
+from tests.models import sharded_sleepy_chain
 
 SLEEP_S = 0.2
 
 
-def _sharded() -> nn.Module:
-    torch.manual_seed(0)
-    model = sleepy_chain(SLEEP_S)
-    for layer in model:
-        fsdp2.fully_shard(layer)
-    return fsdp2.fully_shard(model)
-
-
 def _run() -> tuple[str, list[tuple[int, str, str, float, int]]]:
-    model = _sharded()
+    model = sharded_sleepy_chain(SLEEP_S)
     x = torch.ones(2, 8)
     model(x).sum().backward()  # lazy init, outside the recording
     with fsdp2.record_events() as events:
@@ -56,7 +47,7 @@ def test_the_sleeping_rank_is_named_on_every_rank() -> None:
 
 
 def _train_in_debug_mode() -> float:
-    model = _sharded()
+    model = sharded_sleepy_chain(SLEEP_S)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 8)
     for _ in range(4):  # the first step is warm-up; the check comes after the next 3
