@@ -5,7 +5,9 @@
 Owns: building a DTensor from a local tensor and a precomputed spec without the autograd and
 validation work of ``DTensor.from_local`` (hot path: one call per gradient per step), re-pointing
 a DTensor at new local storage, and ``copy.deepcopy`` of a DTensor whose local tensor starts at a
-storage offset (torch 2.13's fails; installed at import, see ``install_deepcopy``).
+storage offset (torch 2.13's fails; installed at import, see ``install_deepcopy``), and pickling
+(``torch.save``) of a DTensor whose local tensor is a part of a larger storage: just the part is
+saved (torch 2.13 fails where the part starts at an offset; see ``install_pickling``).
 ``tests/unit/test_dtensor.py`` checks them against the public API.
 Invariants: the spec passed in describes the local tensor (global shape, stride, dtype, placements).
 """
@@ -23,10 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "DTensorSpec",
     "install_deepcopy",
+    "install_pickling",
     "local_in_placements",
     "local_of",
     "locals_of",
@@ -183,3 +187,40 @@ def install_deepcopy() -> None:
     """Give ``DTensor`` the deep copy above, unless torch defines one of its own (idempotent)."""
     if DTensor.__deepcopy__ is _TENSOR_DEEPCOPY:
         DTensor.__deepcopy__ = _deepcopy_at_offset  # type: ignore[method-assign,assignment]
+
+
+def _covers_storage(local: torch.Tensor) -> bool:
+    """Whether ``local`` is its storage's only content (a plain tensor, or one without data)."""
+    if local.device.type == "meta" or is_traceable_wrapper_subclass(local) or not torch._C._has_storage(local):  # noqa: SLF001 - the public is_* checks do not cover storage-less tensors
+        return True
+    if isinstance(local, torch._subclasses.fake_tensor.FakeTensor):  # noqa: SLF001 - no public FakeTensor check
+        return True
+    return local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+
+
+def _reduce_part(self: DTensor, proto: int) -> Any:
+    """Pickle a DTensor; one whose local tensor is part of a larger storage keeps just that part.
+
+    fsdp2's local shards are slots of a group's packed buffer. Pickled through ``torch.Tensor``'s
+    reduction, a shard at a nonzero offset fails (its wrapper has a nonzero ``data_ptr()``, which torch
+    takes for a real storage), and one at offset 0 would carry the whole buffer. Here the part is
+    copied into a storage of its own (a transient copy while the pickler runs) and that DTensor is
+    pickled instead: it loads as a DTensor over a compact local tensor, the spec and attributes kept.
+    """
+    local = local_of(self)
+    if _covers_storage(local) and self.data_ptr() == 0:
+        return _TENSOR_REDUCE_EX(self, proto)
+    compact = wrap_local(local.detach().clone(memory_format=torch.contiguous_format), spec_of(self), requires_grad=self.requires_grad)
+    for name, value in self.__dict__.items():
+        if name not in ("_local_tensor", "_spec"):
+            setattr(compact, name, value)
+    return _TENSOR_REDUCE_EX(compact, proto)
+
+
+_TENSOR_REDUCE_EX = torch.Tensor.__reduce_ex__
+
+
+def install_pickling() -> None:
+    """Give ``DTensor`` the reduction above, unless torch defines one of its own (idempotent)."""
+    if DTensor.__reduce_ex__ is _TENSOR_REDUCE_EX:
+        DTensor.__reduce_ex__ = _reduce_part  # type: ignore[method-assign,assignment]
