@@ -381,7 +381,10 @@ class _Slot:
 
     def __init__(self, param: DTensor) -> None:
         self.param = param
-        self.local = local_of(param)
+        self.local = local = local_of(param)
+        grad_dtype = param.grad_dtype  # e.g. fp32 gradients of bf16 weights: the local takes them too
+        if grad_dtype != local.grad_dtype:
+            local.grad_dtype = grad_dtype
         self.saved: dict[str, Any] | None = None  # the DTensor-keyed state dict last mirrored
         self.saved_values: tuple[Any, ...] = ()
         self.local_state: dict[str, Any] = {}

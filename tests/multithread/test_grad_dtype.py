@@ -83,3 +83,35 @@ def test_the_policy_reduce_dtype_wins_for_the_reduction_and_the_gradient_stays_i
             # reduced in bf16, then kept in fp32: the fp32 reference rounded to bf16 once or twice
             torch.testing.assert_close(grad, ref, rtol=1.6e-2, atol=1e-5)
     assert any(not torch.equal(g, r) for g, r in zip(bf16[0], expected, strict=True)), "not reduced in bf16"
+
+
+def _train_sgd(base: nn.Module, steps: int, sharded: bool, world: int) -> list[torch.Tensor]:
+    """``steps`` SGD steps (momentum: state kept across steps) of bf16 weights with fp32 gradients."""
+    model = copy.deepcopy(base)
+    for param in model.parameters():
+        param.grad_dtype = torch.float32
+    if sharded:
+        fsdp2.fully_shard(model[0])
+        fsdp2.fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        ranks = [dist.get_rank()] if sharded else range(world)
+        for rank in ranks:
+            model(_batch(rank, step)).float().pow(2).sum().backward()
+        if not sharded:
+            for param in model.parameters():
+                param.grad /= world
+        optim.step()
+        optim.zero_grad()
+    return [p.full_tensor() if sharded else p.detach() for p in model.parameters()]
+
+
+def test_grad_dtype_with_local_shard_optimizer_steps() -> None:
+    """From the second step on, SGD runs on the local shards (the default ``FSDP2_LOCAL_STEP``): the
+    fp32 gradient is given to the bf16 local tensor, whose own ``grad_dtype`` must allow it."""
+    base = _model()
+    expected = _train_sgd(base, 3, sharded=False, world=2)
+    for params in run_threaded(2, _train_sgd, base, 3, True, 2):
+        for param, ref in zip(params, expected, strict=True):
+            assert param.dtype == torch.bfloat16
+            torch.testing.assert_close(param, ref, rtol=0, atol=0)
