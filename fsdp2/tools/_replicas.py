@@ -64,8 +64,8 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """``[words, sum, weighted sum]`` of ``tensor``'s bytes as 64-bit words (wrapping int64 sums)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = (-data.numel()) % 8
-    if pad:
-        data = torch.cat([data, data.new_zeros(pad)])
+    if pad or data.storage_offset() % 8:  # 64-bit words need 8 whole bytes at an aligned offset
+        data = torch.cat([data, data.new_zeros(pad)])  # a copy of its own (a shard may start anywhere)
     words = data.view(torch.int64)
     weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
     return torch.stack(

@@ -76,6 +76,20 @@ def test_with_three_replicas_the_odd_one_is_named() -> None:
     assert "0.weight: replica(s) [2] differ from the other 2 on mesh dim 'replicate'" in messages[0]
 
 
+def _uneven() -> nn.Sequential:
+    """Odd sizes: ``2.weight``'s shards are 3 and 2 rows of 9, so ``2.bias``'s shard starts 108 bytes into
+    the root's packed buffer on shard rank 0 (not a whole number of 64-bit words)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
+
+
+def test_uneven_shards_at_unaligned_offsets_are_compared() -> None:
+    messages = run_threaded(4, _check, _uneven(), 2, 1)
+    assert len(set(messages)) == 1
+    assert "0.weight: replicas [0, 1] do not agree (no majority) on mesh dim 'replicate'" in messages[0]
+    assert "0.bias" not in messages[0]
+
+
 def test_without_replicas_or_a_process_group_there_is_nothing_to_compare() -> None:
     assert fsdp2.check_replicas(_base()) is None  # no process group, plain parameters
     run_threaded(2, _check, _base(), 1, None)  # FSDP only: no replicated dim
