@@ -236,9 +236,11 @@ class FSDPModule(_ModuleBase):
         return None
 
     def reshard(self) -> None:
-        """Free this module's unsharded parameters and register the sharded ones."""
-        for group in self._get_fsdp_state().groups:
-            group.reshard()
+        """Free this module's unsharded parameters and register the sharded ones.
+
+        On the root, also the copies ``fsdp2.keep_frozen_gathered`` kept of any group under it.
+        """
+        self._get_fsdp_state().release()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step (waits for reductions, drops prefetch state)."""

@@ -162,15 +162,6 @@ class FSDPParamGroup:
         self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
         self.lazy_initialized = True
 
-    def hand_over(self, params: list[FSDPParam]) -> None:
-        """Leave ``params`` (sharded) to another group; the rest are gathered without them from now on."""
-        assert self.sharded_state is ShardedState.SHARDED, "hand over parameters while sharded"
-        self.fsdp_params = kept = [p for p in self.fsdp_params if p not in params]
-        self.packed = _unpacked(kept, self.config)  # repacked at the next lazy init
-        self.gatherer = AllGatherer(kept, self.mesh_info, self.device)
-        self.buffer, self.use_tracker = UnshardedBuffer(), None
-        self.readopt_sharded_params()
-
     def readopt_sharded_params(self) -> None:
         """Re-adopt the registered sharded parameters; the next unshard re-runs lazy init.
 
@@ -185,8 +176,10 @@ class FSDPParamGroup:
     # ---- unshard / reshard -----------------------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        """Whether an unshard would issue an all-gather (none pending, not unsharded)."""
-        return self.gatherer.result is None and self.sharded_state is not _UNSHARDED
+        """Whether an unshard would issue an all-gather (none pending, not unsharded, no current kept copy)."""
+        if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
+            return False
+        return not self.buffer.current(self.fsdp_params)  # see [Note: A kept copy]
 
     def ready_to_gather(self) -> None:
         """Lazy-init again if the parameters were re-adopted since the last step (idempotent)."""
@@ -229,12 +222,15 @@ class FSDPParamGroup:
         """Finish the pending all-gather: copy out and register the unsharded parameters."""
         gatherer = self.gatherer
         if gatherer.result is None:
+            if self.sharded_state is _SHARDED and self.buffer.current(self.fsdp_params):
+                self._register_unsharded()  # the kept copy is current: no collective
+                self.sharded_state = _UNSHARDED
             return
         waited = _events.span_start(self.event_scope) if RECORDING.on else None  # blocked until copied out
         with self._watch("all-gather wait", self.training_state):
             result = gatherer.wait()
         assert result is not None, "an all-gather vanished while waiting for it"
-        self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes)
+        self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes, self.controls.keep_gathered)
         if self._watch_init:
             self._watch_init = False
             warn_if_repeated_shards(self.fsdp_params, result.world_size)
@@ -277,11 +273,15 @@ class FSDPParamGroup:
                         _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
-            self.buffer.register_sharded(self.fsdp_params, self.sharded_state is _UNSHARDED)
-            self.buffer.free()
+            self.buffer.register_sharded(self.fsdp_params, self.sharded_state is _UNSHARDED)  # and frees
             self.sharded_state = ShardedState.SHARDED
             if RECORDING.on:
                 _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+
+    def release(self) -> None:
+        """A full reshard that also frees a kept copy (``model.reshard()``, loads, conversions)."""
+        self.reshard()
+        self.buffer.release(self.fsdp_params)
 
     def _register_unsharded(self) -> None:
         """Register every parameter's unsharded form on its modules.
@@ -444,9 +444,15 @@ def split_group(group: FSDPParamGroup, params: list[FSDPParam]) -> FSDPParamGrou
     The new group copies ``group``'s controls and collectives; both repack their shards at their next
     lazy init (the sharded parameters stay the same objects).
     """
+    assert group.sharded_state is ShardedState.SHARDED, "split a group while sharded"
     if group.use_tracker is not None:
         group.use_tracker.close()  # the next root adoption tracks both groups anew
-    group.hand_over(params)
+    # ``group`` leaves ``params`` to the new group and gathers the rest without them from now on.
+    group.fsdp_params = rest = [p for p in group.fsdp_params if p not in params]
+    group.packed = _unpacked(rest, group.config)  # repacked at the next lazy init
+    group.gatherer = AllGatherer(rest, group.mesh_info, group.device)
+    group.buffer, group.use_tracker = UnshardedBuffer(), None
+    group.readopt_sharded_params()
     new = FSDPParamGroup(
         params, _unpacked(params, group.config), group.modules, group.config, group.post_forward_mesh_info
     )

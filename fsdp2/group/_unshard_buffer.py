@@ -11,6 +11,16 @@ one rank the gathered layout is the buffer's own and copy-out is a single copy. 
 output per parameter (each ``FSDPParam`` allocates its own). Registering the unsharded and the sharded
 parameters on their modules is a list of dict writes resolved once (``_build_slots``) instead of a
 method call per parameter.
+
+[Note: A kept copy]
+A group kept gathered (``fsdp2.keep_frozen_gathered``) reshards as any group does: its sharded
+parameters are registered again after backward, after a no-grad forward and at ``state_dict()``, so
+``model.parameters()``, an optimizer, a state dict, ``check_replicas`` and ``WeightSync`` see the
+sharded DTensors, never a stale unsharded tensor. Only its storage is not freed: the gathered values
+stay, with the version counters of the shards they came from (``held``). The next unshard registers
+them again without a collective while every counter is unchanged; any in-place write to a shard since
+(an optimizer step after unfreezing, ``load_state_dict``, ``init_like_unsharded``) changes one, and the
+group gathers again. ``model.reshard()`` and conversions free the copy (``release``).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from ._gather import slots_of
 if TYPE_CHECKING:
     from ..param._param import FSDPParam
 
-__all__ = ["UnshardedBuffer"]
+__all__ = ["UnshardedBuffer", "shard_versions"]
 
 _ALIGN_BYTES = 64  # where each parameter's part of a group's unsharded buffer starts
 _Slot = tuple[dict[str, Any], str, torch.Tensor]  # (module._parameters, name, tensor to register)
@@ -57,6 +67,7 @@ class UnshardedBuffer:
         self._unsharded: list[_Slot] | None = None
         self._sharded: list[_Slot] | None = None
         self._requires_grad: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.held: tuple[int, ...] | None = None  # a kept copy: its shards' versions (see the Note)
 
     def resolve(self, params: Sequence[FSDPParam], shares: bool, dtype: torch.dtype, sharded: bool) -> None:
         """Lazy init: share one buffer or not; drop a buffer a conversion made stale (``.double()``)."""
@@ -65,6 +76,7 @@ class UnshardedBuffer:
                 fsdp_param.drop_unsharded()
             self.data = self._one_copy = None
         self.shares = shares
+        self.held = None  # dtypes or layouts may have changed: gather again
         self._targets.clear()
         self.forget_slots()
 
@@ -76,9 +88,18 @@ class UnshardedBuffer:
     # ---- storage ---------------------------------------------------------------------------------
 
     def fill(
-        self, result: AllGatherResult, params: Sequence[FSDPParam], dtype: torch.dtype, as_bytes: bool
+        self,
+        result: AllGatherResult,
+        params: Sequence[FSDPParam],
+        dtype: torch.dtype,
+        as_bytes: bool,
+        keep: bool = False,
     ) -> None:
-        """Allocate (or regrow) the outputs and copy this group's part of ``result`` into them."""
+        """Allocate (or regrow) the outputs and copy this group's part of ``result`` into them.
+
+        ``keep``: hold them across reshards as a kept copy (see [Note: A kept copy]).
+        """
+        self.held = shard_versions(params) if keep else None
         if self.shares:
             self._grow(params, dtype, result.world_size)
         else:
@@ -126,6 +147,21 @@ class UnshardedBuffer:
         if self.data is not None:
             self.data.untyped_storage().resize_(0)
 
+    # ---- a kept copy (see [Note: A kept copy]) ----------------------------------------------------
+
+    def current(self, params: Sequence[FSDPParam]) -> bool:
+        """Whether a kept copy holds the values of ``params``' shards as they are now."""
+        return self.held is not None and self.held == shard_versions(params)
+
+    def release(self, params: Sequence[FSDPParam]) -> None:
+        """Free a kept copy (sharded state only); the next unshard gathers again."""
+        if self.held is None:
+            return
+        self.held = None
+        self.free()
+        for fsdp_param in params:
+            fsdp_param.free_unsharded()
+
     # ---- registration ----------------------------------------------------------------------------
 
     def register_unsharded(self, params: Sequence[FSDPParam], sync_requires_grad: bool, batch: bool) -> None:
@@ -149,14 +185,20 @@ class UnshardedBuffer:
             registry[name] = tensor
 
     def register_sharded(self, params: Sequence[FSDPParam], from_unsharded: bool) -> None:
-        """Register every parameter's sharded form again (batched from the unsharded state)."""
+        """Register every parameter's sharded form again (batched from the unsharded state).
+
+        The unsharded storage is freed, unless a kept copy is held.
+        """
+        keep = self.held is not None
         slots = self._sharded
         if slots is not None and from_unsharded:
             for registry, name, tensor in slots:
                 registry[name] = tensor
         else:
             for fsdp_param in params:
-                fsdp_param.to_sharded()
+                fsdp_param.to_sharded(free=not keep)
+        if not keep:
+            self.free()
 
     def _build_slots(self, params: Sequence[FSDPParam]) -> None:
         """Resolve the batched registrations, where every owner module allows them."""
@@ -174,3 +216,17 @@ class UnshardedBuffer:
             for p in params
         ]
         self._unsharded, self._sharded = unsharded, sharded
+
+
+def shard_versions(params: Sequence[FSDPParam]) -> tuple[int, ...]:
+    """The version counters of ``params``' sharded parameters and of their local tensors.
+
+    An in-place op on the DTensor (an optimizer step, ``load_state_dict``'s copy) bumps the
+    DTensor's counter only; a write to its local tensor (``init_like_unsharded``, ``to_local()``, a
+    local-shard optimizer step) bumps the local's. Together they change at every in-place write.
+    """
+    versions = []
+    for fsdp_param in params:
+        versions.append(fsdp_param.sharded_param._version)  # noqa: SLF001 - no public API
+        versions.append(fsdp_param.local.local_tensor()._version)  # noqa: SLF001
+    return tuple(versions)

@@ -321,8 +321,11 @@ class FSDPParam:
 
     # ---- registered-state transitions -------------------------------------------------------------
 
-    def to_sharded(self) -> None:
+    def to_sharded(self, free: bool = True) -> None:
+        """Register the sharded parameter; ``free=False`` keeps the unsharded storage (a kept copy)."""
         self._register(self.sharded_param)
+        if not free:
+            return
         if self.extension is not None:
             self.extension.free()
         self.unsharded.release()

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
 from ..base._lifecycle import TrainingState
+from ..base._mesh import MeshInfo
 from ..comm._comm_context import CommContext
 from ..group._param_group import FSDPParamGroup, split_group
 from ..param._late_params import LATE, check_late_parameters
@@ -68,6 +69,7 @@ class RootContext:
     - ``post_optim_event``: recorded after the optimizer step; the next all-gathers wait on it.
     - ``iterations``: how many iterations (forwards of the root) have begun; the debug mode names them.
     - ``use_agreement``: which parameters no rank used, agreed once per backward (``_agreement.py``).
+    - ``kept``: the groups kept gathered (``keep_gathered``), each with the post-forward mesh it had.
     """
 
     def __init__(self) -> None:
@@ -81,6 +83,7 @@ class RootContext:
         self.post_optim_event: torch.Event | None = None
         self.iterations = 0
         self.use_agreement = UseAgreement([])  # built at adoption (see _agreement.py)
+        self.kept: dict[FSDPParamGroup, MeshInfo | None] = {}
         # optimizer -> which of this root's groups it steps (the step guard's cache, ``_step_guard``)
         self.stepped_groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
             weakref.WeakKeyDictionary()
@@ -121,10 +124,11 @@ class RootContext:
         """Keep ``params`` (frozen, some or all of ``group``'s) unsharded once gathered.
 
         All of them: ``group`` itself is kept. Some: they move into a group of their own over the same
-        modules (``split_group``), which ``state`` takes in. The kept group never reshards after
-        forward, backward or an optimizer step; the schedule gathers it again when a shard changed.
+        modules (``split_group``), which ``state`` takes in. The kept group keeps its parameters from
+        forward to backward and its gathered storage after resharding; it gathers again when a shard
+        changed (see [Note: A kept copy] in ``group/_unshard_buffer.py``).
         """
-        group.reshard()  # idle: a full reshard (the split needs sharded parameters)
+        group.release()  # idle: a full reshard (the split needs sharded parameters)
         kept = group
         if len(params) < len(group.fsdp_params):
             kept = split_group(group, params)
@@ -132,11 +136,23 @@ class RootContext:
             kept.attach(self.comm_ctx, self.event_scope)
             self.use_agreement = UseAgreement(self.groups())
             groups_changed()
+        self.kept[kept] = kept.post_forward_mesh_info
         kept.set_post_forward_mesh(None)
-        kept.controls.update(
-            keep_gathered=True, reshard_after_backward=False, reshard_after_no_grad_forward=False
-        )
+        kept.controls.update(keep_gathered=True)
         return kept
+
+    def release_kept(self) -> None:
+        """Free every kept group's gathered copy (``model.reshard()`` on the root); kept from the next use."""
+        for group in self.kept:
+            group.release()
+
+    def stop_keeping(self) -> None:
+        """Free every kept group's gathered copy; they gather and reshard as any group from now on."""
+        for group, post_forward_mesh in self.kept.items():
+            group.controls.update(keep_gathered=False)
+            group.release()
+            group.set_post_forward_mesh(post_forward_mesh)
+        self.kept.clear()
 
     # ---- forward ---------------------------------------------------------------------------------
 

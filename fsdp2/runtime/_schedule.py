@@ -79,9 +79,8 @@ class Schedule(Generic[_State]):
         self.iteration_start = 0
         self._forward: dict[int, list[FSDPParamGroup]] = {}
         self._backward: dict[int, list[FSDPParamGroup]] = {}
-        # kept groups (``keep_gathered``): id -> (their shards' version counters, their sharded
-        # parameters' requires_grad) when last used
-        self._kept: dict[int, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
+        # kept groups (``keep_gathered``): id -> their sharded parameters' requires_grad when last used
+        self._kept: dict[int, tuple[bool, ...]] = {}
 
     def set_caps(self, all_gather: int | None, reduce_scatter: int | None) -> None:
         self.bucketing.all_gather_cap = all_gather
@@ -157,19 +156,20 @@ class Schedule(Generic[_State]):
         group.wait_for_unshard()
         if controls.keep_gathered:
             flags = tuple(p.sharded_param.requires_grad for p in group.fsdp_params)
-            self._kept[id(group)] = (_shard_versions(group), flags)
+            self._kept[id(group)] = flags
 
     def refresh(self, group: FSDPParamGroup) -> None:
-        """Before a kept group (``keep_gathered``) enters forward: nothing stale, no lost unfreezing.
+        """Before a kept group (``keep_gathered``) enters forward while still unsharded (a forward with
+        gradients and no backward since): nothing stale, no lost unfreezing.
 
-        A shard written in place since the group's last use (an optimizer step, ``load_state_dict``,
-        ``init_like_unsharded``): reshard, so the use gathers it again. ``requires_grad`` changed on
-        the registered (unsharded) tensor while the sharded parameter kept its own: the change goes to
-        the sharded parameter (the registration then agrees), so the parameter trains.
+        A shard written in place since the group was gathered: reshard, so the use gathers it again
+        (see [Note: A kept copy]). ``requires_grad`` changed on the registered (unsharded) tensor while
+        the sharded parameter kept its own: the change goes to the sharded parameter (the
+        registration then agrees), so the parameter trains.
         """
         if group.sharded_state is not ShardedState.UNSHARDED:
             return
-        versions, flags = self._kept.get(id(group), ((), ()))
+        flags = self._kept.get(id(group), ())
         params = group.fsdp_params
         if flags == tuple(p.sharded_param.requires_grad for p in params):
             for fsdp_param in params:
@@ -179,7 +179,7 @@ class Schedule(Generic[_State]):
                     and unsharded.requires_grad != fsdp_param.sharded_param.requires_grad
                 ):
                     fsdp_param.sharded_param.requires_grad_(unsharded.requires_grad)
-        if versions != _shard_versions(group):
+        if not group.buffer.current(group.fsdp_params):
             group.reshard()
 
     def prefetch(self, group: FSDPParamGroup, as_state: TrainingState) -> None:
@@ -267,20 +267,6 @@ class Schedule(Generic[_State]):
                 return
             self.bucketing.queue.flush(group.comm_ctx)
         group.reduce(params, grads)
-
-
-def _shard_versions(group: FSDPParamGroup) -> tuple[int, ...]:
-    """The version counters of ``group``'s sharded parameters and their local tensors.
-
-    An in-place op on the DTensor (an optimizer step, ``load_state_dict``'s copy) bumps the
-    DTensor's counter only; a write to its local tensor (``init_like_unsharded``, ``to_local()``)
-    bumps the local's. Together they change at every in-place write.
-    """
-    versions = []
-    for fsdp_param in group.fsdp_params:
-        versions.append(fsdp_param.sharded_param._version)  # noqa: SLF001 - no public API
-        versions.append(fsdp_param.local.local_tensor()._version)  # noqa: SLF001
-    return tuple(versions)
 
 
 def _groups_in(states: Sequence[StateLike]) -> list[tuple[FSDPParamGroup, bool]]:

@@ -181,6 +181,13 @@ class FSDPState(TorchStateNames):
 
     # ---- lazy init -------------------------------------------------------------------------------
 
+    def release(self) -> None:
+        """``reshard()``: free its groups' unsharded parameters; on the root also every kept copy."""
+        for group in self.groups:
+            group.release()
+        if self.is_root:
+            self.shared_context().release_kept()
+
     def lazy_init(self) -> None:
         """Make this state the root of its module tree (first forward only; see ``RootContext.init_root``)."""
         if self.is_root is not None:

@@ -31,7 +31,7 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of
         group.reshard()
 
     def prepare_load(mod: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        group.reshard()
+        group.release()
         shard_full_tensors(mod, state_dict, prefix, state_of)
 
     def adopt_loaded(mod: nn.Module, incompatible_keys: Any) -> None:

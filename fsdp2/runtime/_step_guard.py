@@ -235,6 +235,5 @@ def after_optimizer_step(group: FSDPParamGroup) -> None:
         group.sharded_state is ShardedState.UNSHARDED
         and group.training_state is TrainingState.IDLE
         and not group.awaiting_backward
-        and not group.controls.keep_gathered  # kept groups check their shards' versions before use
     ):
         group.reshard()  # the next forward gathers the updated parameters

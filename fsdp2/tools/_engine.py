@@ -128,10 +128,10 @@ def extension_params(states: list[FSDPState]) -> list[str]:
 
 
 def reshard(states: list[FSDPState]) -> None:
-    """Register every group's sharded parameters and free the unsharded ones."""
+    """Register every group's sharded parameters and free the unsharded ones (kept ones too)."""
     for state in states:
         for group in state.groups:
-            group.reshard()
+            group.release()
 
 
 @contextmanager

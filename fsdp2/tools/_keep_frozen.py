@@ -22,7 +22,7 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
     """Keep the frozen parameters of ``model`` unsharded once gathered, within ``budget_bytes`` per rank.
 
     For LoRA and other fine-tuning with a frozen backbone: parameters with ``requires_grad=False``
-    are all-gathered at their first use and then stay unsharded across forwards, backwards,
+    are all-gathered at their first use and the gathered copy stays across forwards, backwards,
     micro-batches and optimizer steps, so a step gathers only the trainable parameters. Trainable
     parameters that share a ``fully_shard`` group with frozen ones (PEFT puts adapters inside the
     frozen modules) are gathered and resharded as before: the frozen ones move into a group of their
@@ -30,13 +30,14 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
 
     The largest frozen parameters are kept first (ties by name) while their unsharded bytes on a rank
     fit ``budget_bytes``; one that does not fit is skipped and smaller ones may still fit. Every rank
-    makes the same choice. Kept parameters are registered unsharded between steps (as with
-    ``reshard_after_forward=False``): ``model.parameters()`` yields them as plain tensors until a
-    ``reshard()`` or ``state_dict()``. A kept parameter whose shard is written in
-    place afterwards (an optimizer step after unfreezing it, ``load_state_dict``,
-    ``init_like_unsharded``) is gathered again at its next use, never served stale. Call it on the
-    root, outside forward and backward, once; ``model.reshard()`` and ``state_dict()`` free the kept
-    parameters until their next use. Setters called later on a module (``set_reshard_after_backward``,
+    makes the same choice. Between steps kept parameters are registered sharded, as every
+    other parameter (``model.parameters()``, optimizers, state dicts and ``WeightSync`` see the
+    DTensors); only the gathered storage stays, and the next use registers it again without a
+    collective. A kept parameter whose shard is written in place afterwards (an optimizer step after
+    unfreezing it, ``load_state_dict``, ``init_like_unsharded``) is gathered again at its next use,
+    never served stale. Call it on the root, outside forward and backward; a later call replaces the
+    earlier choice (``budget_bytes=0`` keeps none). ``model.reshard()`` on the root frees the kept
+    copies until their next use. Setters called later on a module (``set_reshard_after_backward``,
     ``set_reshard_after_forward``) apply to its kept group too.
 
     Args:
@@ -59,7 +60,7 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
             f"keep_frozen_gathered: {type(model).__name__} is not a fully_shard module. Call it on the root "
             "after fully_shard."
         )
-    if state.is_root is False:
+    if state.is_root is False or (state.is_root is None and state.nested):
         raise ValueError(
             f"keep_frozen_gathered: {type(model).__name__} is not the root of its model; call it on the "
             "root (the module whose forward runs first), which keeps the frozen parameters of every group "
@@ -69,13 +70,14 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
     if engine.busy(states):
         raise RuntimeError("keep_frozen_gathered: call it outside forward and backward.")
     frozen = engine.frozen_params(model)  # runs the root's lazy init
+    ctx = engine.root_context(model)
+    ctx.stop_keeping()  # a later call replaces the earlier choice
     frozen.sort(key=lambda item: (-item[3], item[2].fqn))
     chosen, total = [], 0
     for item in frozen:
         if budget_bytes is None or total + item[3] <= budget_bytes:
             chosen.append(item)
             total += item[3]
-    ctx = engine.root_context(model)
     by_group: dict[int, list[Any]] = {}
     for item in chosen:
         by_group.setdefault(id(item[1]), []).append(item)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 __all__ = ["WeightSync"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SENDABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what engines load
 
 
 class WeightSync:
@@ -47,8 +48,14 @@ class WeightSync:
 
     Args:
         model: the sharded model (plain parameters are sent as they are).
-        dtype: the dtype the consumer holds (default ``torch.bfloat16``).
-        rank: the one rank that receives the pairs (``None``: every rank).
+        dtype: the dtype the consumer holds (default ``torch.bfloat16``): float16, bfloat16, float32 or
+            float64.
+        rank: the one rank that receives the pairs (``None``: every rank), a rank of the job.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``dtype`` not a dtype.
+        ValueError: ``dtype`` is not one of the four above (an integer or bool would truncate the
+            weights; float8 cannot be compared and sent sparse), or ``rank`` is not a rank of the job.
     """
 
     def __init__(
@@ -56,8 +63,20 @@ class WeightSync:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"WeightSync expects an nn.Module, got {type(model).__name__}.")
-        if not isinstance(dtype, torch.dtype) or dtype.itemsize not in _INT_OF_SIZE:  # type: ignore[redundant-expr]  # reason: a user may pass anything
-            raise TypeError(f"WeightSync dtype must be a torch.dtype of 1 to 8 bytes, got {dtype!r}.")
+        if not isinstance(dtype, torch.dtype):  # type: ignore[redundant-expr]  # reason: a user may pass anything
+            raise TypeError(f"WeightSync dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}.")
+        if dtype not in _SENDABLE:
+            raise ValueError(
+                f"WeightSync cannot send weights as {dtype}: integers and bool would truncate them, and "
+                "float8 and complex dtypes cannot be compared and sent sparse. Use one of float16, "
+                "bfloat16, float32 or float64, and quantise on the engine's side."
+            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
+            raise ValueError(
+                f"WeightSync rank must be None (every rank receives) or a rank of this job, 0 to {world - 1}; "
+                f"got {rank!r}."
+            )
         self.model = model
         self.dtype = dtype
         self.rank = rank

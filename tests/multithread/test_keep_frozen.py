@@ -76,8 +76,7 @@ def _train(base: Net, budget: int | str | None) -> dict:
         optim.step()
         optim.zero_grad()
         gathered.append(log.sent_bytes("all_gather"))
-    # kept parameters are registered unsharded between steps (plain tensors), the others as DTensors
-    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}  # all sharded DTensors between steps
     return {"kept": kept, "losses": losses, "params": full, "gathered": gathered}
 
 
@@ -176,3 +175,181 @@ def _misuse() -> None:
 
 def test_misuse_is_refused() -> None:
     run_threaded(2, _misuse)
+
+
+# ---- kept weights are the sharded parameters between steps -------------------------------------------
+
+_UNFROZEN = "blocks.1.base.weight"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _unfreeze_and_train(base: Net, sharded: bool) -> dict:
+    """One step with the backbone kept, then a kept weight unfrozen through ``get_parameter`` and added
+    to the optimizer; every read between steps (and a weight sync) must see the trained values."""
+    model = copy.deepcopy(base)
+    if sharded:
+        _shard(model)
+        fsdp2.keep_frozen_gathered(model)
+        sync = fsdp2.WeightSync(model, torch.float32)
+    optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    seen: dict[str, list[torch.Tensor]] = {"get_parameter": [], "parameters": [], "synced": [], "resharded": []}
+    consumer = {name: torch.zeros_like(_full(p)) for name, p in model.named_parameters()}
+    for step in range(3):
+        if step == 1:
+            weight = model.get_parameter(_UNFROZEN)
+            weight.requires_grad_(True)
+            optim.add_param_group({"params": [weight]})
+        ranks = [dist.get_rank()] if sharded else range(dist.get_world_size())
+        for rank in ranks:
+            model(_batch(rank, step, 0)).pow(2).mean().backward()
+        if not sharded:
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad /= dist.get_world_size()
+        optim.step()
+        optim.zero_grad()
+        seen["get_parameter"].append(_full(model.get_parameter(_UNFROZEN)))
+        seen["parameters"].append(_full(dict(model.named_parameters())[_UNFROZEN]))
+        if sharded:
+            for name, tensor in sync.updates():
+                consumer[name] = tensor.to_dense() if tensor.is_sparse else tensor.clone()
+            seen["synced"].append(consumer[_UNFROZEN].clone())
+            model.reshard()
+            seen["resharded"].append(_full(model.get_parameter(_UNFROZEN)))
+    return seen
+
+
+def test_an_unfrozen_kept_weight_trains_and_is_never_read_stale() -> None:
+    """Unfreezing a kept weight through the registered parameter and adding it to an optimizer trains
+    it as the unsharded model does; parameters(), get_parameter(), reshard() and WeightSync all read it
+    as trained after each step (a kept weight used to be registered unsharded between steps: a plain
+    tensor that neither trained nor saw the optimizer's update)."""
+    base = _base()
+    expected = run_threaded(2, _unfreeze_and_train, base, False)[0]["get_parameter"]
+    assert not torch.equal(expected[1], expected[0])  # it moves once unfrozen
+    for seen in run_threaded(2, _unfreeze_and_train, base, True):
+        for how in ("get_parameter", "parameters", "synced", "resharded"):
+            for step, (got, ref) in enumerate(zip(seen[how], expected, strict=True)):
+                torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=f"{how}, step {step}")
+
+
+def _sync_around_state_dicts(base: Net) -> list[list[str]]:
+    """The RL loop: a sync before training, then after each step, with a load_state_dict and a
+    state_dict between two of them."""
+    model = _shard(copy.deepcopy(base))
+    fsdp2.keep_frozen_gathered(model)
+    sync = fsdp2.WeightSync(model, torch.float32)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    consumer = {}
+    sent = []
+    for step in range(4):
+        received = list(sync.updates())
+        consumer.update({n: t.to_dense() if t.is_sparse else t for n, t in received})
+        sent.append([n for n, _ in received])
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(consumer[name], _full(param), rtol=0, atol=0, msg=f"{step} {name}")
+        if step == 3:
+            break
+        model(_batch(dist.get_rank(), step, 0)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        if step == 1:
+            model.load_state_dict(model.state_dict())
+        if step == 2:
+            model.state_dict()
+    return sent
+
+
+def test_weight_sync_across_steps_state_dicts_and_loads() -> None:
+    for sent in run_threaded(2, _sync_around_state_dicts, _base()):
+        assert len(sent[0]) == 10  # every parameter first
+        assert all("base" not in name and not name.startswith("head") for name in sent[1] + sent[2] + sent[3])
+
+
+def _full_load_after_a_step(base: Net) -> None:
+    """A full state dict loaded (``set_model_state_dict``) right after a training step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    edited = {k: v * 2 for k, v in base.state_dict().items()}
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(edited)
+    model = _shard(copy.deepcopy(base))
+    fsdp2.keep_frozen_gathered(model)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(_batch(dist.get_rank(), 0, 0)).pow(2).mean().backward()
+    optim.step()
+    set_model_state_dict(model, edited, options=StateDictOptions(full_state_dict=True))
+    x = _batch(0, 9, 0)
+    torch.testing.assert_close(model(x).detach(), ref(x).detach(), rtol=0, atol=0)
+
+
+def test_full_state_dict_load_after_a_step_with_kept_weights() -> None:
+    run_threaded(2, _full_load_after_a_step, _base())
+
+
+def _replicas_of_kept_weights(base: Net) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    fsdp2.keep_frozen_gathered(model)
+    model(_batch(mesh.get_local_rank("shard"), 0, 0)).pow(2).mean().backward()
+    assert fsdp2.check_replicas(model) is None
+    if mesh.get_local_rank("replicate") == 1:
+        with torch.no_grad():  # a frozen weight drifted on one replica
+            model.get_parameter("blocks.0.base.weight").to_local().add_(1e-3)
+    with pytest.raises(RuntimeError, match="check_replicas") as error:
+        fsdp2.check_replicas(model)
+    return str(error.value)
+
+
+def test_check_replicas_compares_kept_frozen_weights() -> None:
+    for message in run_threaded(4, _replicas_of_kept_weights, _base()):
+        assert "blocks.0.base.weight: replicas [0, 1] do not agree" in message
+
+
+def _kept_storage(model: Net) -> int:
+    """Bytes of the kept copies: the unsharded storage of the kept groups, between steps."""
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name  # every parameter is registered sharded between steps
+    group_bytes = 0
+    for module in [*model.blocks, model]:
+        for group in module._get_fsdp_state().groups:  # noqa: SLF001 - what a kept group holds
+            if group.controls.keep_gathered:
+                group_bytes += sum(p.unsharded.data.untyped_storage().nbytes() for p in group.fsdp_params
+                                   if p.unsharded.data is not None)
+    return group_bytes
+
+
+def _keep_calls(base: Net) -> list:
+    model = _shard(copy.deepcopy(base))
+    with pytest.raises(ValueError, match="not the root"):
+        fsdp2.keep_frozen_gathered(model.blocks[0])  # before the first forward: still not the root
+    first = fsdp2.keep_frozen_gathered(model)
+    model(_batch(dist.get_rank(), 0, 0)).sum().backward()
+    held = _kept_storage(model)
+    again = fsdp2.keep_frozen_gathered(model)  # the same choice again
+    with record_collectives(model) as log:
+        model(_batch(dist.get_rank(), 1, 0)).sum().backward()
+    regathered = log.sent_bytes("all_gather")
+    none = fsdp2.keep_frozen_gathered(model, 0)  # a later call replaces the choice: none kept
+    model(_batch(dist.get_rank(), 2, 0)).sum().backward()
+    fsdp2.keep_frozen_gathered(model)
+    model(_batch(dist.get_rank(), 3, 0)).sum().backward()
+    before_reshard = _kept_storage(model)
+    model.reshard()
+    return [first, again, none, held, before_reshard, _kept_storage(model), regathered]
+
+
+def test_calls_before_the_first_forward_and_again_and_reshard() -> None:
+    for first, again, none, held, before, after, regathered in run_threaded(2, _keep_calls, _base()):
+        assert len(first) == 6 and again == first and none == []
+        assert held > 0 and before == held
+        assert after == 0  # model.reshard() frees the kept copies
+        assert regathered > 0  # the second call re-kept: the first forward after it gathers again

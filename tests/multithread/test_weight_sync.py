@@ -102,3 +102,21 @@ def test_bad_arguments_are_refused() -> None:
         fsdp2.WeightSync(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dtype"):
         fsdp2.WeightSync(nn.Linear(2, 2), "bfloat16")  # type: ignore[arg-type]
+    for dtype in (torch.int8, torch.bool, torch.float8_e4m3fn, torch.complex64):
+        with pytest.raises(ValueError, match=f"cannot send weights as {dtype}"):
+            fsdp2.WeightSync(nn.Linear(2, 2), dtype)
+    for rank in (1, -1, True, "0"):  # no process group: the one process is rank 0
+        with pytest.raises(ValueError, match="rank must be None"):
+            fsdp2.WeightSync(nn.Linear(2, 2), rank=rank)  # type: ignore[arg-type]
+    fsdp2.WeightSync(nn.Linear(2, 2), torch.float16, rank=0)
+
+
+def _rank_out_of_range() -> None:
+    model = fsdp2.fully_shard(nn.Linear(4, 4))
+    for rank in (2, 5, -1):
+        with pytest.raises(ValueError, match=r"a rank of this job, 0 to 1; got"):
+            fsdp2.WeightSync(model, rank=rank)
+
+
+def test_a_rank_outside_the_job_is_refused() -> None:
+    run_threaded(2, _rank_out_of_range)
