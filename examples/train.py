@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="record steps 2-3, write DIR/rank<r>.json and .png timelines and DIR/timeline.json (all ranks)",
     )
     p.add_argument("--ckpt-dir", default=None, help="directory for DCP checkpoints (DIR/step_<n>)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument(
+        "--ckpt-every", type=int, default=0, help="save every N steps and after the last step (0: never)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument(
         "--export", metavar="PATH", default=None, help="write the trained weights to a safetensors file"
@@ -398,7 +400,9 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
         losses.append(mean_loss.item() / world_size)
         progress.update(step, losses[-1])
-        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
+            # every N steps and after the last one, on the cadence or not (as torchtitan's
+            # CheckpointManager does): the end of a run can always be resumed with more --steps
             save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule)
         if recording is not None and step == trace_steps[1]:
             recording.__exit__(None, None, None)
@@ -465,29 +469,80 @@ def write_manifest(folder: Path) -> None:
 
 
 def damage(folder: Path) -> list[str]:
-    """What is wrong with a complete checkpoint's files (every rank checks its share; all agree)."""
+    """What keeps a complete checkpoint from loading as it was saved ([] when nothing): the same list
+    on every rank.
+
+    Total: each rank checks its share of the files and turns anything it cannot check (a manifest of
+    another shape, an unreadable file) into a problem, then one exchange gives every rank the union,
+    so no rank raises alone while the others wait for it.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    problems: list[str] = []
-    files: dict[str, Any] = {}
     try:
-        files = json.loads((folder / MANIFEST).read_text())["files"]
+        problems = _problems(folder, rank, world)
+    except Exception as error:  # whatever was not foreseen is damage too, on every rank alike
+        problems = [f"cannot be verified ({type(error).__name__}: {error})"]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for part in everyone for p in part})
+
+
+def _problems(folder: Path, rank: int, world: int) -> list[str]:
+    """This rank's part of ``damage``: the marker, the manifest's shape and coverage, then its share."""
+    marker = (folder / COMPLETE).read_text().splitlines()
+    step = folder.name[len("step_") :]
+    if not marker or marker[0] != f"step {step}":
+        said = repr(marker[0]) if marker else "nothing"
+        return [f"{COMPLETE} says {said}, not 'step {step}' (a folder renamed after the save)"]
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        if MANIFEST not in (folder / COMPLETE).read_text():
+        if MANIFEST not in marker:
             return []  # saved before manifests existed: loaded unverified, as before
-        problems.append(f"{MANIFEST} missing")
-    except (ValueError, KeyError) as error:
-        problems.append(f"{MANIFEST} unreadable ({error})")
+        return [f"{MANIFEST} missing"]
+    except ValueError as error:  # not JSON, or not UTF-8
+        return [f"{MANIFEST} unreadable ({error})"]
+    files, problem = _manifest_files(manifest)
+    if problem:
+        return [f"{MANIFEST} unreadable ({problem})"]
+    needed = (".metadata", "train_state.pt")  # what a load opens besides the shards .metadata names
+    problems = [f"{MANIFEST} does not list {name}" for name in needed if name not in files]
+    ours = (COMPLETE, MANIFEST)
+    unlisted = sorted(p.name for p in folder.iterdir() if p.name not in files and p.name not in ours)
+    if unlisted:
+        problems.append(f"{', '.join(unlisted)} not in {MANIFEST}")
     for name in sorted(files)[rank::world]:
         path, entry = folder / name, files[name]
-        if not path.exists():
+        if not path.is_file():
             problems.append(f"{name} missing")
         elif path.stat().st_size != entry["size"]:
             problems.append(f"{name} has {path.stat().st_size} bytes, {entry['size']} written")
         elif _sha256(path) != entry["sha256"]:
             problems.append(f"{name} changed since it was written (sha256)")
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, problems)
-    return sorted({p for part in everyone for p in part})
+        elif name == ".metadata":  # intact: every file DCP will read must be one the manifest vouches for
+            from torch.distributed.checkpoint import FileSystemReader
+
+            storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
+            unvouched = sorted({info.relative_path for info in storage.values()} - files.keys())
+            if unvouched:
+                problems.append(f".metadata reads {', '.join(unvouched)}, which {MANIFEST} does not list")
+    return problems
+
+
+def _manifest_files(manifest: Any) -> tuple[dict[str, Any], str]:
+    """``(files, "")`` for a manifest shaped as ``write_manifest`` writes it, else ``({}, what is wrong)``."""
+    shape = '{"files": {name: {"size": bytes, "sha256": hex digest}}}'
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return {}, f"a JSON {type(manifest).__name__} where {shape} was written"
+    for name, entry in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return {}, f"{name!r} is not a file name of the checkpoint"
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            return {}, f"the entry of {name} has no sha256"
+        size = entry.get("size")
+        if isinstance(size, bool) or not isinstance(size, int):
+            return {}, f"the entry of {name} has no size"
+    return files, ""
 
 
 def checkpoint_stage(stage: str) -> None:
@@ -541,12 +596,25 @@ def complete_checkpoints(root: Path) -> tuple[list[int], list[str]]:
     """Steps of the complete checkpoints under root, and the names of the folders skipped."""
     steps, skipped = [], []
     for path in sorted(root.glob("step_*")):
-        suffix = path.name[len("step_") :]
-        if suffix.isdigit() and (path / COMPLETE).exists():
-            steps.append(int(suffix))
+        if _step_of(path.name) is not None and (path / COMPLETE).is_file():
+            steps.append(int(path.name[len("step_") :]))
         else:
             skipped.append(path.name)
     return sorted(steps), skipped
+
+
+def _step_of(name: str) -> int | None:
+    """n for a name a save writes (``step_<n>``, n in ASCII digits without leading zeros), else None."""
+    suffix = name[len("step_") :] if name.startswith("step_") else ""
+    if suffix.isascii() and suffix.isdigit() and suffix == str(int(suffix)):
+        return int(suffix)
+    return None
+
+
+def _why_skipped(name: str) -> str:
+    if _step_of(name) is None and not name.endswith((".partial", ".replaced")):
+        return "not a name a save writes (step_<n>, n without leading zeros)"
+    return "incomplete (a save was interrupted)"
 
 
 def load_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any) -> int:
@@ -560,9 +628,11 @@ def load_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     )
 
     rank = dist.get_rank()
-    steps, skipped = complete_checkpoints(root)
-    if rank == 0 and skipped:
-        print(f"skipped incomplete checkpoint(s) in {root}: {', '.join(skipped)} (a save was interrupted)")
+    listing: list[Any] = [complete_checkpoints(root)]
+    dist.broadcast_object_list(listing, src=0)  # rank 0's listing: every rank verifies the same folders
+    steps, skipped = listing[0]
+    for name in skipped if rank == 0 else []:
+        print(f"skipped {root / name}: {_why_skipped(name)}", flush=True)
     if not steps:
         if rank == 0:
             print(f"no complete checkpoint in {root}: starting from step 0", flush=True)

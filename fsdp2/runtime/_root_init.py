@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..group._param_group import FSDPParamGroup
-from ..trace._debug import check_same_model, debug_enabled
+from ..trace._debug import check_environment, check_same_model, debug_enabled
 
 __all__ = ["STATE_ATTR", "TreeState", "state_device", "state_of", "validate_tree"]
 
@@ -50,6 +50,8 @@ def validate_tree(root: TreeState) -> list[Any]:
 
     Raises before any state or group changes (group names and lazy init are idempotent).
     """
+    if debug_enabled():
+        check_environment()  # FSDP2_DEBUG=1 takes effect here: its FSDP2_DEBUG_* values must be usable
     if len(root.modules) > 1:
         names = ", ".join(type(m).__name__ for m in root.modules)
         raise RuntimeError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,16 +31,82 @@ import torch.distributed as dist
 ParamFingerprint = tuple[str, tuple[int, ...], str, str]  # (name, shape, dtype, group)
 
 
+class _EnvSetting(NamedTuple):
+    variable: str
+    default: str
+    parse: Callable[[str], Any]
+    allowed: str
+    ok: Callable[[Any], bool]
+
+
+_SECONDS = "a positive number of seconds"
+_STEPS = "a whole number of optimizer steps, 0 or more (0: never)"
+# The numeric settings. Each variable is read when debug mode needs it (not at import), unless
+# set_debug gave a value; a value it cannot use raises a ValueError naming the variable and its range.
+_ENV: dict[str, _EnvSetting] = {
+    "deadline_s": _EnvSetting("FSDP2_DEBUG_DEADLINE", "60", float, _SECONDS, lambda v: v > 0),
+    "timeout_s": _EnvSetting("FSDP2_DEBUG_TIMEOUT", "8", float, _SECONDS, lambda v: v > 0),
+    "replicas_every": _EnvSetting("FSDP2_DEBUG_REPLICAS", "100", int, _STEPS, lambda v: v >= 0),
+    "straggler_fraction": _EnvSetting(
+        "FSDP2_DEBUG_STRAGGLER", "0.1", float, "a fraction of a step in (0, 1]", lambda v: 0 < v <= 1
+    ),
+    "straggler_steps": _EnvSetting("FSDP2_DEBUG_STRAGGLER_STEPS", "10", int, _STEPS, lambda v: v >= 0),
+}
+
+
 class _Settings:
     enabled = os.environ.get("FSDP2_DEBUG", "") not in ("", "0")
-    deadline_s = float(os.environ.get("FSDP2_DEBUG_DEADLINE", "60"))
-    timeout_s = float(os.environ.get("FSDP2_DEBUG_TIMEOUT", "8"))
-    replicas_every = int(os.environ.get("FSDP2_DEBUG_REPLICAS", "100"))  # optimizer steps; 0: never
+    # None: not given to set_debug, so its variable in _ENV (or the default there) applies
+    deadline_s: float | None = None
+    timeout_s: float | None = None
+    replicas_every: int | None = None  # optimizer steps; 0: never
     # a rank whose lateness costs the others this fraction of a step is named, checked every N steps
-    straggler_fraction = float(os.environ.get("FSDP2_DEBUG_STRAGGLER", "0.1"))
-    straggler_steps = int(os.environ.get("FSDP2_DEBUG_STRAGGLER_STEPS", "10"))  # 0: never
+    straggler_fraction: float | None = None
+    straggler_steps: int | None = None  # 0: never
     report: Callable[[str], None] | None = None  # where watchdog reports go (default: stderr)
     root_init_hooks: list[Callable[[Any, list[Any]], None]] = []  # noqa: RUF012 - one list, by design
+
+
+_parsed: dict[tuple[str, str], Any] = {}  # (setting, its variable's text) -> the value, once checked
+
+
+def _setting(key: str) -> Any:
+    """One numeric setting: set_debug's value, else its environment variable's (checked), else the default."""
+    value = getattr(_Settings, key)
+    if value is not None:
+        return value
+    env = _ENV[key]
+    text = os.environ.get(env.variable, env.default)
+    value = _parsed.get((key, text))
+    if value is None:
+        try:
+            value = env.parse(text.strip())
+        except ValueError:
+            value = None
+        if value is None or not env.ok(value):
+            raise ValueError(
+                f"fsdp2 debug: {env.variable}={text!r} is not {env.allowed}. Set it to such a value "
+                f"(default {env.default}) or unset it."
+            )
+        _parsed[(key, text)] = value
+    return value
+
+
+def check_environment(skip: Sequence[str] = ()) -> None:
+    """Raise one ``ValueError`` naming every numeric ``FSDP2_DEBUG_*`` variable debug mode cannot use.
+
+    Called where debug mode takes effect: ``set_debug(True)`` (``skip``: the settings it was given),
+    and the root's lazy init with debug on.
+    """
+    problems = []
+    for key in _ENV:
+        if key not in skip:
+            try:
+                _setting(key)
+            except ValueError as error:
+                problems.append(str(error).removeprefix("fsdp2 debug: "))
+    if problems:
+        raise ValueError("fsdp2 debug: " + " ".join(problems))
 
 
 def set_debug(
@@ -64,6 +131,10 @@ def set_debug(
     ``FSDP2_DEBUG_REPLICAS`` steps (default 100) ``check_replicas`` runs. Turn it on before the root's
     first forward: the guard is installed there. See docs/debugging.md.
 
+    A setting not passed here comes from its ``FSDP2_DEBUG_*`` variable (or its default), checked when
+    debug mode is turned on: here with ``enabled=True``, or at the root's first forward under
+    ``FSDP2_DEBUG=1``.
+
     Args:
         enabled: on or off.
         deadline: seconds before an unfinished collective is reported (default 60, or
@@ -78,9 +149,14 @@ def set_debug(
             ``FSDP2_DEBUG_STRAGGLER_STEPS``; 0: never). The first step is never judged.
 
     Raises:
+        TypeError: a ``deadline``, ``timeout`` or ``straggler`` that is not a number (nothing is changed).
         ValueError: a ``deadline`` or ``timeout`` that is not positive, a ``straggler`` fraction
-            outside (0, 1] or a negative ``straggler_steps`` (nothing is changed).
+            outside (0, 1] or a negative ``straggler_steps``; or, with ``enabled=True``, the variable of
+            a setting not passed here holding a value outside its range (nothing is changed).
     """
+    for name, value in (("deadline", deadline), ("timeout", timeout), ("straggler", straggler)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"set_debug({name}=...) takes a number, got {value!r} ({type(value).__name__}).")
     for name, value in (("deadline", deadline), ("timeout", timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"set_debug({name}=...) must be a positive number of seconds, got {value!r}.")
@@ -91,6 +167,10 @@ def set_debug(
         raise ValueError(
             f"set_debug(straggler_steps=...) is a count of optimizer steps (0: never), got {steps!r}."
         )
+    if enabled:  # the settings not given here come from the environment: they must be usable
+        given = {"deadline_s": deadline, "timeout_s": timeout, "straggler_fraction": straggler}
+        given["straggler_steps"] = straggler_steps
+        check_environment(skip=[key for key, value in given.items() if value is not None])
     _Settings.enabled = bool(enabled)
     if deadline is not None:
         _Settings.deadline_s = float(deadline)
@@ -109,22 +189,22 @@ def debug_enabled() -> bool:
 
 def replica_check_every() -> int:
     """Debug mode compares the replicas every this many optimizer steps (``FSDP2_DEBUG_REPLICAS``)."""
-    return _Settings.replicas_every
+    return int(_setting("replicas_every"))
 
 
 def straggler_fraction() -> float:
     """The share of a step the others must wait for one rank to name it (``FSDP2_DEBUG_STRAGGLER``)."""
-    return _Settings.straggler_fraction
+    return float(_setting("straggler_fraction"))
 
 
 def straggler_check_steps() -> int:
     """Optimizer steps between debug mode's straggler checks (``FSDP2_DEBUG_STRAGGLER_STEPS``)."""
-    return _Settings.straggler_steps
+    return int(_setting("straggler_steps"))
 
 
 def guard_timeout() -> float:
     """Seconds a rank waits for the others at an FSDP collective in debug mode."""
-    return _Settings.timeout_s
+    return float(_setting("timeout_s"))
 
 
 def on_root_init(hook: Callable[[Any, list[Any]], None]) -> None:
@@ -292,7 +372,7 @@ _watchdog = _Watchdog()
 @contextlib.contextmanager
 def _watch(what: str) -> Iterator[None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    deadline = _Settings.deadline_s
+    deadline = float(_setting("deadline_s"))
     _check_deadline(deadline)
     token = _watchdog.enter(what, rank, deadline)
     try:

@@ -16,6 +16,7 @@ whose collective it was.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,16 +75,38 @@ def straggler_report(events: Any, group: dist.ProcessGroup | None = None) -> Str
     Args:
         events: the list ``record_events()`` yielded (its ``waits``).
         group: the process group of the ranks to compare (ranks of the report are ranks in it).
+
+    Raises:
+        TypeError: on every rank, when some rank passed something other than a recording (the ranks
+            exchange what they were given first, so none is left waiting).
+
+    Warns:
+        RuntimeWarning: on every rank, when some rank's recording holds no collective waits (nothing
+            can be compared; the report has no rows).
     """
     waits = getattr(events, "waits", None)
-    if waits is None:
+    problem = "" if waits is not None else type(events).__name__
+    mine = [(w.name, w.module_fqn, (w.end_us - w.start_us) / 1e6) for w in waits or ()]
+    everyone: list[Any] = [(problem, mine)]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (problem, mine), group=group)
+    wrong = {rank: entry[0] for rank, entry in enumerate(everyone) if entry[0]}
+    if wrong:
+        given = ", ".join(f"rank {rank}: {name}" for rank, name in wrong.items())
         raise TypeError(
-            f"straggler_report expects what fsdp2.record_events() yielded, got {type(events).__name__}."
+            "straggler_report expects, on every rank, what fsdp2.record_events() yielded there; got "
+            f"something else on {given}. Pass each rank's own recording."
         )
-    mine = [(w.name, w.module_fqn, (w.end_us - w.start_us) / 1e6) for w in waits]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return attribute(everyone)
+    empty = [rank for rank, entry in enumerate(everyone) if not entry[1]]
+    if empty:
+        warnings.warn(
+            f"straggler_report: the recording of rank(s) {empty} holds no collective waits, so no collective "
+            "can be compared. Record the same training steps under fsdp2.record_events() on every rank.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return attribute([entry[1] for entry in everyone])
 
 
 def attribute(per_rank: Sequence[Sequence[tuple[str, str, float]]]) -> StragglerReport:

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -217,8 +218,11 @@ def test_ctrl_c_ends_the_main_job_with_one_line_per_rank(tmp_path: Path) -> None
 def _resume_and_check(ckpt_dir: str, export: str) -> None:
     train = _load_train()
     common = ["--steps", "6", *SMALL, "--ckpt-dir", ckpt_dir]
-    uninterrupted = train.main([*common, "--ckpt-every", "3"])  # also saves step_3
-    resumed = train.main([*common, "--resume", "--export", export])  # as if killed after step 3
+    uninterrupted = train.main([*common, "--ckpt-every", "3"])  # saves step_3 and step_6 (the last)
+    if dist.get_rank() == 0:
+        shutil.rmtree(Path(ckpt_dir) / "step_6")  # as if killed after step 3's save
+    dist.barrier()
+    resumed = train.main([*common, "--resume", "--export", export])
     assert resumed == uninterrupted[3:], (uninterrupted, resumed)  # bit for bit
     gc.collect()
 

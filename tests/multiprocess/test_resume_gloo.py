@@ -27,7 +27,7 @@ from tests.multiprocess.test_examples import SMALL, _load_train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-COMMON = ["--steps", "6", *SMALL, "--ckpt-every", "2"]  # saves step_2 and step_4
+COMMON = ["--steps", "6", *SMALL, "--ckpt-every", "2"]  # saves step_2, step_4 and step_6 (the last)
 
 
 def _uninterrupted(ckpt_dir: str, out: str) -> None:
@@ -108,7 +108,7 @@ def _full_state(train: Any, ckpt_dir: str) -> dict[str, Any]:
 
 def _save_then_record(ckpt_dir: str, out: str) -> None:
     train = _load_train()
-    train.main(["--steps", "4", *SMALL, "--ckpt-every", "2", "--ckpt-dir", ckpt_dir])  # saves step_2
+    train.main(["--steps", "2", *SMALL, "--ckpt-every", "2", "--ckpt-dir", ckpt_dir])  # saves step_2
     state = _full_state(train, ckpt_dir)  # loaded on the ranks that saved it
     if dist.get_rank() == 0:
         torch.save(state, out)
@@ -143,5 +143,5 @@ def test_resume_on_more_ranks_then_on_fewer(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     on_2, on_3 = str(tmp_path / "saved_on_2.pt"), str(tmp_path / "saved_on_3.pt")
     run_multiprocess(2, _save_then_record, ckpt, on_2)
-    run_multiprocess(3, _load_compare_continue, ckpt, on_2, 2, ["--steps", "6", "--ckpt-every", "2"], on_3)
+    run_multiprocess(3, _load_compare_continue, ckpt, on_2, 2, ["--steps", "4", "--ckpt-every", "2"], on_3)
     run_multiprocess(2, _load_compare_continue, ckpt, on_3, 4, ["--steps", "6"], None)

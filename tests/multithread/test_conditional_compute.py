@@ -342,3 +342,46 @@ def test_a_wrong_prediction_is_exact_with_bucketing(monkeypatch: pytest.MonkeyPa
         # One bucketed reduce-scatter per step (MoE and root groups), and in step 0 the weight read
         # outside its expert reduced after the fact
         assert [len(rows) for rows in result["sent"]] == [2, 1, 1]
+
+
+class _Blocks(nn.Module):
+    """Three ``Linear`` blocks, with or without a ``head`` left in the root's group (a submodule there)."""
+
+    def __init__(self, head: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 8) if head else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _counts_per_step(head: bool, impl: str) -> list[dict[str, int]]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    shard = fsdp2.fully_shard if impl == "fsdp2" else torch_fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = _Blocks(head)
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    steps = []
+    for _ in range(3):
+        with fsdp2.testing.count_collectives() as counts:
+            model(torch.ones(4, 8)).sum().backward()
+        steps.append(dict(counts))
+    return steps
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_the_first_backward_agrees_only_where_a_group_tracks_a_submodule(head: bool) -> None:
+    """docs/collectives.md: a root + 3 Linear blocks issues exactly torch's collectives; with a head
+    in the root's group (a tracked submodule), one all-reduce more in the first backward only."""
+    torch_counts = run_threaded(2, _counts_per_step, head, "torch")[0]
+    ours = run_threaded(2, _counts_per_step, head, "fsdp2")[0]
+    extra = [step.pop("all_reduce", 0) for step in ours]
+    assert ours == torch_counts
+    assert extra == ([1, 0, 0] if head else [0, 0, 0])

@@ -100,3 +100,39 @@ def test_attribution_from_durations_alone() -> None:
 def test_a_list_without_waits_is_refused() -> None:
     with pytest.raises(TypeError, match="record_events"):
         fsdp2.straggler_report([])
+
+
+def _report_with_rank_1(given: str) -> str | int:
+    """Rank 0 passes its recording of a step; rank 1 passes ``given``: a list, or an empty recording."""
+    import torch.distributed as dist
+
+    model = sharded_sleepy_chain(0.0)
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    with fsdp2.record_events() as events:
+        if dist.get_rank() == 0:
+            model(x).sum().backward()
+    if dist.get_rank() == 1:
+        model(x).sum().backward()  # the same step, after its (empty) recording
+    argument = events if dist.get_rank() == 0 or given == "empty recording" else []
+    try:
+        return len(fsdp2.straggler_report(argument).rows)
+    except TypeError as error:
+        return str(error)
+
+
+def test_a_non_recording_on_one_rank_raises_on_every_rank() -> None:
+    """Before: rank 1 raised alone and rank 0 was left in the exchange."""
+    messages = run_threaded(2, _report_with_rank_1, "list")
+    assert messages[0] == messages[1]
+    assert "got something else on rank 1: list" in messages[0]
+
+
+def test_an_empty_recording_on_one_rank_warns_on_every_rank() -> None:
+    """Before: "(0 collectives compared)" and no word of why."""
+    with warnings.catch_warnings(record=True) as caught:  # the rank threads warn in this process
+        warnings.simplefilter("always")
+        rows = run_threaded(2, _report_with_rank_1, "empty recording")
+    assert rows == [0, 0]
+    named = [w for w in caught if "the recording of rank(s) [1] holds no collective waits" in str(w.message)]
+    assert len(named) == 2 and all(w.category is RuntimeWarning for w in named)  # once on each rank
