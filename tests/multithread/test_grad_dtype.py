@@ -3,7 +3,8 @@
 The reference is the unsharded model with the same ``grad_dtype``: autograd accumulates each
 backward's gradient into an fp32 ``.grad``; the sharded model's gradients are averaged across ranks
 in that dtype (unless the policy's ``reduce_dtype`` says otherwise) and kept in it. torch 2.13's
-``fully_shard`` raises at the first backward instead.
+``fully_shard`` drops a ``grad_dtype`` set before it (the gradients come out bf16) and raises at the
+first backward for one set on the sharded parameters (docs/precision.md).
 """
 
 from __future__ import annotations
