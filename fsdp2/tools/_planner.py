@@ -15,6 +15,13 @@ and the search stops once that bound is no better than the runner-up found. Insi
 best two are predicted within ``TIE`` (3%) of each other, both are timed for real (the model cannot
 resolve them) and the faster is taken. Where nothing fits, the groups are offloaded to CPU, largest
 first, one more at a time, until the peak fits.
+
+Inside a job the ranks must fail together: one that raised alone would leave the others waiting in
+the next collective. So every step a rank could fail in alone (the checks, measuring the candidates
+with one simulated rehearsal of ``train_step`` before any real step, building a timed wrapping, each
+timed step, the search) ends in an exchange of how it went (``_together``), and where any rank
+raised, every rank raises the first failing rank's error. The ranks' budgets may differ: the plan,
+applied on every rank, fits the smallest.
 """
 
 from __future__ import annotations
@@ -84,6 +91,11 @@ def plan(
     (``Plan.explain()`` says which). ``objective="collectives"`` returns the wrapping with the
     fewest collectives per step that fits (grouping and resharding only), and runs nothing for real.
 
+    Inside a job (``objective="time"``), a failure on any rank (a bad argument, ``train_step``
+    raising in a simulated or a timed step, nothing fitting) is raised on every rank, the same
+    error; where the ranks give different budgets the plan fits the smallest. A timed step that fails
+    on one rank between the step's collectives still leaves the others waiting in that collective.
+
     Args:
         build_model: returns a fresh, unsharded model.
         train_step: one training step, called with ``(model, optimizer)``.
@@ -101,7 +113,8 @@ def plan(
         The fitting :class:`Plan` with the lowest predicted step time (or the fewest collectives).
 
     Raises:
-        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan.
+        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan. Inside a job, on
+            every rank where it holds for one (as any other error of one rank).
         ValueError: a bad budget or objective, ``mesh``/``reshard_after_forward``/``offload_policy``
             given (the plan chooses them), or a running job whose size is not ``world_size``.
     """
