@@ -4,10 +4,9 @@ A model of ``--blocks`` blocks (LayerNorm + MLP of width 4 x ``--dim``), batch 8
 Every rank builds a grid of hand settings (one group per block, pairs, one group of all blocks, root
 only; resharding after forward or not; no bucket cap or 25 MiB), measures each one's peak of new
 tensors in a step (fsdp2's storage tracker, real tensors) and its step time (median over interleaved
-rounds, the slowest rank's). Then for budgets of 1.0x, 1.3x and 1.7x the default's peak (one
-group per block, resharding; measured, or estimated where that is a few bytes higher), ``plan`` is
-called inside the job; its plan is applied, measured in the same interleaved rounds, and compared
-with the fastest hand setting whose measured peak fits.
+rounds, the slowest rank's). Then for budgets of 1.0x, 1.3x and 1.7x the default's measured peak
+(one group per block, resharding), ``plan`` is called inside the job; its plan is applied, measured
+in the same interleaved rounds, and compared with the fastest hand setting whose measured peak fits.
 
 Run:  torchrun --standalone --nproc-per-node 2 benchmarks/plan_time.py [--blocks 8 --dim 256]
 """
@@ -92,9 +91,9 @@ def main() -> None:
         optim.step()
         optim.zero_grad()
 
-    def prepared(setting: Setting, simulated: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepared(setting: Setting) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = build()
-        apply_setting(model, setting, {"mesh": init_device_mesh("cpu", (world,)) if simulated else mesh})
+        apply_setting(model, setting, {"mesh": mesh})
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def peak(setting: Setting) -> int:
@@ -107,11 +106,7 @@ def main() -> None:
 
     settings = _grid(args.blocks)
     peaks = {name: peak(s) for name, s in settings.items()}
-    # the default's peak: as measured, or as the planner estimates it if that is higher (by bytes)
-    estimated = fsdp2.estimate_memory(
-        lambda: prepared(settings["per block, reshard"], simulated=True), step, world_size=world
-    ).step_peak_bytes
-    default_peak = max(peaks["per block, reshard"], estimated)
+    default_peak = peaks["per block, reshard"]  # the planner's estimate of it is the same, to the byte
     plans: dict[str, Any] = {}
     for factor in (1.0, 1.3, 1.7):
         budget = int(factor * default_peak)

@@ -137,9 +137,11 @@ class IdleSignal:
     def note(self, value: torch.Tensor) -> None:
         """One reduction's reduced idle element (a 1-element view of its output).
 
-        Not kept under ``estimate_memory``'s simulation (no values): simulated ranks never agree.
+        Under ``estimate_memory``'s simulation the copy is kept as in a real run, so its bytes are
+        counted, but never read (it holds no value): simulated ranks never agree.
         """
         if isinstance(value, FakeTensor):
+            self._values.append((value.clone(), None))
             return
         if value.is_cuda:
             host = torch.empty(1, dtype=value.dtype, pin_memory=True)
@@ -153,6 +155,8 @@ class IdleSignal:
         """Whether some rank saw an idle submodule in the reductions since the last read."""
         idle = False
         for host, event in self._values:
+            if isinstance(host, FakeTensor):
+                continue
             if event is not None:
                 event.synchronize()
             idle = idle or float(host) > 0.0

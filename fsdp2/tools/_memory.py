@@ -151,6 +151,8 @@ class MemoryTracker(TorchDispatchMode):
         self.collectives: Counter[str] = Counter()
         self.steps = 0
         self.paused = False  # e.g. inside a threaded collective, which works for every rank at once
+        self._outside: dict[int, Any] = {}  # storages made under ``outside_the_model``, kept alive
+        self._making_outside = False
         self._params: list[torch.Tensor] = []
         self._sets: dict[str, set[int]] = {}
         self._sets_total = -1
@@ -171,9 +173,26 @@ class MemoryTracker(TorchDispatchMode):
                 self.collectives[_C10D_KINDS.get(name, name)] += 1
         out = self._run(func, args, kwargs) if self.simulate else func(*args, **kwargs)
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if self._making_outside:
+                storage = leaf.untyped_storage()
+                self._outside[storage._cdata] = storage  # noqa: SLF001 - see track
+            else:
                 self.track(leaf)
         return out
+
+    @contextlib.contextmanager
+    def outside_the_model(self) -> Iterator[None]:
+        """Ops run as ever (real or simulated), but what they create is never counted, nor its views.
+
+        For what a job holds before and apart from the model, such as its device mesh.
+        """
+        self._making_outside = True
+        try:
+            yield
+        finally:
+            self._making_outside = False
 
     def _run(self, func: Any, args: Any, kwargs: Any) -> Any:
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -205,6 +224,8 @@ class MemoryTracker(TorchDispatchMode):
             return  # no memory: DTensor's shape inference (a fake tensor reports its fake device)
         storage = tensor.untyped_storage()
         key = storage._cdata  # noqa: SLF001 - the storage's identity while it is alive
+        if key in self._outside:
+            return
         nbytes = storage.nbytes()
         with self._lock:
             old = self.live.get(key)
@@ -218,6 +239,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def resized(self, storage: Any) -> None:
         key = storage._cdata  # noqa: SLF001 - see track
+        if key in self._outside:
+            return
         nbytes = storage.nbytes()
         with self._lock:
             old = self.live.get(key)
@@ -248,6 +271,7 @@ class MemoryTracker(TorchDispatchMode):
         for finalizer in self._finalizers:
             finalizer.detach()
         self._finalizers.clear()
+        self._outside.clear()
 
     # -- phases and categories --------------------------------------------------------------------
 

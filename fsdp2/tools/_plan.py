@@ -144,6 +144,9 @@ class PlanError(RuntimeError):
         super().__init__(message)
         self.best = best
 
+    def __reduce__(self) -> tuple[Any, ...]:  # inside a job, every rank raises the same one
+        return (type(self), (str(self), self.best), self.__dict__)
+
 
 def by_collectives(search: Search, names: list[str]) -> Plan:
     """The fitting wrapping with the fewest collectives per step (see the module's docstring)."""
@@ -246,7 +249,10 @@ class Search:
     def estimate(self, setting: Setting) -> MemoryReport:
         def build() -> tuple[nn.Module, torch.optim.Optimizer]:
             model = self.build_model()
-            mesh = init_device_mesh(device_type(model), (self.world_size,))
+            # The job's mesh exists before the model and lives in host memory (its rank map is on
+            # the CPU whatever the device), and Plan.apply is given it: not the wrapping's memory.
+            with tracker.outside_the_model():
+                mesh = init_device_mesh(device_type(model), (self.world_size,))
             apply_setting(model, setting, {"mesh": mesh, **self.shard_kwargs})
             return model, self.make_optimizer(model.parameters())
 
@@ -262,10 +268,12 @@ class Search:
         """Raise ``PlanError`` with the lowest-peak trial."""
         lowest = min(self.trials, key=lambda t: t.peak_bytes)
         lowest = dataclasses.replace(lowest, tried=self.tried())
+        over = lowest.peak_bytes - self.budget_bytes
+        close = f" ({over:,} bytes over)" if f"{over / 2**20:.2f}" in ("0.00", "-0.00") else ""
         raise PlanError(
             f"no wrapping of this model fits {self.budget_bytes / 2**20:.2f} MiB per rank at "
-            f"{self.world_size} ranks; the lowest estimated peak is {lowest.peak_bytes / 2**20:.2f} MiB "
-            f"({lowest.setting.describe()}). Use more ranks, bf16 parameters (MixedPrecisionPolicy), "
+            f"{self.world_size} ranks; the lowest estimated peak is {lowest.peak_bytes / 2**20:.2f} MiB"
+            f"{close} ({lowest.setting.describe()}). Use more ranks, bf16 parameters (MixedPrecisionPolicy), "
             "activation checkpointing or a smaller batch.",
             lowest,
         )

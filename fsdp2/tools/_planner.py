@@ -15,16 +15,25 @@ and the search stops once that bound is no better than the runner-up found. Insi
 best two are predicted within ``TIE`` (3%) of each other, both are timed for real (the model cannot
 resolve them) and the faster is taken. Where nothing fits, the groups are offloaded to CPU, largest
 first, one more at a time, until the peak fits.
+
+Inside a job the ranks must fail together: one that raised alone would leave the others waiting in
+the next collective. So every step a rank could fail in alone (the checks, measuring the candidates
+with one simulated rehearsal of ``train_step`` before any real step, building a timed wrapping, each
+timed step, the search) ends in an exchange of how it went (``_together``), and where any rank
+raised, every rank raises the first failing rank's error. The ranks' budgets may differ: the plan,
+applied on every rank, fits the smallest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import pickle
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +58,7 @@ from ._plan import (
 NOMINAL_PER_GROUP_S = 2e-4  # fsdp2's hooks and copies per group and step, before a job (CPU, measured)
 TIMED_STEPS = 3  # per calibration run, after one untimed step
 TIE = 0.03  # inside a job, the best two are timed for real when predicted this close
+T = TypeVar("T")
 
 
 def plan(
@@ -81,6 +91,11 @@ def plan(
     (``Plan.explain()`` says which). ``objective="collectives"`` returns the wrapping with the
     fewest collectives per step that fits (grouping and resharding only), and runs nothing for real.
 
+    Inside a job (``objective="time"``), a failure on any rank (a bad argument, ``train_step``
+    raising in a simulated or a timed step, nothing fitting) is raised on every rank, the same
+    error; where the ranks give different budgets the plan fits the smallest. A timed step that fails
+    on one rank between the step's collectives still leaves the others waiting in that collective.
+
     Args:
         build_model: returns a fresh, unsharded model.
         train_step: one training step, called with ``(model, optimizer)``.
@@ -98,12 +113,41 @@ def plan(
         The fitting :class:`Plan` with the lowest predicted step time (or the fewest collectives).
 
     Raises:
-        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan.
+        PlanError: nothing fits; its ``best`` attribute is the lowest-peak plan. Inside a job, on
+            every rank where it holds for one (as any other error of one rank).
         ValueError: a bad budget or objective, ``mesh``/``reshard_after_forward``/``offload_policy``
             given (the plan chooses them), or a running job whose size is not ``world_size``.
     """
-    budget: object = budget_bytes
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+    in_job = objective != "collectives" and dist.is_initialized() and dist.get_world_size() > 1
+
+    def prepare() -> tuple[Search, list[str]]:
+        _check_arguments(budget_bytes, objective, fully_shard_kwargs, world_size)
+        make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+        names = candidate_names(build_model, world_size, candidates)
+        search = Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs, budget_bytes)
+        return search, names
+
+    if not in_job:
+        search, names = prepare()
+        return search_by_time(search, names) if objective == "time" else by_collectives(search, names)
+    # Inside a job a rank that fails here would leave the others waiting in the search's first
+    # collective: every rank checks, then all raise the first failing rank's error.
+    (search, names), budgets = _together(prepare, lambda prepared: prepared[0].budget_bytes)
+    notes = []
+    if len(set(budgets)) > 1:  # the plan is applied on every rank: it must fit the smallest
+        search.budget_bytes = min(budgets)
+        notes.append(
+            "budget: the smallest the ranks gave ("
+            + ", ".join(f"rank {rank}: {b / MIB:.2f} MiB" for rank, b in enumerate(budgets))
+            + ")"
+        )
+    return search_by_time(search, names, notes)
+
+
+def _check_arguments(
+    budget_bytes: object, objective: str, fully_shard_kwargs: dict[str, Any], world_size: int
+) -> None:
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
         raise ValueError(f"plan: budget_bytes must be a positive int, got {budget_bytes!r}.")
     if objective not in ("time", "collectives"):
         raise ValueError(f"plan: objective is 'time' or 'collectives', got {objective!r}.")
@@ -119,16 +163,45 @@ def plan(
             "objective measures the job it runs in. Plan for another size before a job, or pass "
             "objective='collectives'."
         )
-    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
-    names = candidate_names(build_model, world_size, candidates)
-    search = Search(build_model, train_step, world_size, make_optimizer, fully_shard_kwargs, budget_bytes)
-    return search_by_time(search, names) if objective == "time" else by_collectives(search, names)
 
 
-def search_by_time(search: Search, names: list[str]) -> Plan:
-    sizes = _candidate_bytes(search, names)
-    _same_model_everywhere(sizes)  # before any real step: different models would hang in it
-    model, notes, device = _cost_model(search, names, sizes)
+def search_by_time(search: Search, names: list[str], notes: Sequence[str] = ()) -> Plan:
+    in_job = dist.is_initialized() and dist.get_world_size() > 1
+
+    def sizes_and_a_rehearsal() -> dict[str, GroupBytes]:
+        sizes = _candidate_bytes(search, names)
+        if in_job:  # train_step runs once on every rank, simulated, before any real step
+            search.trial_setting(Setting(tuple((n,) for n in names), (True,) * len(names)))
+        return sizes
+
+    if in_job:
+        sizes, everyone = _together(sizes_and_a_rehearsal, lambda found: sorted(found.items()))
+        _same_model_everywhere(everyone)  # before any real step: different models would hang in it
+    else:
+        sizes = sizes_and_a_rehearsal()
+    model, found, device = _cost_model(search, names, sizes)
+    if in_job:  # the ranks agree on the outcome before timing a near tie (real steps again)
+        fitting, everyone = _together(
+            lambda: _search(search, names, sizes, model, device),
+            lambda fitting: [plan.setting for _, plan in fitting[:2]],
+        )
+        _same_choice_everywhere(everyone)
+    else:
+        fitting = _search(search, names, sizes, model, device)
+    reasons = [*notes, *found, *_runner_up(fitting)]
+    if in_job:
+        fitting, tie = _settle_a_tie(search, fitting)
+        reasons += tie
+    best_time, best = fitting[0]
+    return dataclasses.replace(
+        best, tried=search.tried(), predicted_step_s=best_time, objective="time", reasons=reasons
+    )
+
+
+def _search(
+    search: Search, names: list[str], sizes: dict[str, GroupBytes], model: CostModel, device: str
+) -> list[tuple[float, Plan]]:
+    """The fitting plans visited, fastest predicted first (raises ``PlanError`` where none fits)."""
     frozen = any(g.frozen for g in sizes.values())
     settings: list[tuple[float, Setting]] = []
     # caps: none, the one the network implies, and ones that pack 2 or 4 of the largest candidates
@@ -166,15 +239,7 @@ def search_by_time(search: Search, names: list[str]) -> Plan:
         offloaded = _offload_until_it_fits(search, names, sizes)
         fitting.append((_predict(model, offloaded.setting, sizes), offloaded))
     fitting.sort(key=lambda item: (item[0], item[1].peak_bytes))
-    reasons = [*notes, *_runner_up(fitting)]
-    if dist.is_initialized():
-        fitting, tie = _settle_a_tie(search, fitting)
-        reasons += tie
-    best_time, best = fitting[0]
-    chosen = dataclasses.replace(
-        best, tried=search.tried(), predicted_step_s=best_time, objective="time", reasons=reasons
-    )
-    return _agreed(chosen)
+    return fitting
 
 
 def _settle_a_tie(
@@ -236,12 +301,48 @@ def _runner_up(fitting: Sequence[tuple[float, Plan]]) -> list[str]:
     return lines
 
 
-def _same_model_everywhere(sizes: dict[str, GroupBytes]) -> None:
-    """Raise on every rank of a running job if its ranks build different models (names and bytes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+def _together(fn: Callable[[], T], share: Callable[[T], Any] = lambda _: None) -> tuple[T, list[Any]]:
+    """Run ``fn`` on this rank, then agree with every rank of the job on how it went.
+
+    Where any rank raised, every rank raises the error of the first that did (a copy of it, with a
+    note naming the ranks), so no rank goes on to a collective the others will never issue. Returns
+    this rank's result and what ``share`` made of each rank's result, in rank order.
+    """
+    own: Exception | None = None
+    try:
+        value = fn()
+        mine: tuple[bytes | None, Any] = (None, share(value))
+    except Exception as exc:  # any failure: the other ranks must hear of it before they wait
+        own = exc
+        mine = (_portable(exc), None)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(sizes.items()))
+    dist.all_gather_object(everyone, mine)
+    failed = [rank for rank, (error, _) in enumerate(everyone) if error is not None]
+    if failed:
+        first = failed[0]
+        mine_first = dist.get_rank() == first and own is not None
+        error: Exception = own if mine_first and own is not None else pickle.loads(everyone[first][0])
+        ranks = f"rank {first}" if len(failed) == 1 else f"ranks {failed} (the error is rank {first}'s)"
+        if sys.version_info >= (3, 11):  # notes are new in 3.11
+            error.add_note(f"fsdp2.plan: raised on {ranks} of the job; every rank raises it.")
+        if error is own:
+            raise error
+        raise error from own
+    return value, [shared for _, shared in everyone]
+
+
+def _portable(exc: Exception) -> bytes:
+    """``exc`` pickled for the other ranks (a ``RuntimeError`` saying the same where it does not pickle)."""
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+        return data
+    except Exception:  # an exception type that does not survive pickling: keep its name and message
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+def _same_model_everywhere(everyone: list[Any]) -> None:
+    """Raise on every rank if its ranks built different models (names and bytes of the candidates)."""
     differ = [rank for rank, seen in enumerate(everyone) if seen != everyone[0]]
     if differ:
         raise ValueError(
@@ -251,20 +352,16 @@ def _same_model_everywhere(sizes: dict[str, GroupBytes]) -> None:
         )
 
 
-def _agreed(chosen: Plan) -> Plan:
-    """Check that every rank of a running job chose the same plan (each computes it from agreed figures)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return chosen
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, chosen.setting)
-    differ = [rank for rank, setting in enumerate(everyone) if setting != everyone[0]]
+def _same_choice_everywhere(everyone: list[list[Setting]]) -> None:
+    """Raise on every rank if the ranks' searches put other wrappings first (all rank from agreed figures)."""
+    differ = [rank for rank, settings in enumerate(everyone) if settings != everyone[0]]
     if differ:  # every rank sees the same list: all raise together
+        theirs, ours = everyone[differ[0]], everyone[0]
         raise RuntimeError(
-            f"fsdp2.plan: ranks {differ} chose another wrapping than rank 0 "
-            f"({everyone[differ[0]].describe()} against {everyone[0].describe()}); build_model and "
-            "train_step must be the same on every rank."
+            f"fsdp2.plan: ranks {differ} chose other wrappings than rank 0 "
+            f"({', '.join(s.describe() for s in theirs)} against {', '.join(s.describe() for s in ours)}); "
+            "build_model and train_step must be the same on every rank."
         )
-    return chosen
 
 
 def _predict(model: CostModel, setting: Setting, sizes: dict[str, GroupBytes]) -> float:
@@ -349,16 +446,32 @@ def _cost_model(
 
 
 def _time_wrapped(search: Search, setting: Setting, world: int) -> tuple[float, str]:
-    """Median seconds of a real step under ``setting`` on this job (the slowest rank's), and the device."""
-    model = search.build_model()
-    device = device_type(model)
-    apply_setting(model, setting, {"mesh": init_device_mesh(device, (world,)), **search.shard_kwargs})
-    seconds = _time_steps(search, model, device)
-    agreed = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    del model
+    """Median seconds of a real step under ``setting`` (each the slowest rank's) on this job, and the device.
+
+    The ranks agree after building and after every step, so one that fails where the others do not
+    wait on it (before its first collective or after its last) fails them all.
+    """
+
+    def prepared() -> tuple[nn.Module, torch.optim.Optimizer, str]:
+        model = search.build_model()
+        device = device_type(model)
+        apply_setting(model, setting, {"mesh": init_device_mesh(device, (world,)), **search.shard_kwargs})
+        return model, search.make_optimizer(model.parameters()), device
+
+    (model, optimizer, device), _ = _together(prepared)
+    seconds = _agreed_steps(search, model, optimizer, device)
+    del model, optimizer
     gc.collect()
-    return float(agreed.item()), device
+    return seconds, device
+
+
+def _agreed_steps(search: Search, model: nn.Module, optimizer: torch.optim.Optimizer, device: str) -> float:
+    """The median of ``TIMED_STEPS`` steps after an untimed one, each the slowest rank's."""
+    times: list[float] = []
+    for _ in range(TIMED_STEPS + 1):
+        _, everyone = _together(lambda: _timed_step(search, model, optimizer, device), lambda took: took)
+        times.append(max(everyone))
+    return statistics.median(times[1:])
 
 
 def _time_unsharded(search: Search) -> tuple[float, str]:
@@ -370,14 +483,15 @@ def _time_unsharded(search: Search) -> tuple[float, str]:
 
 def _time_steps(search: Search, model: nn.Module, device: str) -> float:
     optimizer = search.make_optimizer(model.parameters())
-    times = []
-    for i in range(TIMED_STEPS + 1):
-        if device != "cpu":
-            torch.accelerator.synchronize()
-        start = time.perf_counter()
-        search.train_step((model, optimizer))
-        if device != "cpu":
-            torch.accelerator.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [_timed_step(search, model, optimizer, device) for _ in range(TIMED_STEPS + 1)]
+    return statistics.median(times[1:])  # the first step builds optimizer states: untimed
+
+
+def _timed_step(search: Search, model: nn.Module, optimizer: torch.optim.Optimizer, device: str) -> float:
+    if device != "cpu":
+        torch.accelerator.synchronize()
+    start = time.perf_counter()
+    search.train_step((model, optimizer))
+    if device != "cpu":
+        torch.accelerator.synchronize()
+    return time.perf_counter() - start
