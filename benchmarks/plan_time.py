@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2.tools._cost import Setting
-from fsdp2.tools._memory import MemoryTracker, process_hooks, run_tracked
-from fsdp2.tools._plan import apply_setting
+from fsdp2.plan._cost import Setting
+from fsdp2.plan._memory import MemoryTracker, process_hooks, run_tracked
+from fsdp2.plan._plan import apply_setting
 
 
 class Block(nn.Module):

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
+from fsdp2.frontend import _engine as engine
 from fsdp2.testing import record_collectives
-from fsdp2.tools import _engine as engine
 
 BF16, FP32 = torch.bfloat16, torch.float32
 REDUCE_KINDS = ("reduce_scatter", "all_to_all", "all_reduce")

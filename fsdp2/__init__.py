@@ -7,29 +7,29 @@ from .base._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPol
 from .base._lifecycle import TrainingState
 from .base._mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .comm._comms import AllGather, Comm, ReduceScatter
+from .debug._guard import DivergenceError
+from .debug._replicas import check_replicas
 from .frontend._fully_shard import fully_shard
 from .frontend._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .frontend._patch import TorchPatch, patch_torch_fsdp
+from .optim._accumulate import Accumulation, accumulate
+from .optim._clip import clip_grad_norm_
+from .optim._local_optim import local_step
 from .param._init import init_like_unsharded
+from .plan._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
+from .plan._plan import Plan, PlanError
+from .plan._planner import plan
+from .plan._wrap import apply_fully_shard
 from .runtime._autocap import BucketCaps, CollectiveFit
-from .runtime._local_optim import local_step
-from .tools import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
-from .tools._accumulate import Accumulation, accumulate
-from .tools._checkpoint import load_full_state_dict, save_full_state_dict
-from .tools._clip import clip_grad_norm_
-from .tools._guard import DivergenceError
-from .tools._keep_frozen import keep_frozen_gathered
-from .tools._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
-from .tools._plan import Plan, PlanError
-from .tools._planner import plan
-from .tools._replicas import check_replicas
-from .tools._weight_sync import WeightSync
-from .tools._wrap import apply_fully_shard
+from .runtime._keep_frozen import keep_frozen_gathered
 from .trace._debug import set_debug
 from .trace._events import Event, Span, record_events, save_chrome_trace
 from .trace._report import CommunicationReport, CommunicationRow, communication_report
 from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
+from .weights import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
+from .weights._checkpoint import load_full_state_dict, save_full_state_dict
+from .weights._weight_sync import WeightSync
 
 __version__ = "0.1.0"
 

@@ -32,7 +32,6 @@ from ..base._mesh import (
 from ..group._param_group import FSDPParamGroup, build_group
 from ..param._late_params import watch_registrations
 from ..param._shard import check_subclass_shardable
-from ..runtime._local_optim import enable_automatic_local_steps
 from ..runtime._state import FSDPState, get_state
 from ..runtime._step_guard import mark_replaced, watch_optimizer_steps
 from ._composable import register_fully_shard, registered_apis, torch_state
@@ -51,6 +50,15 @@ class _Options(TypedDict, total=False):
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter] | None
     dp_mesh_dims: DataParallelMeshDims | None
+
+
+_ON_FIRST_CALL: list[Callable[[], None]] = []  # run by every fully_shard call, before it shards
+
+
+def on_first_fully_shard(hook: Callable[[], None]) -> None:
+    """Run ``hook`` (idempotent) when ``fully_shard`` shards a module: how rooms above join in."""
+    if hook not in _ON_FIRST_CALL:
+        _ON_FIRST_CALL.append(hook)
 
 
 @overload
@@ -152,7 +160,8 @@ def fully_shard(
         infos[key] = info
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
-    enable_automatic_local_steps()
+    for hook in _ON_FIRST_CALL:
+        hook()  # e.g. automatic local-shard optimizer steps (``optim``); each is idempotent
     mark_replaced([param for param, _ in params.values()])  # an optimizer built before would not train them
     _move_to_device(managed, params, device)
     groups: list[FSDPParamGroup] = []

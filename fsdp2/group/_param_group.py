@@ -176,7 +176,7 @@ class FSDPParamGroup:
     # ---- unshard / reshard -----------------------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        """Whether an unshard would issue an all-gather (none pending, not unsharded, no current kept copy)."""
+        """Whether an unshard would issue an all-gather (none pending, not unsharded, no kept copy)."""
         if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
             return False
         return not self.buffer.current(self.fsdp_params)  # see [Note: A kept copy]
@@ -230,7 +230,8 @@ class FSDPParamGroup:
         with self._watch("all-gather wait", self.training_state):
             result = gatherer.wait()
         assert result is not None, "an all-gather vanished while waiting for it"
-        self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes, self.controls.keep_gathered)
+        keep = self.controls.keep_gathered  # see [Note: A kept copy]
+        self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes, keep)
         if self._watch_init:
             self._watch_init = False
             warn_if_repeated_shards(self.fsdp_params, result.world_size)

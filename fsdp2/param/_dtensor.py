@@ -20,6 +20,7 @@ from operator import attrgetter
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -191,11 +192,12 @@ def install_deepcopy() -> None:
 
 def _covers_storage(local: torch.Tensor) -> bool:
     """Whether ``local`` is its storage's only content (a plain tensor, or one without data)."""
-    if local.device.type == "meta" or is_traceable_wrapper_subclass(local) or not torch._C._has_storage(local):  # noqa: SLF001 - the public is_* checks do not cover storage-less tensors
+    if local.device.type == "meta" or is_traceable_wrapper_subclass(local):
         return True
-    if isinstance(local, torch._subclasses.fake_tensor.FakeTensor):  # noqa: SLF001 - no public FakeTensor check
+    if not torch._C._has_storage(local) or isinstance(local, FakeTensor):  # noqa: SLF001 - no public check
         return True
-    return local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    nbytes = local.numel() * local.element_size()
+    return local.storage_offset() == 0 and local.untyped_storage().nbytes() == nbytes
 
 
 def _reduce_part(self: DTensor, proto: int) -> Any:
@@ -210,7 +212,8 @@ def _reduce_part(self: DTensor, proto: int) -> Any:
     local = local_of(self)
     if _covers_storage(local) and self.data_ptr() == 0:
         return _TENSOR_REDUCE_EX(self, proto)
-    compact = wrap_local(local.detach().clone(memory_format=torch.contiguous_format), spec_of(self), requires_grad=self.requires_grad)
+    part = local.detach().clone(memory_format=torch.contiguous_format)
+    compact = wrap_local(part, spec_of(self), requires_grad=self.requires_grad)
     for name, value in self.__dict__.items():
         if name not in ("_local_tensor", "_spec"):
             setattr(compact, name, value)

@@ -289,7 +289,7 @@ def mark_managed(param: torch.Tensor) -> None:
 
 
 def is_managed(param: torch.Tensor) -> bool:
-    """Whether ``fully_shard`` sharded this parameter (tools above the engine ask, e.g. local steps)."""
+    """Whether ``fully_shard`` sharded this parameter (rooms above the engine ask, e.g. local steps)."""
     return param.__dict__.get(_MANAGED, False) is True
 
 

@@ -3,8 +3,8 @@
 Owns: the two process-wide hooks (``torch.optim``'s global step pre- and post-hooks, registered once,
 at the first participant) and the ordered lists of participants each one calls: the replaced-parameter
 check, the step guard and automatic local-shard steps (this subpackage), and, while they are active,
-the memory tracker and debug mode's step counter (``tools``). Each participant keeps its own state and
-decides quickly when it has nothing to do. Does not own: what a participant checks or changes.
+the memory tracker (``plan``) and debug mode's step counter (``debug``). Each participant keeps its
+own state and decides quickly when it has nothing to do. Does not own: what a participant checks or changes.
 Cost: one call into fsdp2 before and one after each optimizer step, then each participant's check.
 Invariants: participants run in the order they joined; a participant's exception stops the step
 before anything changes (a pre-step participant) exactly as a torch hook's would.

@@ -159,10 +159,10 @@ class Schedule(Generic[_State]):
             self._kept[id(group)] = flags
 
     def refresh(self, group: FSDPParamGroup) -> None:
-        """Before a kept group (``keep_gathered``) enters forward while still unsharded (a forward with
-        gradients and no backward since): nothing stale, no lost unfreezing.
+        """Before a kept group (``keep_gathered``) enters forward: nothing stale, no lost unfreezing.
 
-        A shard written in place since the group was gathered: reshard, so the use gathers it again
+        Only while it is still unsharded (a forward with gradients and no backward since). A shard
+        written in place since the group was gathered: reshard, so the use gathers it again
         (see [Note: A kept copy]). ``requires_grad`` changed on the registered (unsharded) tensor while
         the sharded parameter kept its own: the change goes to the sharded parameter (the
         registration then agrees), so the parameter trains.

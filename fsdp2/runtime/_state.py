@@ -81,6 +81,25 @@ def get_state(module: nn.Module) -> FSDPState | None:
     return state
 
 
+def states_under(root: nn.Module) -> list[FSDPState]:
+    """The fully_shard states of ``root``'s tree, deepest first (the order they were applied)."""
+    depth = {module: name.count(".") + (1 if name else 0) for name, module in root.named_modules()}
+    seen: dict[int, FSDPState] = {}
+    for module in root.modules():
+        state = get_state(module)
+        if state is not None and id(state) not in seen:
+            seen[id(state)] = state
+    return sorted(seen.values(), key=lambda s: -max(depth.get(m, 0) for m in s.modules))
+
+
+def busy(states: list[FSDPState]) -> bool:
+    """Whether any of ``states`` (or their groups) is inside a forward or backward."""
+    idle = TrainingState.IDLE
+    return any(
+        s.training_state is not idle or any(g.training_state is not idle for g in s.groups) for s in states
+    )
+
+
 class FSDPState(TorchStateNames):
     """Hooks and lifecycle of one ``fully_shard`` call (also answers torch's private state names)."""
 

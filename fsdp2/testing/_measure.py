@@ -2,7 +2,7 @@
 
 Owns: ``measure_memory`` (``run_ranks`` with a storage tracker on every rank), and keeping the
 threaded backend's own work out of the counts (one rank's thread moves every rank's data).
-Does not own: the tracker or the report (``fsdp2.tools._memory``), the threads (``_threads``).
+Does not own: the tracker or the report (``fsdp2.plan._memory``), the threads (``_threads``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..tools._memory import MemoryReport, MemoryTracker, current_tracker, process_hooks, run_tracked
+from ..plan._memory import MemoryReport, MemoryTracker, current_tracker, process_hooks, run_tracked
 from ._counting import count_collectives
 from ._threads import run_ranks
 

@@ -3,8 +3,9 @@
 Owns: ``CollectiveCall`` (one collective: kind, group, dtype, buffer sizes and the bytes this rank
 sends), ``CollectiveLog`` (the calls, also a count by kind) and the recording comms it injects. The
 recorder wraps the collectives of every ``fully_shard`` group under the model (all-gather,
-reduce-scatter, HSDP all-reduce) through the engine's interface for tools and puts the originals back
-on exit. Wrapped collectives behave exactly as the originals: bucketing, buffer reuse and stream use
+reduce-scatter, HSDP all-reduce) through the engine's interface for the rooms above it
+(``frontend/_engine.py``) and puts the originals back on exit. Wrapped collectives behave exactly as
+the originals: bucketing, buffer reuse and stream use
 are unchanged, and the wrappers do not count as custom collectives. Unlike ``count_collectives`` it
 patches no backend, so it works the same on the threaded test backend, gloo and NCCL, counts only the
 model's FSDP collectives (not a loss all-reduce), and knows each call's module and bytes.
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm._comms import ForwardingComm
-from ..tools import _engine as engine
+from ..frontend import _engine as engine
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2.tools import _engine as engine
+from fsdp2.frontend import _engine as engine
 from tests._harness import run_threaded
 from tests._training import average_grads, fill_deterministic_
 

@@ -206,8 +206,11 @@ def _torch_save_round_trip(out: dict[str, int]) -> None:
             assert got.placements == value.placements, key
             local = got.to_local()  # just this rank's shard, in a storage of its own
             assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), key
-        torch.testing.assert_close(got.to_local() if isinstance(got, DTensor) else got,
-                                   value.to_local() if isinstance(value, DTensor) else value, **EXACT)
+        torch.testing.assert_close(
+            got.to_local() if isinstance(got, DTensor) else got,
+            value.to_local() if isinstance(value, DTensor) else value,
+            **EXACT,
+        )
     fresh = _shard(_perturbed())
     fresh_optim = _adamw(fresh)
     fresh.load_state_dict(loaded)

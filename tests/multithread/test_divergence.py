@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
+from fsdp2.debug import _board as fsdp2_board
+from fsdp2.debug import _guard as fsdp2_guard
 from fsdp2.testing import run_ranks
-from fsdp2.tools import _board as fsdp2_board
-from fsdp2.tools import _guard as fsdp2_guard
 from tests._training import fill_deterministic_, mlp_step, small_sharded_mlp
 
 
@@ -420,7 +420,8 @@ def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None
             opt.step()
             opt.zero_grad()
         if fsdp2.trace._debug.debug_enabled():  # the ranks met where the transport says
-            boards = [fsdp2_guard._channel(g).board for g in fsdp2.tools._engine.data_parallel_groups(model)]
+            groups = fsdp2.frontend._engine.data_parallel_groups(model)
+            boards = [fsdp2_guard._channel(g).board for g in groups]
             want = fsdp2_board.Board if transport == "board" else bool
             assert all(isinstance(b, want) for b in boards), boards
         return [p.full_tensor() for p in model.parameters()]

@@ -195,7 +195,8 @@ def _unfreeze_and_train(base: Net, sharded: bool) -> dict:
         fsdp2.keep_frozen_gathered(model)
         sync = fsdp2.WeightSync(model, torch.float32)
     optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    seen: dict[str, list[torch.Tensor]] = {"get_parameter": [], "parameters": [], "synced": [], "resharded": []}
+    reads = ("get_parameter", "parameters", "synced", "resharded")
+    seen: dict[str, list[torch.Tensor]] = {how: [] for how in reads}
     consumer = {name: torch.zeros_like(_full(p)) for name, p in model.named_parameters()}
     for step in range(3):
         if step == 1:
@@ -320,10 +321,13 @@ def _kept_storage(model: Net) -> int:
         assert isinstance(param, DTensor), name  # every parameter is registered sharded between steps
     group_bytes = 0
     for module in [*model.blocks, model]:
-        for group in module._get_fsdp_state().groups:  # noqa: SLF001 - what a kept group holds
+        for group in module._get_fsdp_state().groups:
             if group.controls.keep_gathered:
-                group_bytes += sum(p.unsharded.data.untyped_storage().nbytes() for p in group.fsdp_params
-                                   if p.unsharded.data is not None)
+                group_bytes += sum(
+                    p.unsharded.data.untyped_storage().nbytes()
+                    for p in group.fsdp_params
+                    if p.unsharded.data is not None
+                )
     return group_bytes
 
 
@@ -349,7 +353,10 @@ def _keep_calls(base: Net) -> list:
 
 def test_calls_before_the_first_forward_and_again_and_reshard() -> None:
     for first, again, none, held, before, after, regathered in run_threaded(2, _keep_calls, _base()):
-        assert len(first) == 6 and again == first and none == []
-        assert held > 0 and before == held
+        assert len(first) == 6
+        assert again == first
+        assert none == []
+        assert held > 0
+        assert before == held
         assert after == 0  # model.reshard() frees the kept copies
         assert regathered > 0  # the second call re-kept: the first forward after it gathers again

@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import Plan
+from fsdp2.plan._cost import CostModel, GroupBytes, Setting, _packed, calibrate
 from fsdp2.runtime._autocap import CollectiveFit
 from fsdp2.testing import run_ranks
-from fsdp2.tools._cost import CostModel, GroupBytes, Setting, _packed, calibrate
 from tests.models import make_input
 
 
@@ -90,7 +90,7 @@ def test_on_streams_collectives_hide_behind_their_share_of_compute() -> None:
 
 
 def test_the_root_carries_every_candidate_left_to_it() -> None:
-    from fsdp2.tools._planner import _shape
+    from fsdp2.plan._planner import _shape
 
     sizes = {"": ROOT, **{g.name: g for g in SIZES}}
     groups, root = _shape(Setting((), ()), sizes)  # root only: one group of everything
@@ -123,7 +123,7 @@ def _plan_in_job(rank: int, world: int, budget: int, frozen: bool) -> tuple[str,
 
 
 def test_where_latency_dominates_buckets_win_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp2.tools import _planner
+    from fsdp2.plan import _planner
 
     slow = CollectiveFit(20e-3, 1e-9)  # 20 ms a collective: bucketing pays
     model = CostModel(slow, slow, compute_s=0.01, per_group_s=1e-4, overlap=False, measured_network=True)
@@ -140,15 +140,15 @@ def test_where_latency_dominates_buckets_win_within_the_budget(monkeypatch: pyte
 
 
 def _sizes() -> dict[str, GroupBytes]:
-    from fsdp2.tools import _planner
-    from fsdp2.tools._plan import Search
+    from fsdp2.plan import _planner
+    from fsdp2.plan._plan import Search
 
     search = Search(Blocks, _step, 2, torch.optim.AdamW, {}, 2**30)
     return _planner._candidate_bytes(search, [f"layers.{i}" for i in range(4)])
 
 
 def test_frozen_parameters_kept_gathered_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp2.tools import _planner
+    from fsdp2.plan import _planner
 
     # no near-tie timing: on this toy model the two are within noise, and the model's choice is tested
     monkeypatch.setattr(_planner, "TIE", -1.0)
@@ -201,7 +201,7 @@ def test_the_applied_plan_trains_like_the_unsharded_model() -> None:
 @pytest.mark.slow  # a dozen simulated trials
 def test_offload_is_the_last_resort_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing fits: on an accelerator the groups are offloaded, largest first; on the CPU never."""
-    from fsdp2.tools import _planner
+    from fsdp2.plan import _planner
 
     model = CostModel(FIT, FIT, compute_s=0.01, per_group_s=1e-4, overlap=True, measured_network=True)
     monkeypatch.setattr(_planner, "_cost_model", lambda *args: (model, ["fixed"], "cuda"))
@@ -219,7 +219,7 @@ def test_offload_is_the_last_resort_on_an_accelerator(monkeypatch: pytest.Monkey
 def test_a_near_tie_inside_a_job_is_settled_by_timing_both(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from fsdp2.tools import _planner
+    from fsdp2.plan import _planner
 
     free = CollectiveFit(0.0, 0.0)  # every setting predicted alike: the best two tie
     model = CostModel(free, free, compute_s=0.01, per_group_s=0.0, overlap=False, measured_network=True)
@@ -250,7 +250,7 @@ def _measured_default_peak(rank: int, world: int) -> int:
     The mesh is the job's, made before the model (as ``Plan.apply`` is given it); every rank's peak,
     the largest taken.
     """
-    from fsdp2.tools._memory import MemoryTracker, run_tracked
+    from fsdp2.plan._memory import MemoryTracker, run_tracked
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -272,9 +272,9 @@ def _measured_default_peak(rank: int, world: int) -> int:
 def test_inside_a_job_every_rank_gets_the_same_plan_within_the_default_wrappings_measured_peak(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from fsdp2.plan import _planner
+    from fsdp2.plan._memory import process_hooks
     from fsdp2.testing._measure import _collectives_untracked
-    from fsdp2.tools import _planner
-    from fsdp2.tools._memory import process_hooks
 
     monkeypatch.setattr(_planner, "TIE", -1.0)  # no near-tie timing: tested on its own below
 

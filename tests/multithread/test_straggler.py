@@ -135,4 +135,5 @@ def test_an_empty_recording_on_one_rank_warns_on_every_rank() -> None:
         rows = run_threaded(2, _report_with_rank_1, "empty recording")
     assert rows == [0, 0]
     named = [w for w in caught if "the recording of rank(s) [1] holds no collective waits" in str(w.message)]
-    assert len(named) == 2 and all(w.category is RuntimeWarning for w in named)  # once on each rank
+    assert len(named) == 2  # once on each rank
+    assert all(w.category is RuntimeWarning for w in named)

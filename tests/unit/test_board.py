@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp2.tools._board import Board, Outcome, digest, open_board
+from fsdp2.debug._board import Board, Outcome, digest, open_board
 
 
 def _boards(world: int, prefix: str) -> list[Board]:
@@ -55,7 +55,7 @@ def test_the_board_file_is_removed_once_every_rank_mapped_it() -> None:
 
 
 def test_a_rank_that_cannot_map_it_sends_every_rank_to_the_store(monkeypatch: Any) -> None:
-    import fsdp2.tools._board as board_module
+    import fsdp2.debug._board as board_module
 
     original = board_module._map
     lock = threading.Lock()

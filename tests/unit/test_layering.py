@@ -23,8 +23,8 @@ def _module_name(path: Path) -> str:
 def _internal_imports(path: Path, package: Path = PACKAGE) -> set[str]:
     """Names of the ``fsdp2`` modules and subpackages that ``path`` imports (``runtime._state``, ...).
 
-    ``from ..base._api import X`` counts as ``base._api``; ``from ..tools import _engine`` as both
-    ``tools`` (its ``__init__`` runs) and ``tools._engine``; ``graph`` keeps the names that exist.
+    ``from ..base._api import X`` counts as ``base._api``; ``from ..frontend import _engine`` as both
+    ``frontend`` (its ``__init__`` runs) and ``frontend._engine``; ``graph`` keeps the names that exist.
     A subpackage's ``__init__`` stands for the subpackage (``testing``); the top-level ``__init__`` is
     ``__init__``. Relative imports are resolved from ``path``'s own package.
     """
@@ -92,7 +92,7 @@ def test_no_import_cycles_in_fsdp2() -> None:
     assert {"testing", "testing._threads", "testing._counting"} <= graph.keys(), (
         "fsdp2/testing is not covered"
     )
-    assert "tools._memory" in graph["testing._measure"], "imports from a parent package are not resolved"
+    assert "plan._memory" in graph["testing._measure"], "imports from a parent package are not resolved"
     cycle = _find_cycle({k: v for k, v in graph.items() if k != "__init__"})
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -107,8 +107,12 @@ FLOORS = {
     "compile": 4,
     "runtime": 5,
     "frontend": 6,
-    "tools": 7,
-    "testing": 8,
+    # rooms above the engine, each named for what it does; they read the engine via frontend._engine
+    "optim": 7,
+    "debug": 7,
+    "plan": 7,
+    "weights": 8,  # debug mode's agreement on entering an export or import
+    "testing": 9,
 }
 
 
@@ -139,6 +143,22 @@ def test_subpackages_import_only_lower_floors() -> None:
             if there != here and FLOORS[there] >= FLOORS[here]:
                 upward.append(f"{name} ({here}, floor {FLOORS[here]}) imports {dep} (floor {FLOORS[there]})")
     assert not upward, "imports across or up the floors:\n" + "\n".join(sorted(upward))
+
+
+def test_no_subpackage_holds_more_than_a_fifth_of_the_code() -> None:
+    """Every capability gets a room named for it; none grows into a grab-bag (``.ci/sizes`` counts)."""
+    import importlib.util
+    from importlib.machinery import SourceFileLoader
+
+    loader = SourceFileLoader("ci_sizes", str(PACKAGE.parent / ".ci" / "sizes"))
+    spec = importlib.util.spec_from_loader("ci_sizes", loader)
+    assert spec is not None
+    sizes = importlib.util.module_from_spec(spec)
+    loader.exec_module(sizes)
+    code = {package: sum(sizes.counts(p)[0] for p in (PACKAGE / package).glob("*.py")) for package in FLOORS}
+    total = sum(code.values()) + sum(sizes.counts(p)[0] for p in PACKAGE.glob("*.py"))
+    over = {package: f"{n / total:.1%}" for package, n in code.items() if n > total / 5}
+    assert not over, f"subpackages over a fifth of fsdp2's {total} code lines: {over}"
 
 
 def test_every_subpackage_says_what_it_owns() -> None:
@@ -184,7 +204,7 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
                 assert not name.startswith("torch.distributed.fsdp"), f"{path.name} imports {name}"
 
 
-# The engine's stateful classes: tools on top reach them only through ``_engine``.
+# The engine's stateful classes: the rooms above reach them only through ``frontend._engine``.
 ENGINE_INTERNALS = {
     "runtime._state",
     "group._param_group",
@@ -195,11 +215,10 @@ ENGINE_INTERNALS = {
     "group._gather",
 }
 TOOLS = [
-    "tools/_copy",
-    "tools/_memory",
-    "tools/_accumulate",
-    "tools/_guard",
-    "tools/_keep_frozen",
+    "weights/_copy",
+    "plan/_memory",
+    "optim/_accumulate",
+    "debug/_guard",
     "testing/_recording",
 ]
 # Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
@@ -211,7 +230,7 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
     path = PACKAGE / f"{tool}.py"
     internals = _internal_imports(path) & ENGINE_INTERNALS
     assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine instead"
-    assert "tools._engine" in _internal_imports(path)
+    assert "frontend._engine" in _internal_imports(path)
     reads = {
         node.attr
         for node in ast.walk(ast.parse(path.read_text()))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fsdp2.tools._memory import MemoryTracker, process_hooks, tracking
+from fsdp2.plan._memory import MemoryTracker, process_hooks, tracking
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -72,10 +72,11 @@ class WeightSync:
                 "bfloat16, float32 or float64, and quantise on the engine's side."
             )
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
+        usable = isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world
+        if rank is not None and not usable:
             raise ValueError(
-                f"WeightSync rank must be None (every rank receives) or a rank of this job, 0 to {world - 1}; "
-                f"got {rank!r}."
+                "WeightSync rank must be None (every rank receives) or a rank of this job, "
+                f"0 to {world - 1}; got {rank!r}."
             )
         self.model = model
         self.dtype = dtype

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..base._mesh import mesh_device
+from ..debug._guard import check_entry
 from ..param._param import chunk_rows
-from ._guard import check_entry
 
 # safetensors' names of the dtypes it stores
 _SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {

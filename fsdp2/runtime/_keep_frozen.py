@@ -3,8 +3,9 @@
 Owns: choosing which frozen parameters of a root's groups stay unsharded (largest first, within a
 budget of unsharded bytes per rank, the same choice on every rank) and asking the root's context to
 keep them (``RootContext.keep_gathered``: a group of their own where they share one with trainable
-parameters). Does not own: what a kept group does each step (the group's controls, the schedule's
-check of its shards' versions).
+parameters; a later call first stops keeping what an earlier one kept). Does not own: what a kept
+group does each step (its unsharded buffer holds the copy and checks its shards' versions, see
+[Note: A kept copy] in ``group/_unshard_buffer.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from . import _engine as engine
+from ..group._param_group import FSDPParamGroup
+from ..param._param import FSDPParam
+from ._root import RootContext
+from ._state import FSDPState, busy, get_state, states_under
 
 __all__ = ["keep_frozen_gathered"]
 
@@ -54,7 +58,7 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
         raise ValueError(
             f"keep_frozen_gathered: budget_bytes must be >= 0 (0 keeps none), got {budget_bytes}."
         )
-    state = engine.state_of(model)
+    state = get_state(model)
     if state is None:
         raise ValueError(
             f"keep_frozen_gathered: {type(model).__name__} is not a fully_shard module. Call it on the root "
@@ -66,11 +70,11 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
             "root (the module whose forward runs first), which keeps the frozen parameters of every group "
             "under it."
         )
-    states = engine.states_under(model)
-    if engine.busy(states):
+    states = states_under(model)
+    if busy(states):
         raise RuntimeError("keep_frozen_gathered: call it outside forward and backward.")
-    frozen = engine.frozen_params(model)  # runs the root's lazy init
-    ctx = engine.root_context(model)
+    frozen = _frozen_params(model)  # runs the root's lazy init
+    ctx = _root_context(model)
     ctx.stop_keeping()  # a later call replaces the earlier choice
     frozen.sort(key=lambda item: (-item[3], item[2].fqn))
     chosen, total = [], 0
@@ -85,3 +89,30 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
         state_, group = items[0][0], items[0][1]
         ctx.keep_gathered(state_, group, [item[2] for item in items])
     return [item[2].fqn for item in chosen]
+
+
+def _frozen_params(root: nn.Module) -> list[tuple[FSDPState, FSDPParamGroup, FSDPParam, int]]:
+    """Each frozen (``requires_grad=False``) parameter under ``root``, with its state and group.
+
+    Also the bytes its unsharded form takes on a rank. The root's lazy init runs first (names, dtypes,
+    its context).
+    """
+    root_state = get_state(root)
+    assert root_state is not None, "not a fully_shard module"
+    root_state.lazy_init()
+    found = []
+    for state in states_under(root):
+        for group in state.groups:
+            for fsdp_param in group.fsdp_params:
+                if not fsdp_param.sharded_param.requires_grad:
+                    nbytes = fsdp_param.layout.orig_numel * fsdp_param.unsharded_dtype.itemsize
+                    found.append((state, group, fsdp_param, nbytes))
+    return found
+
+
+def _root_context(root: nn.Module) -> RootContext:
+    """The context of the root ``root`` (after its lazy init)."""
+    state = get_state(root)
+    assert state is not None, "not a fully_shard module"
+    assert state.ctx is not None, "the root's lazy init has not run"
+    return state.ctx

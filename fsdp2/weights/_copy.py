@@ -7,7 +7,7 @@ placeholders of their full shape, ``fully_shard`` is applied to the copy with th
 same (bottom-up) order, and each new local shard is filled from the original's. The copy shares the
 meshes (and so the process groups) with the original and nothing else. Does not own: sharding
 (``fully_shard``) or the engine's state: it reaches the states, groups and shards only through the
-engine's interface for tools (``_engine.py``).
+engine's interface for the rooms above it (``frontend/_engine.py``).
 Invariants: the original is unchanged except for being resharded first; a copy taken mid-iteration is
 refused. Importing this module also makes DTensors over packed shards deep-copyable
 (``_dtensor.install_deepcopy``), so ``copy.deepcopy(model.state_dict())`` works as with torch.
@@ -20,10 +20,10 @@ from typing import Any
 
 from torch import nn
 
+from ..frontend import _engine as engine
 from ..frontend._fully_shard import fully_shard
 from ..frontend._module import set_deepcopy_impl
 from ..param._dtensor import install_deepcopy
-from . import _engine as engine
 
 
 def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:

@@ -2,7 +2,7 @@
 
 Owns: ``accumulate`` (the context manager), the choice of the groups whose gradients are kept
 unreduced across micro-batches, and ``Accumulation`` (what was chosen and what it cost). It works
-through the engine's interface for tools (``_engine.py``): the same no-sync mechanism as
+through the engine's interface for the rooms above it (``frontend/_engine.py``): the same no-sync mechanism as
 ``set_requires_gradient_sync(False)``, switched per group, and one reduction of what was kept when
 the context exits.
 Does not own: the reductions themselves (the groups), the optimizer.
@@ -27,8 +27,8 @@ from typing import Any
 from torch import nn
 
 from ..comm._comms import ForwardingComm
+from ..frontend import _engine as engine
 from ..runtime._step_guard import mark_partial_grads
-from . import _engine as engine
 
 __all__ = ["Accumulation", "accumulate"]
 

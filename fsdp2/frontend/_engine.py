@@ -1,15 +1,14 @@
-"""The engine's interface for the tools built on it: deep copy, memory, accumulation, debug mode.
+"""The engine's interface for the rooms built on it: deep copy, memory, accumulation, debug mode.
 
-Owns nothing. It is the one place outside the engine's own classes that knows their fields: the tools
-(``_copy``, ``_memory``, ``_accumulate``, ``_guard``) call these functions and never read a state's
-or a group's fields themselves, so the engine's layout can change without touching them.
+Owns nothing. It is the one place above the engine's own classes that knows their fields: the rooms
+above ``frontend`` (``weights/_copy``, ``plan/_memory``, ``optim/_accumulate``, ``debug/_guard``,
+``testing/_recording``) call these functions and never read a state's or a group's fields
+themselves, so the engine's layout can change without touching them.
 
-The interface, by tool:
+The interface, by room:
 
-- every tool: ``states_under(root)`` (the states of a module tree, in the order ``fully_shard`` was
+- every room: ``states_under(root)`` (the states of a module tree, in the order ``fully_shard`` was
   applied) and ``state_of(module)``;
-- keeping frozen parameters gathered: ``frozen_params`` and ``root_context`` (whose
-  ``keep_gathered`` does the work);
 - deep copy: ``busy`` (a forward or backward is running), ``extension_params``, ``reshard``,
   ``detached`` (the tree as plain modules while it is copied), ``sharding_calls`` (what to call
   ``fully_shard`` with again), ``copy_state_into`` (shards, controls and settings onto the copy's
@@ -36,13 +35,10 @@ import torch
 from torch import nn
 
 from ..base._autograd import in_backward_task_id
-from ..base._lifecycle import TrainingState
-from ..frontend._composable import pop_torch_state, restore_torch_state
-from ..frontend._module import original_class
 from ..group._param_group import FSDPParamGroup
-from ..param._param import FSDPParam
-from ..runtime._root import RootContext
-from ..runtime._state import FSDPState, get_state
+from ..runtime._state import FSDPState, busy, get_state, states_under
+from ._composable import pop_torch_state, restore_torch_state
+from ._module import original_class
 
 __all__ = [
     "GroupFacts",
@@ -52,13 +48,11 @@ __all__ = [
     "data_parallel_groups",
     "detached",
     "extension_params",
-    "frozen_params",
     "group_name",
     "groups_under",
     "held_grad_bytes",
     "kept_grad_bytes",
     "reshard",
-    "root_context",
     "set_gradient_sync",
     "sharding_calls",
     "state_of",
@@ -68,58 +62,10 @@ __all__ = [
 ]
 
 state_of = get_state
-
-
-def states_under(root: nn.Module) -> list[FSDPState]:
-    """The fully_shard states of ``root``'s tree, deepest first (the order they were applied)."""
-    depth = {module: name.count(".") + (1 if name else 0) for name, module in root.named_modules()}
-    seen: dict[int, FSDPState] = {}
-    for module in root.modules():
-        state = get_state(module)
-        if state is not None and id(state) not in seen:
-            seen[id(state)] = state
-    return sorted(seen.values(), key=lambda s: -max(depth.get(m, 0) for m in s.modules))
-
-
-# ---- frozen parameters kept gathered -------------------------------------------------------------
-
-
-def frozen_params(root: nn.Module) -> list[tuple[FSDPState, FSDPParamGroup, FSDPParam, int]]:
-    """Each frozen (``requires_grad=False``) parameter under ``root``, with its state and group.
-
-    Also the bytes its unsharded form takes on a rank. The root's lazy init runs first (names, dtypes,
-    its context).
-    """
-    root_state = get_state(root)
-    assert root_state is not None, "not a fully_shard module"
-    root_state.lazy_init()
-    found = []
-    for state in states_under(root):
-        for group in state.groups:
-            for fsdp_param in group.fsdp_params:
-                if not fsdp_param.sharded_param.requires_grad:
-                    nbytes = fsdp_param.layout.orig_numel * fsdp_param.unsharded_dtype.itemsize
-                    found.append((state, group, fsdp_param, nbytes))
-    return found
-
-
-def root_context(root: nn.Module) -> RootContext:
-    """The context of the root ``root`` (after its lazy init)."""
-    state = get_state(root)
-    assert state is not None, "not a fully_shard module"
-    assert state.ctx is not None, "the root's lazy init has not run"
-    return state.ctx
+# states_under (every room) and busy (deep copy) are the runtime's: ``runtime/_state.py``.
 
 
 # ---- deep copy -----------------------------------------------------------------------------------
-
-
-def busy(states: list[FSDPState]) -> bool:
-    """Whether any of ``states`` (or their groups) is inside a forward or backward."""
-    idle = TrainingState.IDLE
-    return any(
-        s.training_state is not idle or any(g.training_state is not idle for g in s.groups) for s in states
-    )
 
 
 def extension_params(states: list[FSDPState]) -> list[str]:

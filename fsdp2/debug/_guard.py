@@ -36,11 +36,11 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from torch.distributed.tensor import DTensor
 
 from ..comm._comms import ForwardingComm
+from ..frontend import _engine as engine
 from ..param._dtensor import local_of
 from ..runtime._optimizer_hooks import take_part
 from ..runtime._step_guard import sharded_params
 from ..trace._debug import debug_enabled, guard_timeout, on_root_init, replica_check_every
-from . import _engine as engine
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._replicas import check_replicas
 from ._straggler_watch import StragglerWatch

@@ -32,9 +32,9 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..frontend import _engine as engine
 from ..param._dtensor import local_of
 from ..runtime._optimizer_hooks import take_part
-from . import _engine as engine
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
 PHASES = ("init", "forward", "backward", "optimizer")

@@ -84,7 +84,7 @@ def plan(
     ``reshard_after_forward`` per group, bucket caps, keeping frozen parameters gathered and, only
     where nothing else fits, CPU offload of the largest groups; among the settings whose estimated
     peak fits it returns the one with the lowest predicted step time. The prediction comes from a
-    model measured on this job (see [Note: The step-time model] in ``fsdp2/tools/_cost.py``): called
+    model measured on this job (see [Note: The step-time model] in ``fsdp2/plan/_cost.py``): called
     on every rank inside a running job of ``world_size`` ranks, it times the process group's
     collectives and two real wrappings of the model (a few steps each), and every rank gets the same
     plan; before a job, it times one unsharded step here and uses nominal network figures

@@ -1,0 +1,15 @@
+"""Floor 7: the checks debug mode runs while training, and the one a user calls.
+
+Owns: the divergence guard (every rank agrees on each FSDP collective before it runs, through a
+board of what each rank is about to do), ``check_replicas`` (replicas compared bit for bit) and the
+straggler watch (the rank the others waited for, named while training). The settings, the
+watchdog and the straggler report over recordings are ``trace``'s (``trace/_debug.py``,
+``trace/_straggler.py``). Reads the engine through ``frontend._engine``; imports the floors below.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._guard import DivergenceError
+from ._replicas import check_replicas
+
+__all__ = ["DivergenceError", "check_replicas"]

@@ -1,0 +1,15 @@
+"""Floor 7: choosing a wrapping before training: the memory estimate, the cost model and the planner.
+
+Owns: ``estimate_memory`` (a step run on fake tensors in a simulated world of ranks, its peak per
+phase), the step-time cost model and its calibration, ``plan`` (the search over groupings, resharding,
+bucket caps, frozen residency and offload, by memory or by measured time) and ``apply_fully_shard``
+(wrapping by module class). Reads the engine through ``frontend._engine``; imports the floors below.
+
+Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+"""
+
+from ._memory import estimate_memory
+from ._planner import plan
+from ._wrap import apply_fully_shard
+
+__all__ = ["apply_fully_shard", "estimate_memory", "plan"]
