@@ -211,13 +211,13 @@ def _reduce_part(self: DTensor, proto: int) -> Any:
     """
     local = local_of(self)
     if _covers_storage(local) and self.data_ptr() == 0:
-        return _TENSOR_REDUCE_EX(self, proto)
+        return _TENSOR_REDUCE_EX(self, proto)  # type: ignore[no-untyped-call]  # reason: untyped in torch
     part = local.detach().clone(memory_format=torch.contiguous_format)
     compact = wrap_local(part, spec_of(self), requires_grad=self.requires_grad)
     for name, value in self.__dict__.items():
         if name not in ("_local_tensor", "_spec"):
             setattr(compact, name, value)
-    return _TENSOR_REDUCE_EX(compact, proto)
+    return _TENSOR_REDUCE_EX(compact, proto)  # type: ignore[no-untyped-call]  # reason: untyped in torch
 
 
 _TENSOR_REDUCE_EX = torch.Tensor.__reduce_ex__

@@ -63,7 +63,7 @@ class WeightSync:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"WeightSync expects an nn.Module, got {type(model).__name__}.")
-        if not isinstance(dtype, torch.dtype):  # type: ignore[redundant-expr]  # reason: a user may pass anything
+        if not isinstance(dtype, torch.dtype):  # a user may pass anything
             raise TypeError(f"WeightSync dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}.")
         if dtype not in _SENDABLE:
             raise ValueError(
