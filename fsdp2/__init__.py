@@ -15,6 +15,7 @@ from .frontend._patch import TorchPatch, patch_torch_fsdp
 from .optim._accumulate import Accumulation, accumulate
 from .optim._clip import clip_grad_norm_
 from .optim._local_optim import local_step
+from .optim._whole_tensor import declare_optimizer, whole_tensor_step
 from .param._init import init_like_unsharded
 from .plan._memory import MemoryReport, PhaseMemory, SimulatedValueError, estimate_memory, is_simulated
 from .plan._plan import Plan, PlanError
@@ -70,6 +71,7 @@ __all__ = [
     "check_replicas",
     "clip_grad_norm_",
     "communication_report",
+    "declare_optimizer",
     "estimate_memory",
     "fully_shard",
     "init_like_unsharded",
@@ -88,4 +90,5 @@ __all__ = [
     "set_debug",
     "share_comm_ctx",
     "straggler_report",
+    "whole_tensor_step",
 ]

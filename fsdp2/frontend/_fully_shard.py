@@ -160,8 +160,6 @@ def fully_shard(
         infos[key] = info
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
-    for hook in _ON_FIRST_CALL:
-        hook()  # e.g. automatic local-shard optimizer steps (``optim``); each is idempotent
     mark_replaced([param for param, _ in params.values()])  # an optimizer built before would not train them
     _move_to_device(managed, params, device)
     groups: list[FSDPParamGroup] = []
@@ -187,6 +185,8 @@ def fully_shard(
     state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
     if groups:
         watch_optimizer_steps()
+    for hook in _ON_FIRST_CALL:  # after the step guard: its checks run before the rooms' step work
+        hook()  # e.g. automatic local-shard and whole-tensor optimizer steps (``optim``); idempotent
     watch_registrations()
     # The same set is often passed to every call; ones in none of these modules are checked against
     # the whole tree at the root's first forward.

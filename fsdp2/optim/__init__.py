@@ -1,7 +1,9 @@
 """Floor 7: what steps the optimizer over sharded parameters.
 
 Owns: optimizer steps on local shards (``local_step``, and the automatic one for torch's elementwise
-optimizers, enabled at the first ``fully_shard``), gradient clipping over shards
+optimizers, enabled at the first ``fully_shard``), whole-tensor steps on owner ranks for optimizers
+that need each whole parameter (``whole_tensor_step``: Muon, Adafactor, declared classes;
+``declare_optimizer``), gradient clipping over shards
 (``clip_grad_norm_``) and gradient accumulation within a memory budget (``accumulate``). Does not
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
 ``frontend._engine``; imports the floors below.
@@ -13,7 +15,16 @@ from ..frontend._fully_shard import on_first_fully_shard
 from ._accumulate import Accumulation, accumulate
 from ._clip import clip_grad_norm_
 from ._local_optim import enable_automatic_local_steps, local_step
+from ._whole_tensor import declare_optimizer, enable_whole_tensor_steps, whole_tensor_step
 
 on_first_fully_shard(enable_automatic_local_steps)
+on_first_fully_shard(enable_whole_tensor_steps)
 
-__all__ = ["Accumulation", "accumulate", "clip_grad_norm_", "local_step"]
+__all__ = [
+    "Accumulation",
+    "accumulate",
+    "clip_grad_norm_",
+    "declare_optimizer",
+    "local_step",
+    "whole_tensor_step",
+]

@@ -129,6 +129,16 @@ _seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _auto_hook: Any = None
 
 
+def declare_elementwise(cls: type) -> None:
+    """Step instances of ``cls`` on local shards from their second step on (``fsdp2.declare_optimizer``)."""
+    _ELEMENTWISE.add(cls)
+
+
+def is_elementwise(cls: type) -> bool:
+    """Whether instances of exactly ``cls`` step on local shards automatically."""
+    return cls in _ELEMENTWISE
+
+
 def enable_automatic_local_steps() -> None:
     """Run torch's elementwise optimizers over DTensors on local shards from their second step on.
 
