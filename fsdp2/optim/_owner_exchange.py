@@ -65,7 +65,9 @@ class ExchangePlan:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params = entries
-        self.rows = [[chunk_rows(p.shape[0], self.world, r)[2] for r in range(self.world)] for p, _ in entries]
+        self.rows = [
+            [chunk_rows(p.shape[0], self.world, r)[2] for r in range(self.world)] for p, _ in entries
+        ]
         load = [0] * self.world
         self.owners = [0] * len(entries)
         for i in sorted(range(len(entries)), key=lambda i: (-_work(entries[i][0]), i)):
@@ -73,7 +75,7 @@ class ExchangePlan:
             self.owners[i] = owner
             load[owner] += _work(entries[i][0])
         self.known: list[tuple[Layout, dict[str, Any]] | None] = [None] * len(entries)
-        self.device = entries[0][0].to_local().device
+        self.device = entries[0][0].device  # a DTensor's device is its local tensor's
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -97,10 +99,10 @@ class ExchangePlan:
         expect = [0] * self.world
         for i, (param, _) in enumerate(self.params):
             tensors = [param.grad, param, *(state[param][k] for k in self._sharded_keys(param, state))]
-            sends[self.owners[i]].extend(local_of(t) for t in tensors)  # type: ignore[arg-type]
+            sends[self.owners[i]].extend(local_of(t) for t in tensors)
             if self.owners[i] == self.rank:
                 for r in range(self.world):
-                    expect[r] += sum(_padded(self.rows[i][r] * _row_bytes(t)) for t in tensors)  # type: ignore[arg-type]
+                    expect[r] += sum(_padded(self.rows[i][r] * _row_bytes(t)) for t in tensors)
         received = self._all_to_all(sends, expect)
         pieces: dict[int, list[list[torch.Tensor]]] = {}
         offsets = [0] * self.world
@@ -111,8 +113,8 @@ class ExchangePlan:
             per_tensor: list[list[torch.Tensor]] = [[] for _ in tensors]
             for r in range(self.world):
                 for t_index, tensor in enumerate(tensors):
-                    shape = (self.rows[i][r], *tensor.shape[1:])  # type: ignore[union-attr]
-                    piece, offsets[r] = _take(received[r], offsets[r], shape, tensor.dtype)  # type: ignore[union-attr]
+                    shape = (self.rows[i][r], *tensor.shape[1:])
+                    piece, offsets[r] = _take(received[r], offsets[r], shape, tensor.dtype)
                     per_tensor[t_index].append(piece)
             pieces[i] = per_tensor
         return pieces
@@ -128,9 +130,13 @@ class ExchangePlan:
         full_state.update(zip(keys, states, strict=True))
         return {"param": whole, "state": full_state}
 
-    def _step(self, optimizer: torch.optim.Optimizer, shadow: torch.optim.Optimizer, wholes: dict[int, Any]) -> None:
+    def _step(
+        self, optimizer: torch.optim.Optimizer, shadow: torch.optim.Optimizer, wholes: dict[int, Any]
+    ) -> None:
         """The optimizer's own step over the whole tensors this rank owns, with each group's settings."""
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optimizer.param_groups]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optimizer.param_groups
+        ]
         shadow.state = defaultdict(dict)
         for i, whole in wholes.items():
             groups[self.params[i][1]]["params"].append(whole["param"])
@@ -186,14 +192,18 @@ class ExchangePlan:
                 layout, scalars = self.known[i]  # type: ignore[misc]
                 mine = self.rows[i][self.rank]
                 local = local_of(param)  # type: ignore[arg-type]
-                piece, offsets[owner] = _take(received[owner], offsets[owner], tuple(local.shape), local.dtype)
+                piece, offsets[owner] = _take(
+                    received[owner], offsets[owner], tuple(local.shape), local.dtype
+                )
                 local.copy_(piece)
                 new_state: dict[str, Any] = dict(scalars)
                 old = state.get(param, {})
                 for key, kind, shape, dtype in layout:
                     size = (mine, *shape[1:]) if kind == "rows" else shape
                     piece, offsets[owner] = _take(received[owner], offsets[owner], size, dtype)
-                    new_state[key] = _rows_state(param, old.get(key), piece) if kind == "rows" else piece.clone()
+                    new_state[key] = (
+                        _rows_state(param, old.get(key), piece) if kind == "rows" else piece.clone()
+                    )
                 state[param] = new_state
 
     def _all_to_all(self, sends: list[list[torch.Tensor]], expect: list[int]) -> list[torch.Tensor]:
@@ -253,7 +263,9 @@ def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(chunks)
 
 
-def _take(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def _take(
+    buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, int]:
     """The tensor of ``shape`` and ``dtype`` at ``offset`` of ``buffer`` (a view), and the next offset."""
     nbytes = _prod(shape) * dtype.itemsize
     piece = buffer[offset : offset + nbytes].view(dtype).view(shape)
@@ -281,5 +293,10 @@ def _rows_state(param: torch.Tensor, old: Any, piece: torch.Tensor) -> DTensor:
         return old
     assert isinstance(param, DTensor)
     return DTensor.from_local(
-        piece.clone(), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        piece.clone(),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )

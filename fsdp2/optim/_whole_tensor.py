@@ -66,7 +66,7 @@ _hidden: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tenso
 _warned: set[type] = set()
 
 
-def declare_optimizer(cls: type, kind: str) -> None:
+def declare_optimizer(cls: Any, kind: str) -> None:
     """Tell fsdp2 how an optimizer class is right on sharded parameters.
 
     ``"elementwise"``: each element is updated from its own values only (Adam, SGD, Lion): its steps
@@ -138,7 +138,7 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if chosen is False:
         return
     kind = "whole_tensor" if chosen else kind_of(type(optimizer))
-    if kind in ("elementwise", "dtensor"):
+    if kind in ("elementwise", "dtensor") or (kind is None and type(optimizer) in _warned):
         return
     managed = [p for group in optimizer.param_groups for p in group["params"] if is_managed(p)]
     if not managed:
@@ -155,12 +155,13 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     stepped = [p for p in managed if p.grad is not None and _sharded(p)]
     for param in stepped:
         grad = param.grad
-        if not isinstance(grad, DTensor) or grad.placements != param.placements:  # type: ignore[union-attr]
+        if not isinstance(grad, DTensor) or grad.placements != param.placements:
+            layout = getattr(grad, "placements", type(grad).__name__)
             raise ValueError(
-                f"{type(optimizer).__name__}.step(): a parameter of shape {tuple(param.shape)} has a gradient "
-                f"laid out as {getattr(grad, 'placements', type(grad).__name__)}, not as the parameter "
-                f"({tuple(param.placements)}); the whole-tensor step reads reduced gradient shards. Step "
-                "after a backward that reduced the gradients (set_requires_gradient_sync(True))."
+                f"{type(optimizer).__name__}.step(): a parameter of shape {tuple(param.shape)} has a "
+                f"gradient laid out as {layout}, not as the parameter ({tuple(param.placements)}); the "
+                "whole-tensor step reads reduced gradient shards. Step after a backward that reduced the "
+                "gradients (set_requires_gradient_sync(True))."
             )
     if not stepped:
         return

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2.testing import record_collectives
 from tests._harness import run_threaded
 
 EXACT = {"rtol": 0, "atol": 0}
@@ -135,7 +134,9 @@ def _check(kind: str, world: int, **options: Any) -> None:
     mesh_shape = options.get("mesh_shape")
     data_ranks = world if mesh_shape is None else mesh_shape[1]
     reference = {k: v for k, v in options.items() if k != "mesh_shape"}
-    expected = run_threaded(1, functools.partial(_train, **reference), base, kind, False, data_ranks)[0]["params"]
+    expected = run_threaded(1, functools.partial(_train, **reference), base, kind, False, data_ranks)[0][
+        "params"
+    ]
     moved = [n for n, p in expected.items() if not torch.equal(p, base.get_parameter(n).detach())]
     assert len(moved) == len(expected)  # every parameter trained
     for out in run_threaded(world, functools.partial(_train, **options), base, kind, True, data_ranks):
@@ -323,7 +324,7 @@ def test_declarations_are_checked() -> None:
         fsdp2.declare_optimizer(object, "elementwise")
     with pytest.raises(ValueError, match="kind must be one of"):
         fsdp2.declare_optimizer(_Unknown, "matrix")
-    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"expects a torch\.optim\.Optimizer"):
         fsdp2.whole_tensor_step(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only supports 2D parameters"):  # torch's own, at construction
         torch.optim.Muon([nn.Parameter(torch.zeros(3))])
