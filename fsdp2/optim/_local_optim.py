@@ -150,11 +150,33 @@ def enable_automatic_local_steps() -> None:
         _auto_hook = take_part(before=_first_step)
 
 
+_other_kinds: list[Callable[[torch.optim.Optimizer, Any, Any], None]] = []
+
+
+def decide_others_with(decide: Callable[[torch.optim.Optimizer, Any, Any], None]) -> None:
+    """At the first step of an optimizer of another class than the elementwise ones, call ``decide``.
+
+    How the whole-tensor path (``_whole_tensor``) takes its optimizers without a step hook of its own:
+    a plain step enters no more files than before.
+    """
+    if decide not in _other_kinds:
+        _other_kinds.append(decide)
+
+
+def mark_decided(optimizer: torch.optim.Optimizer) -> None:
+    """Take ``optimizer`` out of the automatic choice (the user's, or a shadow optimizer's)."""
+    _seen.add(optimizer)
+
+
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # Runs before every step of every optimizer in the process: one set lookup once decided.
     if optimizer in _seen:
         return
     _seen.add(optimizer)
+    if type(optimizer) not in _ELEMENTWISE:
+        for decide in _other_kinds:
+            decide(optimizer, args, kwargs)
+        return
     if os.environ.get("FSDP2_LOCAL_STEP", "1") == "0":
         return
     if type(optimizer) not in _ELEMENTWISE or any(g.get("differentiable") for g in optimizer.param_groups):

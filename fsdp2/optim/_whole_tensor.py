@@ -8,7 +8,9 @@ plain tensors), the local-shard step (``_local_optim``), the step guard (``runti
 layout of one exchange (``_owner_exchange``).
 
 [Note: The owner step]
-Before the optimizer's own step (a pre-step participant that joins after the step guard), for the
+At an optimizer's first step, fsdp2's automatic choice (``_local_optim``) hands a class that is not
+elementwise to ``_first_step`` here, which gives a whole-tensor optimizer its own step hooks (torch
+runs them after the global ones, so after fsdp2's step guard). Before each of its steps, for the
 parameters ``fully_shard`` sharded that have a gradient, per shard process group:
 
 1. owners: each parameter goes to one rank of its shard group, the most work first to the least
@@ -42,8 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from ..base._warn import warn_user
 from ..param._param import is_managed
-from ..runtime._optimizer_hooks import take_part
-from ._local_optim import declare_elementwise, is_elementwise
+from ._local_optim import decide_others_with, declare_elementwise, is_elementwise, mark_decided
 from ._owner_exchange import ExchangePlan, shard_group_of
 
 __all__ = ["declare_optimizer", "whole_tensor_step"]
@@ -107,16 +108,47 @@ def whole_tensor_step(optimizer: torch.optim.Optimizer, *, enabled: bool = True)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"whole_tensor_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     _instances[optimizer] = bool(enabled)
+    mark_decided(optimizer)  # the automatic choice leaves it alone
+    if enabled:
+        _attach(optimizer)
+    else:
+        _detach(optimizer)
     return optimizer
 
 
-_participating: list[Any] = []
-
-
 def enable_whole_tensor_steps() -> None:
-    """Join the optimizer-step hooks (at the first ``fully_shard``, after the step guard)."""
-    if not _participating:
-        _participating.append(take_part(before=before_step, after=after_step))
+    """Let the automatic choice at an optimizer's first step (``_local_optim``) hand over the others."""
+    decide_others_with(_first_step)
+
+
+def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The first step of an optimizer that is not elementwise: the owner path, a warning, or nothing."""
+    if optimizer in _shadows or _instances.get(optimizer) is not None:
+        return
+    kind = kind_of(type(optimizer))
+    if kind in ("elementwise", "dtensor"):
+        return
+    if not any(is_managed(p) for group in optimizer.param_groups for p in group["params"]):
+        return
+    if kind is None:
+        _warn_unknown(type(optimizer))
+        return
+    _attach(optimizer)  # its hooks run in this step too: after the global ones, which are running
+
+
+def _attach(optimizer: torch.optim.Optimizer) -> None:
+    """Run the owner step before each of ``optimizer``'s steps (its own step hooks, after fsdp2's)."""
+    if "_fsdp2_whole_tensor_hooks" not in optimizer.__dict__:
+        handles = (
+            optimizer.register_step_pre_hook(_before_step),
+            optimizer.register_step_post_hook(_after_step),
+        )
+        optimizer.__dict__["_fsdp2_whole_tensor_hooks"] = handles
+
+
+def _detach(optimizer: torch.optim.Optimizer) -> None:
+    for handle in optimizer.__dict__.pop("_fsdp2_whole_tensor_hooks", ()):
+        handle.remove()
 
 
 def kind_of(cls: type) -> str | None:
@@ -130,28 +162,15 @@ def kind_of(cls: type) -> str | None:
     return None
 
 
-def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Pre-step participant: the owner step of a whole-tensor optimizer (or the unknown one's warning)."""
-    if optimizer in _shadows:
-        return
-    chosen = _instances.get(optimizer)
-    if chosen is False:
-        return
-    kind = "whole_tensor" if chosen else kind_of(type(optimizer))
-    if kind in ("elementwise", "dtensor") or (kind is None and type(optimizer) in _warned):
-        return
-    managed = [p for group in optimizer.param_groups for p in group["params"] if is_managed(p)]
-    if not managed:
-        return
-    if kind is None:
-        _warn_unknown(type(optimizer))
-        return
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook of a whole-tensor optimizer: the owner step, then its gradients hidden."""
     if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:  # args[0]: self
         raise ValueError(
             f"{type(optimizer).__name__}.step(closure) over sharded parameters: the whole-tensor step "
             "(each parameter's update on one owner rank) cannot re-run the closure on owners; call "
             "the forward and backward yourself, then step() without a closure."
         )
+    managed = [p for group in optimizer.param_groups for p in group["params"] if is_managed(p)]
     stepped = [p for p in managed if p.grad is not None and _sharded(p)]
     for param in stepped:
         grad = param.grad
@@ -172,8 +191,8 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         param.grad = None  # the optimizer's own step skips what the owners stepped
 
 
-def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Post-step participant: give back the gradients the owner step hid from the optimizer's step."""
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step post-hook of a whole-tensor optimizer: give back the gradients the owner step hid."""
     hidden = _hidden.pop(optimizer, None)
     if hidden:
         for param, grad in hidden:
@@ -212,14 +231,14 @@ def _shadow_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shadow = optimizer.__dict__.get("_fsdp2_shadow")
     if shadow is None:
         shadow = object.__new__(type(optimizer))
-        shadow.__dict__.update(
-            {k: v for k, v in optimizer.__dict__.items() if k not in ("step", "_fsdp2_shadow")}
-        )
+        skip = ("step", "_fsdp2_shadow", "_fsdp2_whole_tensor_hooks")
+        shadow.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in skip})
         for name in _OWN_HOOKS:
             if hasattr(optimizer, name):
                 setattr(shadow, name, type(getattr(optimizer, name))())
         optimizer.__dict__["_fsdp2_shadow"] = shadow
         _shadows.add(shadow)
+        mark_decided(shadow)
     return shadow
 
 
