@@ -1,8 +1,8 @@
 """Whole-tensor optimizer steps over shards: each parameter's update computed once, on one owner rank.
 
 Owns: which optimizers need whole tensors (``torch.optim.Muon`` and ``torch.optim.Adafactor``, and
-classes declared with ``declare_optimizer``), ``whole_tensor_step`` (one optimizer instance), the
-one-time warning for an optimizer fsdp2 does not know to be right on shards, and the owner step
+classes declared with ``declare_optimizer``; Adafactor itself steps on rows, see ``_adafactor``),
+``whole_tensor_step`` (one optimizer instance), the one-time warning for an optimizer fsdp2 does not know to be right on shards, and the owner step
 ([Note: The owner step]). Does not own: the update rule (the optimizer's own ``step``, run on whole
 plain tensors), the local-shard step (``_local_optim``), the step guard (``runtime``), the bytes
 layout of one exchange (``_owner_exchange``).
@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from ..base._warn import warn_user
 from ..param._param import is_managed
+from ._adafactor import factored_step
 from ._local_optim import decide_others_with, declare_elementwise, is_elementwise, mark_decided
 from ._owner_exchange import ExchangePlan, shard_group_of
 
@@ -184,8 +185,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             )
     if not stepped:
         return
-    for plan in _plans_of(optimizer, stepped):
-        plan.run(optimizer, _shadow_of(optimizer))
+    if type(optimizer) is torch.optim.Adafactor:  # factored: small all-reduces, no matrix moved
+        for group, params in _by_shard_group(stepped):
+            factored_step(optimizer, params, group)
+    else:
+        for plan in _plans_of(optimizer, stepped):
+            plan.run(optimizer, _shadow_of(optimizer))
     _hidden[optimizer] = [(p, p.grad) for p in stepped]
     for param in stepped:
         param.grad = None  # the optimizer's own step skips what the owners stepped
@@ -201,6 +206,14 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 def _sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+
+
+def _by_shard_group(params: list[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:
+    by_group: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        group, _ = shard_group_of(param)  # raises for layouts neither path serves
+        by_group.setdefault(group, []).append(param)
+    return list(by_group.items())
 
 
 def _plans_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[ExchangePlan]:
