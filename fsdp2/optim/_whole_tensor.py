@@ -2,10 +2,11 @@
 
 Owns: which optimizers need whole tensors (``torch.optim.Muon`` and ``torch.optim.Adafactor``, and
 classes declared with ``declare_optimizer``; Adafactor itself steps on rows, see ``_adafactor``),
-``whole_tensor_step`` (one optimizer instance), the one-time warning for an optimizer fsdp2 does not know to be right on shards, and the owner step
-([Note: The owner step]). Does not own: the update rule (the optimizer's own ``step``, run on whole
-plain tensors), the local-shard step (``_local_optim``), the step guard (``runtime``), the bytes
-layout of one exchange (``_owner_exchange``).
+``whole_tensor_step`` (one optimizer instance), the one-time warning for an optimizer fsdp2 does not
+know to be right on shards, and the owner step ([Note: The owner step]). Does not own: the update
+rule (the optimizer's own ``step``, run on whole plain tensors), the local-shard step
+(``_local_optim``), the step guard (``runtime``), the bytes layout of one exchange
+(``_owner_exchange``).
 
 [Note: The owner step]
 At an optimizer's first step, fsdp2's automatic choice (``_local_optim``) hands a class that is not
