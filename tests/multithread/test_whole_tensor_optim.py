@@ -154,15 +154,21 @@ def test_adafactor_equals_the_unsharded_model(world: int) -> None:
     _close("adafactor", world, {"rtol": 1e-5, "atol": 1e-6})  # sums in another order
 
 
-def test_muon_with_hsdp_each_replica_computes_once_and_replicas_agree() -> None:
-    """2 replicas x 2 shards: owners are shard ranks; replicas compute the same values bit for bit."""
+def test_muon_and_adafactor_with_hsdp() -> None:
+    """2 replicas x 2 shards: owners are shard ranks, each replica computes each matrix once; Adafactor
+    sums over the shard group only (the replicas hold the same rows)."""
     _check("muon", 4, mesh_shape=(2, 2))
+    _close("adafactor", 4, {"rtol": 1e-5, "atol": 1e-6}, mesh_shape=(2, 2))
 
 
 def _close(kind: str, world: int, tolerance: dict[str, float], **options: Any) -> None:
     base = _base(options.get("dtype", torch.float32))
-    expected = run_threaded(1, functools.partial(_train, **options), base, kind, False, world)[0]["params"]
-    for out in run_threaded(world, functools.partial(_train, **options), base, kind, True, world):
+    mesh_shape = options.get("mesh_shape")
+    data_ranks = world if mesh_shape is None else mesh_shape[1]
+    reference = {k: v for k, v in options.items() if k != "mesh_shape"}
+    expected = run_threaded(1, functools.partial(_train, **reference), base, kind, False, data_ranks)[0]
+    expected = expected["params"]
+    for out in run_threaded(world, functools.partial(_train, **options), base, kind, True, data_ranks):
         for name, value in out["params"].items():
             torch.testing.assert_close(value, expected[name], **tolerance, msg=name)
 
