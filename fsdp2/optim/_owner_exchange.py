@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..param._dtensor import local_of
 from ..param._layout import chunk_rows
 
-__all__ = ["ExchangePlan", "shard_group_of"]
+__all__ = ["ExchangePlan", "all_to_all_bytes", "assign_owners", "padded", "shard_group_of", "take"]
 
 _ALIGN = 8
 Layout = tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]  # (key, "rows" | "full", shape, dtype)
@@ -68,12 +68,7 @@ class ExchangePlan:
         self.rows = [
             [chunk_rows(p.shape[0], self.world, r)[2] for r in range(self.world)] for p, _ in entries
         ]
-        load = [0] * self.world
-        self.owners = [0] * len(entries)
-        for i in sorted(range(len(entries)), key=lambda i: (-_work(entries[i][0]), i)):
-            owner = min(range(self.world), key=lambda r: (load[r], r))
-            self.owners[i] = owner
-            load[owner] += _work(entries[i][0])
+        self.owners = assign_owners([p for p, _ in entries], self.world)
         self.known: list[tuple[Layout, dict[str, Any]] | None] = [None] * len(entries)
         self.device = entries[0][0].device  # a DTensor's device is its local tensor's
 
@@ -102,7 +97,7 @@ class ExchangePlan:
             sends[self.owners[i]].extend(local_of(t) for t in tensors)
             if self.owners[i] == self.rank:
                 for r in range(self.world):
-                    expect[r] += sum(_padded(self.rows[i][r] * _row_bytes(t)) for t in tensors)
+                    expect[r] += sum(padded(self.rows[i][r] * _row_bytes(t)) for t in tensors)
         received = self._all_to_all(sends, expect)
         pieces: dict[int, list[list[torch.Tensor]]] = {}
         offsets = [0] * self.world
@@ -114,7 +109,7 @@ class ExchangePlan:
             for r in range(self.world):
                 for t_index, tensor in enumerate(tensors):
                     shape = (self.rows[i][r], *tensor.shape[1:])
-                    piece, offsets[r] = _take(received[r], offsets[r], shape, tensor.dtype)
+                    piece, offsets[r] = take(received[r], offsets[r], shape, tensor.dtype)
                     per_tensor[t_index].append(piece)
             pieces[i] = per_tensor
         return pieces
@@ -179,10 +174,10 @@ class ExchangePlan:
         for i, (param, _) in enumerate(self.params):
             layout, _ = self.known[i]  # type: ignore[misc]
             mine = self.rows[i][self.rank]
-            nbytes = _padded(mine * _row_bytes(param))
+            nbytes = padded(mine * _row_bytes(param))
             for _, kind, shape, dtype in layout:
                 numel = mine * _prod(shape[1:]) if kind == "rows" else _prod(shape)
-                nbytes += _padded(numel * dtype.itemsize)
+                nbytes += padded(numel * dtype.itemsize)
             expect[self.owners[i]] += nbytes
         received = self._all_to_all(sends, expect)
         offsets = [0] * self.world
@@ -192,39 +187,58 @@ class ExchangePlan:
                 layout, scalars = self.known[i]  # type: ignore[misc]
                 mine = self.rows[i][self.rank]
                 local = local_of(param)  # type: ignore[arg-type]
-                piece, offsets[owner] = _take(
-                    received[owner], offsets[owner], tuple(local.shape), local.dtype
-                )
+                piece, offsets[owner] = take(received[owner], offsets[owner], tuple(local.shape), local.dtype)
                 local.copy_(piece)
                 new_state: dict[str, Any] = dict(scalars)
                 old = state.get(param, {})
                 for key, kind, shape, dtype in layout:
                     size = (mine, *shape[1:]) if kind == "rows" else shape
-                    piece, offsets[owner] = _take(received[owner], offsets[owner], size, dtype)
+                    piece, offsets[owner] = take(received[owner], offsets[owner], size, dtype)
                     new_state[key] = (
                         _rows_state(param, old.get(key), piece) if kind == "rows" else piece.clone()
                     )
                 state[param] = new_state
 
     def _all_to_all(self, sends: list[list[torch.Tensor]], expect: list[int]) -> list[torch.Tensor]:
-        """Bytes to every rank (``sends``), and from each (``expect`` bytes): one all-to-all."""
-        parts = [_pack(tensors, self.device) for tensors in sends]
-        out_bytes = [p.numel() for p in parts]
-        counts = torch.tensor(out_bytes, dtype=torch.int64, device=self.device)
-        theirs = torch.empty_like(counts)
-        dist.all_to_all_single(theirs, counts, group=self.group)
-        wrong = torch.tensor([int(theirs.tolist() != expect)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(wrong, group=self.group)
-        if int(wrong.item()):
-            raise RuntimeError(
-                "whole-tensor optimizer step: the ranks of a shard group disagree on what to exchange "
-                "(a parameter has a gradient or state on some ranks only). Step the optimizer on every "
-                "rank after the same backward, and load its state on every rank."
-            )
-        source = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.device)
-        output = torch.empty(sum(expect), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(output, source, expect, out_bytes, group=self.group)
-        return list(output.split(expect))
+        return all_to_all_bytes(sends, expect, self.group, self.device)
+
+
+def assign_owners(params: list[torch.Tensor], world: int) -> list[int]:
+    """An owner rank per parameter: the most work first, each to the least loaded rank (ties: lowest)."""
+    load = [0] * world
+    owners = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-_work(params[i]), i)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += _work(params[i])
+    return owners
+
+
+def all_to_all_bytes(
+    sends: list[list[torch.Tensor]], expect: list[int], group: dist.ProcessGroup, device: torch.device
+) -> list[torch.Tensor]:
+    """The bytes of ``sends[r]`` to every rank ``r``, and from each ``expect[r]`` bytes: one all-to-all.
+
+    The byte counts are exchanged first: where some rank sends other than what its peer expects, every
+    rank raises (after one small all-reduce), so none waits on a collective that would not match.
+    """
+    parts = [_pack(tensors, device) for tensors in sends]
+    out_bytes = [p.numel() for p in parts]
+    counts = torch.tensor(out_bytes, dtype=torch.int64, device=device)
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts, group=group)
+    wrong = torch.tensor([int(theirs.tolist() != expect)], dtype=torch.int64, device=device)
+    dist.all_reduce(wrong, group=group)
+    if int(wrong.item()):
+        raise RuntimeError(
+            "whole-tensor optimizer step: the ranks of a shard group disagree on what to exchange "
+            "(a parameter has a gradient or state on some ranks only). Step the optimizer on every "
+            "rank after the same backward, and load its state on every rank."
+        )
+    source = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    output = torch.empty(sum(expect), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(output, source, expect, out_bytes, group=group)
+    return list(output.split(expect))
 
 
 def _work(param: torch.Tensor) -> int:
@@ -245,7 +259,7 @@ def _row_bytes(tensor: torch.Tensor) -> int:
     return _prod(tuple(tensor.shape[1:])) * tensor.dtype.itemsize
 
 
-def _padded(nbytes: int) -> int:
+def padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
@@ -255,7 +269,7 @@ def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     for tensor in tensors:
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         chunks.append(data)
-        pad = _padded(data.numel()) - data.numel()
+        pad = padded(data.numel()) - data.numel()
         if pad:
             chunks.append(data.new_zeros(pad))
     if not chunks:
@@ -263,13 +277,13 @@ def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(chunks)
 
 
-def _take(
+def take(
     buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[torch.Tensor, int]:
     """The tensor of ``shape`` and ``dtype`` at ``offset`` of ``buffer`` (a view), and the next offset."""
     nbytes = _prod(shape) * dtype.itemsize
     piece = buffer[offset : offset + nbytes].view(dtype).view(shape)
-    return piece, offset + _padded(nbytes)
+    return piece, offset + padded(nbytes)
 
 
 def _layout_of(param: torch.Tensor, state: dict[str, Any]) -> tuple[Layout, dict[str, Any]]:

@@ -193,8 +193,9 @@ def test_bf16_parameters_with_fp32_state() -> None:
     for out in run_threaded(2, train, base, "muon", True, 2):
         for name, value in out["params"].items():
             assert value.dtype == torch.bfloat16
-            # the fp32 gradient sums of two ranks are added in another order than autograd's: one bf16 ulp
-            torch.testing.assert_close(value, expected[name], rtol=8e-3, atol=1e-3, msg=name)
+            # the fp32 gradient sums of two ranks are added in another order than autograd's, and the
+            # bf16 add of the update rounds some elements of a row shard otherwise: up to 2 bf16 ulps
+            torch.testing.assert_close(value, expected[name], rtol=1.6e-2, atol=1e-3, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
