@@ -148,6 +148,11 @@ class GatheredMuon(torch.optim.Optimizer):
 fsdp2.declare_optimizer(GatheredMuon, "dtensor")  # its own collectives: fsdp2 leaves its step alone
 
 
+class OwnerMuon(torch.optim.Muon):
+    """torch's Muon, unchanged: as a subclass, fsdp2 steps it with the general owner step (its default
+    for ``torch.optim.Muon`` itself moves only the Newton-Schulz input and output)."""
+
+
 class OwnerAdafactor(torch.optim.Adafactor):
     """torch's Adafactor, unchanged: as a subclass, fsdp2 steps it on owners (its default for
     ``torch.optim.Adafactor`` itself is the row-shard step), so both paths can be measured."""
@@ -221,7 +226,7 @@ def build(optim: str, path: str, dim: int) -> tuple[nn.Module, torch.optim.Optim
         fsdp2.fully_shard(model)
     opt: torch.optim.Optimizer
     if optim == "Muon":
-        cls = GatheredMuon if path == "gathered" else torch.optim.Muon
+        cls = {"gathered": GatheredMuon, "owner": OwnerMuon}.get(path, torch.optim.Muon)
         opt = cls(model.parameters(), lr=MUON_LR)
     else:
         cls = OwnerAdafactor if path == "owner" else torch.optim.Adafactor
@@ -277,7 +282,7 @@ def measure(optim: str, path: str, args: argparse.Namespace, x: torch.Tensor) ->
 def cases(world: int, args: argparse.Namespace) -> list[tuple[str, str]]:
     if world == 1:
         return [("Muon", "unsharded"), ("Adafactor", "unsharded")]
-    muon = [("Muon", "fsdp2"), ("Muon", "gathered")]
+    muon = [("Muon", "fsdp2"), ("Muon", "owner"), ("Muon", "gathered")]
     if args.dtensor_muon:
         muon.append(("Muon", "dtensor"))
     return [*muon, ("Adafactor", "fsdp2"), ("Adafactor", "owner"), ("Adafactor", "dtensor")]
@@ -361,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 _LABELS = {
     "unsharded": "unsharded torch, no fsdp2",
-    "Muon fsdp2": "fsdp2 default: owner step",
+    "Muon fsdp2": "fsdp2 default: rows, Newton-Schulz on owners",
     "Adafactor fsdp2": "fsdp2 default: on rows, 2 all-reduces",
     "owner": "fsdp2 owner step (a subclass)",
     "gathered": "baseline: all-gather, every rank every matrix",
