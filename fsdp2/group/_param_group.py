@@ -176,10 +176,13 @@ class FSDPParamGroup:
     # ---- unshard / reshard -----------------------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        """Whether an unshard would issue an all-gather (none pending, not unsharded, no kept copy)."""
+        """Whether an unshard would issue an all-gather (none pending, not unsharded, no kept copy).
+
+        A kept copy's versions are read only where one is held (see [Note: A kept copy]).
+        """
         if self.gatherer.result is not None or self.sharded_state is _UNSHARDED:
             return False
-        return not self.buffer.current(self.fsdp_params)  # see [Note: A kept copy]
+        return self.buffer.held is None or not self.buffer.current(self.fsdp_params)
 
     def ready_to_gather(self) -> None:
         """Lazy-init again if the parameters were re-adopted since the last step (idempotent)."""

@@ -36,7 +36,7 @@ from ._gather import slots_of
 if TYPE_CHECKING:
     from ..param._param import FSDPParam
 
-__all__ = ["UnshardedBuffer", "shard_versions"]
+__all__ = ["UnshardedBuffer"]
 
 _ALIGN_BYTES = 64  # where each parameter's part of a group's unsharded buffer starts
 _Slot = tuple[dict[str, Any], str, torch.Tensor]  # (module._parameters, name, tensor to register)
@@ -99,7 +99,7 @@ class UnshardedBuffer:
 
         ``keep``: hold them across reshards as a kept copy (see [Note: A kept copy]).
         """
-        self.held = shard_versions(params) if keep else None
+        self.held = _shard_versions(params) if keep else None
         if self.shares:
             self._grow(params, dtype, result.world_size)
         else:
@@ -151,7 +151,7 @@ class UnshardedBuffer:
 
     def current(self, params: Sequence[FSDPParam]) -> bool:
         """Whether a kept copy holds the values of ``params``' shards as they are now."""
-        return self.held is not None and self.held == shard_versions(params)
+        return self.held is not None and self.held == _shard_versions(params)
 
     def release(self, params: Sequence[FSDPParam]) -> None:
         """Free a kept copy (sharded state only); the next unshard gathers again."""
@@ -218,7 +218,7 @@ class UnshardedBuffer:
         self._unsharded, self._sharded = unsharded, sharded
 
 
-def shard_versions(params: Sequence[FSDPParam]) -> tuple[int, ...]:
+def _shard_versions(params: Sequence[FSDPParam]) -> tuple[int, ...]:
     """The version counters of ``params``' sharded parameters and of their local tensors.
 
     An in-place op on the DTensor (an optimizer step, ``load_state_dict``'s copy) bumps the

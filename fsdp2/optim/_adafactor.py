@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..param._dtensor import local_of
+from ._owner_exchange import sharded_like
 
 __all__ = ["factored_step"]
 
@@ -59,7 +60,7 @@ def factored_step(
             local_of(state["row_var"]).lerp_(row_mean, step_float ** g["beta2_decay"])
             first.append(grad.pow(2).sum(dim=-2).reshape(-1).float())
             first.append(local_of(state["row_var"]).sum().reshape(1).float())
-    sums = _all_reduce(first, device, group)
+    sums = iter(_all_reduce(first, device, group))
     second: list[torch.Tensor] = []
     updates = []
     for param, grad, state, g in entries:
@@ -70,15 +71,15 @@ def factored_step(
         step_float = state["step"].item()
         beta = step_float ** g["beta2_decay"]
         rho_t = min(lr, 1 / (step_float**0.5))
-        param_norm = math.sqrt(sums.pop(0).item())
+        param_norm = math.sqrt(next(sums).item())
         alpha = max(eps2, param_norm / (param.numel() ** 0.5)) * rho_t
         if g["weight_decay"] != 0:
             local.mul_(1 - lr * g["weight_decay"])
         if grad.dim() == 2:
-            columns = sums.pop(0)
+            columns = next(sums)
             col_mean = columns.sqrt().square_().div_(param.shape[0]).to(grad.dtype).reshape(1, -1)
             state["col_var"].lerp_(col_mean, beta)
-            row_mean_all = sums.pop(0).to(grad.dtype) / param.shape[0]
+            row_mean_all = next(sums).to(grad.dtype) / param.shape[0]
             var_estimate = local_of(state["row_var"]) @ state["col_var"]
             var_estimate.div_(row_mean_all.clamp_(min=eps1))
         elif grad.dim() > 2:
@@ -124,13 +125,13 @@ def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch
         row_shape[-1] = 1
         col_shape = list(param.shape)
         col_shape[-2] = 1
-        state["row_var"] = _rows_like(param, grad, row_shape)
+        state["row_var"] = _zero_rows(param, grad, row_shape)
         if grad.dim() == 2:
             state["col_var"] = grad.new_zeros(col_shape)  # every column: the same on every rank
         else:
-            state["col_var"] = _rows_like(param, grad, col_shape)
+            state["col_var"] = _zero_rows(param, grad, col_shape)
     else:
-        state["variance"] = _rows_like(param, grad, list(param.shape))
+        state["variance"] = _zero_rows(param, grad, list(param.shape))
     return state
 
 
@@ -139,15 +140,6 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _rows_like(param: DTensor, grad: torch.Tensor, shape: list[int]) -> DTensor:
-    """Zeros of global ``shape`` sharded on dim 0 like ``param`` (this rank's rows)."""
-    local_shape = [grad.shape[0], *shape[1:]]
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        grad.new_zeros(local_shape),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=stride,
-    )
+def _zero_rows(param: torch.Tensor, grad: torch.Tensor, shape: list[int]) -> DTensor:
+    """Zeros of global ``shape`` over this rank's rows, sharded on dim 0 as ``param`` is."""
+    return sharded_like(param, grad.new_zeros([grad.shape[0], *shape[1:]]), tuple(shape))

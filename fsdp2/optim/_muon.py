@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..param._dtensor import local_of
 from ..param._layout import chunk_rows
-from ._owner_exchange import all_to_all_bytes, assign_owners, padded, take
+from ._owner_exchange import all_to_all_bytes, assign_owners, padded, row_bytes, sharded_like, take
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -65,7 +65,7 @@ def rows_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grou
             sends[owners[i]].append(update)
             if owners[i] == rank:
                 for r in range(world):
-                    expect[r] += padded(rows[i][r] * _row_bytes(update))
+                    expect[r] += padded(rows[i][r] * row_bytes(update))
         received = all_to_all_bytes(sends, expect, group, device)
         offsets = [0] * world
         results: dict[int, torch.Tensor] = {}
@@ -108,23 +108,11 @@ def rows_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grou
             local.add_(result, alpha=-_adjust_lr(lr, g["adjust_lr_fn"], param.shape))
 
 
-def _row_bytes(tensor: torch.Tensor) -> int:
-    return torch.Size(tensor.shape[1:]).numel() * tensor.dtype.itemsize
-
-
 def _momentum(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> DTensor:
     """``param``'s momentum buffer, made as torch's ``_init_group`` makes it, sharded like ``param``."""
     state: dict[str, Any] = optimizer.state[param]
     buffer = state.get("momentum_buffer")
     if buffer is None:
-        assert isinstance(param, DTensor)
-        buffer = DTensor.from_local(
-            torch.zeros_like(grad, memory_format=torch.preserve_format),
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        buffer = sharded_like(param, torch.zeros_like(grad, memory_format=torch.preserve_format))
         state["momentum_buffer"] = buffer
     return buffer

@@ -11,6 +11,7 @@ buffer), each piece padded to 8 bytes so that every piece starts aligned for any
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -18,10 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..param._dtensor import local_of
+from ..param._dtensor import local_of, make_spec, wrap_local
 from ..param._layout import chunk_rows
 
-__all__ = ["ExchangePlan", "all_to_all_bytes", "assign_owners", "padded", "shard_group_of", "take"]
+__all__ = [
+    "ExchangePlan",
+    "all_to_all_bytes",
+    "assign_owners",
+    "padded",
+    "row_bytes",
+    "shard_group_of",
+    "sharded_like",
+    "take",
+]
 
 _ALIGN = 8
 Layout = tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]  # (key, "rows" | "full", shape, dtype)
@@ -88,23 +98,27 @@ class ExchangePlan:
         own = state.get(param, {})
         return sorted(k for k, v in own.items() if isinstance(v, DTensor) and v.shape == param.shape)
 
+    def _travelling(self, param: torch.Tensor, state: dict[Any, Any]) -> list[DTensor]:
+        """What goes to the owner: the gradient, the parameter, the sharded state (by key)."""
+        keys = self._sharded_keys(param, state)
+        return [param.grad, param, *(state[param][k] for k in keys)]  # DTensors (checked before the step)
+
     def _to_owners(self, state: dict[Any, Any]) -> dict[int, list[list[torch.Tensor]]]:
         """All-to-all 1: each rank's rows of the gradient, parameter and sharded state to the owner."""
         sends: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         expect = [0] * self.world
-        for i, (param, _) in enumerate(self.params):
-            tensors = [param.grad, param, *(state[param][k] for k in self._sharded_keys(param, state))]
+        travelling = [self._travelling(param, state) for param, _ in self.params]
+        for i, tensors in enumerate(travelling):
             sends[self.owners[i]].extend(local_of(t) for t in tensors)
             if self.owners[i] == self.rank:
                 for r in range(self.world):
-                    expect[r] += sum(padded(self.rows[i][r] * _row_bytes(t)) for t in tensors)
+                    expect[r] += sum(padded(self.rows[i][r] * row_bytes(t)) for t in tensors)
         received = self._all_to_all(sends, expect)
         pieces: dict[int, list[list[torch.Tensor]]] = {}
         offsets = [0] * self.world
-        for i, (param, _) in enumerate(self.params):
+        for i, tensors in enumerate(travelling):
             if self.owners[i] != self.rank:
                 continue
-            tensors = [param.grad, param, *(state[param][k] for k in self._sharded_keys(param, state))]
             per_tensor: list[list[torch.Tensor]] = [[] for _ in tensors]
             for r in range(self.world):
                 for t_index, tensor in enumerate(tensors):
@@ -174,9 +188,9 @@ class ExchangePlan:
         for i, (param, _) in enumerate(self.params):
             layout, _ = self.known[i]  # type: ignore[misc]
             mine = self.rows[i][self.rank]
-            nbytes = padded(mine * _row_bytes(param))
+            nbytes = padded(mine * row_bytes(param))
             for _, kind, shape, dtype in layout:
-                numel = mine * _prod(shape[1:]) if kind == "rows" else _prod(shape)
+                numel = mine * math.prod(shape[1:]) if kind == "rows" else math.prod(shape)
                 nbytes += padded(numel * dtype.itemsize)
             expect[self.owners[i]] += nbytes
         received = self._all_to_all(sends, expect)
@@ -248,15 +262,9 @@ def _work(param: torch.Tensor) -> int:
     return int(param.numel())
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
-
-
-def _row_bytes(tensor: torch.Tensor) -> int:
-    return _prod(tuple(tensor.shape[1:])) * tensor.dtype.itemsize
+def row_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of ``tensor``."""
+    return math.prod(tensor.shape[1:]) * tensor.dtype.itemsize
 
 
 def padded(nbytes: int) -> int:
@@ -281,7 +289,7 @@ def take(
     buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[torch.Tensor, int]:
     """The tensor of ``shape`` and ``dtype`` at ``offset`` of ``buffer`` (a view), and the next offset."""
-    nbytes = _prod(shape) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     piece = buffer[offset : offset + nbytes].view(dtype).view(shape)
     return piece, offset + padded(nbytes)
 
@@ -305,12 +313,15 @@ def _rows_state(param: torch.Tensor, old: Any, piece: torch.Tensor) -> DTensor:
     if isinstance(old, DTensor) and old.dtype == piece.dtype and old.shape == param.shape:
         local_of(old).copy_(piece)
         return old
+    return sharded_like(param, piece.clone())
+
+
+def sharded_like(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...] | None = None) -> DTensor:
+    """A DTensor over ``local`` (this rank's rows), laid out on the mesh as ``param`` is.
+
+    ``shape``: its global shape, when it is not the parameter's (Adafactor's row factor).
+    """
     assert isinstance(param, DTensor)
-    return DTensor.from_local(
-        piece.clone(),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    size = torch.Size(param.shape if shape is None else shape)
+    stride = tuple(torch.empty(size, device="meta").stride())
+    return wrap_local(local, make_spec(param.device_mesh, param.placements, size, stride, local.dtype))

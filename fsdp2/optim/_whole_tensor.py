@@ -228,11 +228,10 @@ def _plans_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> l
     if cached is not None and cached[0] == key:
         return cached[1]
     index = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    by_group: dict[Any, list[tuple[torch.Tensor, int]]] = {}
-    for param in params:
-        group, shard_dim = shard_group_of(param)  # raises for layouts the owner step cannot serve
-        by_group.setdefault((group, shard_dim), []).append((param, index[id(param)]))
-    plans = [ExchangePlan(group, entries) for (group, _), entries in by_group.items()]
+    plans = [
+        ExchangePlan(group, [(p, index[id(p)]) for p in members])
+        for group, members in _by_shard_group(params)
+    ]
     _plans[optimizer] = (key, plans)
     return plans
 
