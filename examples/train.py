@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="every N steps, keep the sharded state in node memory and on the next node; a restart "
+        "(any number of ranks) continues from the newest one (0: never; FSDP2_SNAPSHOT_DIR: where)",
+    )
+    p.add_argument(
         "--export", metavar="PATH", default=None, help="write the trained weights to a safetensors file"
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead peer ends the job")
@@ -85,8 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--heads ({args.heads}) must divide --dim ({args.dim}): each head gets dim / heads channels")
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
-    if args.ckpt_every < 0 or args.timeout <= 0:
-        p.error("--ckpt-every must be >= 0 and --timeout > 0")
+    if args.ckpt_every < 0 or args.snapshot_every < 0 or args.timeout <= 0:
+        p.error("--ckpt-every and --snapshot-every must be >= 0 and --timeout > 0")
     if args.compile and (args.explicit_prefetching or args.trace):
         # Compiled, the collectives are the compiler's to order: no eager engine to prefetch or record.
         p.error("--compile schedules the collectives in the graph: drop --explicit-prefetching and --trace")
@@ -364,6 +371,36 @@ def build(
     return data, cfg, model, optimizer, schedule
 
 
+def resume(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    snapshots: Any,
+) -> int:
+    """The step to start from: the newest memory snapshot, else (or if newer) the newest disk checkpoint."""
+    rank, first_step, lost = dist.get_rank(), 0, False
+    if snapshots is not None:
+        restored = snapshots.restore()
+        lost = restored.lost
+        if restored.step is not None:
+            first_step = restored.step
+            if rank == 0:
+                print(restored.message, flush=True)
+        elif lost and not args.ckpt_dir:
+            raise CheckpointError(
+                f"{restored.message}, and there is no --ckpt-dir to fall back to. Start again from step 0 "
+                f"after removing {snapshots.directory} on every node, or bring the lost node back."
+            )
+        elif lost and rank == 0:
+            print(f"{restored.message}: falling back to the newest checkpoint in {args.ckpt_dir}", flush=True)
+    if args.resume or lost:
+        newest = max(complete_checkpoints(Path(args.ckpt_dir))[0], default=0)
+        if newest > first_step or (lost and first_step == 0):
+            first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule)
+    return first_step
+
+
 def train(args: argparse.Namespace, device: torch.device) -> list[float]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data, cfg, model, optimizer, schedule = build(args, device)
@@ -371,9 +408,13 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, {world_size} rank(s), {device}")
 
-    first_step = 0
-    if args.resume:
-        first_step = load_checkpoint(Path(args.ckpt_dir), model, optimizer, schedule)
+    snapshots = None
+    if args.snapshot_every:
+        # In node memory and on the next node (docs/resilience.md): a restart after a lost node reads no disk.
+        snapshots = fsdp2.Snapshots(
+            model, optimizer, every=args.snapshot_every, state={"schedule": schedule}, name="train"
+        )
+    first_step = resume(args, model, optimizer, schedule, snapshots)
     # --compile: one graph for forward and one for backward, each block's all-gathers and
     # reduce-scatters inside them (docs/compile.md). The parameters, optimizer and checkpoints are
     # the same sharded DTensors either way; only the calls go through the compiled wrapper.
@@ -390,9 +431,12 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
             events = recording.__enter__()
         gen = batch_generator(args.seed, step, rank)  # a function of (step, rank): resumable anywhere
         x, y = (t.to(device) for t in data.batch(args.batch_size, args.seq_len, gen))  # (B, T) each
+        phase("forward", step)
         logits = forward(x)  # (B, T, vocab); all-gathers each block's parameters just in time
         loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
+        phase("backward", step)
         loss.backward()  # reduce-scatters gradients: each rank ends with the mean gradient of its shard
+        phase("optimizer", step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
@@ -400,6 +444,8 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
         losses.append(mean_loss.item() / world_size)
         progress.update(step, losses[-1])
+        if snapshots is not None:
+            snapshots.save(step + 1)  # every --snapshot-every steps: the copy runs beside the next steps
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
             # every N steps and after the last one, on the cadence or not (as torchtitan's
             # CheckpointManager does): the end of a run can always be resumed with more --steps
@@ -409,6 +455,8 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
             recording = None
             write_traces(events, Path(args.trace), rank, world_size)
 
+    if snapshots is not None:
+        snapshots.close(discard=True)  # the run is complete: nothing to resume, free the memory
     if args.sample_chars > 0:
         text = sample(model, data, args.sample_chars, device, args.seed)
         if rank == 0:
@@ -543,6 +591,10 @@ def _manifest_files(manifest: Any) -> tuple[dict[str, Any], str]:
         if isinstance(size, bool) or not isinstance(size, int):
             return {}, f"the entry of {name} has no size"
     return files, ""
+
+
+def phase(name: str, step: int) -> None:
+    """Called before each step's forward, backward and optimizer step (tests stop a rank there)."""
 
 
 def checkpoint_stage(stage: str) -> None:

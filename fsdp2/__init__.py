@@ -21,6 +21,7 @@ from .plan._memory import MemoryReport, PhaseMemory, SimulatedValueError, estima
 from .plan._plan import Plan, PlanError
 from .plan._planner import plan
 from .plan._wrap import apply_fully_shard
+from .resilience._snapshots import Restored, Snapshots, SnapshotStats
 from .runtime._autocap import BucketCaps, CollectiveFit
 from .runtime._keep_frozen import keep_frozen_gathered
 from .trace._debug import set_debug
@@ -56,8 +57,11 @@ __all__ = [
     "Plan",
     "PlanError",
     "ReduceScatter",
+    "Restored",
     "ShardPlacementResult",
     "SimulatedValueError",
+    "SnapshotStats",
+    "Snapshots",
     "Span",
     "StragglerReport",
     "StragglerRow",

@@ -111,6 +111,7 @@ FLOORS = {
     "optim": 7,
     "debug": 7,
     "plan": 7,
+    "resilience": 7,  # snapshots in node memory and on a buddy node; restore and reshard
     "weights": 8,  # debug mode's agreement on entering an export or import
     "testing": 9,
 }

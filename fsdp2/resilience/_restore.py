@@ -1,0 +1,195 @@
+"""A restart's restore: the newest snapshot some surviving node still has for every old rank, resharded.
+
+Owns: ``choose`` (from every new rank's listing of its node's files: the newest step whose every old
+rank has a copy somewhere, and which new rank reads each), ``exchange`` (each reader checks the bytes
+it read; a damaged copy is dropped and the choice made again; then one all-to-all moves every row to
+its new rank, see ``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
+objects, through torch.distributed.checkpoint's state-dict functions, as a DCP load does). No file
+outside the node's snapshot directory is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from ._format import Leaf, RankSnapshot, fill
+from ._reshard import Reshard
+from ._store import Listed, NodeStore
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot to restore: its step, old world size, layout and the reader of each old rank."""
+
+    step: int
+    old_world: int
+    fingerprint: int
+    holder: tuple[int, ...]
+
+
+def choose(listings: list[list[Listed]], dropped: set[tuple[int, int, int]]) -> Choice | str:
+    """The newest snapshot every old rank of which is listed by some new rank, or why there is none.
+
+    ``listings[j]`` is what new rank ``j`` found on its node; ``(j, step, old)`` in ``dropped`` is a copy
+    already found damaged. Each old rank is read by the new rank of the same number when it lists it,
+    else by the lister with the fewest to read so far.
+    """
+    candidates: dict[tuple[int, int, int], dict[int, list[int]]] = {}
+    for reader, listing in enumerate(listings):
+        for found in listing:
+            if (reader, found.step, found.rank) in dropped:
+                continue
+            key = (found.step, found.world, found.fingerprint)
+            candidates.setdefault(key, {}).setdefault(found.rank, []).append(reader)
+    why = ""
+    for step, world, print_ in sorted(candidates, reverse=True):
+        listers = candidates[(step, world, print_)]
+        missing = [old for old in range(world) if old not in listers]
+        if missing:
+            why = why or (
+                f"the newest snapshot, step {step} of {world} ranks, survives nowhere for rank(s) "
+                f"{', '.join(map(str, missing))} (their node and their buddy's node are gone, or the "
+                "snapshot was cut short)"
+            )
+            continue
+        load = [0] * len(listings)
+        holder = []
+        for old in range(world):
+            pick = old if old in listers[old] else min(listers[old], key=lambda r: (load[r], r))
+            load[pick] += 1
+            holder.append(pick)
+        return Choice(step, world, print_, tuple(holder))
+    return why
+
+
+def exchange(
+    store: NodeStore, listing: list[Listed], group: dist.ProcessGroup
+) -> tuple[Choice, tuple[Leaf, ...], Any, list[torch.Tensor]] | str | None:
+    """Choose, read, check and reshard onto this job's ranks.
+
+    Returns this rank's tree and local leaf values, ``None`` when no rank found a snapshot at all, or
+    the reason none is whole.
+    """
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    listings: list[Any] = [None] * world
+    dist.all_gather_object(listings, listing, group=group)
+    if not any(listings):
+        return None
+    dropped: set[tuple[int, int, int]] = set()
+    while True:
+        choice = choose(listings, dropped)
+        if isinstance(choice, str):
+            return choice
+        held, damaged = _read_mine(store, choice, me)
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, damaged, group=group)
+        if not any(reports):
+            break
+        for reader, bad in enumerate(reports):
+            dropped.update((reader, choice.step, old) for old in bad)
+    table: list[Any] = [held[0].leaves if 0 in held else None]
+    dist.broadcast_object_list(table, src=dist.get_global_rank(group, choice.holder[0]), group=group)
+    plan = Reshard(tuple(table[0]), choice.old_world, world, choice.holder)
+    tree, values = _all_to_all(plan, me, held, group)
+    return choice, plan.leaves, tree, values
+
+
+def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, RankSnapshot], list[int]]:
+    """The old snapshots this rank reads, and the old ranks whose copy here is damaged or gone."""
+    held, damaged = {}, []
+    for old, reader in enumerate(choice.holder):
+        if reader != me:
+            continue
+        try:
+            held[old] = store.read(choice.step, old)
+        except (OSError, ValueError, EOFError):
+            damaged.append(old)
+    return held, damaged
+
+
+def _all_to_all(
+    plan: Reshard, me: int, held: dict[int, RankSnapshot], group: dist.ProcessGroup
+) -> tuple[Any, list[torch.Tensor]]:
+    sends = plan.outgoing(me, held)
+    counts = torch.tensor([part.numel() for part in sends], dtype=torch.int64)
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts, group=group)
+    expect = theirs.tolist()
+    output = torch.empty(sum(expect), dtype=torch.uint8)
+    source = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
+    dist.all_to_all_single(output, source, expect, counts.tolist(), group=group)
+    return plan.incoming(me, list(output.split(expect)))
+
+
+def apply(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    states: Mapping[str, Any],
+    leaves: tuple[Leaf, ...],
+    tree: Any,
+    values: list[torch.Tensor],
+) -> None:
+    """Load a restored tree into the model, optimizer and registered objects.
+
+    Raises:
+        ValueError: the snapshot is of another model (a name or shape differs), before anything loads.
+    """
+    targets = get_model_state_dict(model)
+    built = [_placed(leaf, value, targets) for leaf, value in zip(leaves, values, strict=True)]
+    state = fill(tree, built)
+    extra = set(state["state"]) ^ set(states)
+    if extra:
+        raise ValueError(
+            f"the snapshot registered the objects {sorted(state['state'])}, this job registers "
+            f"{sorted(states)}: register the same names (Snapshots(state=...)) as the job that took it"
+        )
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, target in states.items():
+        target.load_state_dict(state["state"][name])
+
+
+def _placed(leaf: Leaf, value: torch.Tensor, targets: dict[str, Any]) -> torch.Tensor:
+    """A restored local value as the tensor the model expects: a DTensor on the parameter's mesh."""
+    name = (
+        leaf.path[1]
+        if leaf.path[:1] == ("model",)
+        else leaf.path[2]
+        if leaf.path[:2] == ("optim", "state")
+        else None
+    )
+    target = targets.get(name) if isinstance(name, str) else None
+    if leaf.path[:1] == ("model",) and (target is None or tuple(target.shape) != leaf.shape):
+        here = "absent" if target is None else f"of shape {tuple(target.shape)}"
+        raise ValueError(
+            f"the snapshot is of another model: {leaf.path[1]} is of shape {leaf.shape} there and {here} "
+            "here. Build the same model as the job that took the snapshot, or give this job another name."
+        )
+    if leaf.dim is None:
+        device = target.device if isinstance(target, torch.Tensor) and leaf.path[:1] == ("model",) else None
+        return value if device is None else value.to(device)
+    if not isinstance(target, DTensor) or tuple(target.placements) != (Shard(leaf.dim),):
+        raise ValueError(
+            f"snapshot leaf {leaf.name} was sharded on dim {leaf.dim}; this job's {name} is "
+            f"{getattr(target, 'placements', 'not sharded')}: shard the model as the job that took the "
+            "snapshot did"
+        )
+    stride = torch.empty(leaf.shape, device="meta").stride()
+    return DTensor.from_local(
+        value.to(target.device),
+        target.device_mesh,
+        target.placements,
+        run_check=False,
+        shape=torch.Size(leaf.shape),
+        stride=stride,
+    )
