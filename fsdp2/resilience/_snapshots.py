@@ -14,6 +14,7 @@ lost in the middle of a copy costs at most the steps since the previous snapshot
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -118,6 +119,13 @@ class Snapshots:
             keys, f"{socket.gethostname()}:{self.store.directory.resolve()}", group=self.group
         )
         self.ring = Ring.of(keys)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self.rank == 0:
+            warn_user(
+                "torchrun shares one store between its restarts (TORCHELASTIC_USE_AGENT_STORE=True): a "
+                "restarted worker can read the previous round's addresses and fail to connect, so the "
+                "restart that should restore a snapshot fails instead. Launch torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/resilience.md)."
+            )
         self.last: SnapshotStats | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
