@@ -237,7 +237,7 @@ def _limit(max_shard_size: int | str | None, entries: Sequence[_Entry], world: i
                 f"save_pretrained: max_shard_size {size!r} is not a size like '5GB' or '500MiB'."
             )
         size = int(match.group(1)) * _UNITS[unit]
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+    if isinstance(size, bool) or size <= 0:
         raise ValueError(f"save_pretrained: max_shard_size must be a positive size in bytes, got {size!r}.")
     return size
 
@@ -317,7 +317,7 @@ def _write_index(
 
 def _write_config(model: nn.Module, directory: str | os.PathLike[str], dtype: torch.dtype | None) -> None:
     """A ``transformers`` model's ``config.json`` (and generation config), naming the plain class."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if not callable(getattr(config, "save_pretrained", None)):
         return
     config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard's class swap
@@ -341,7 +341,7 @@ def _stream(
         round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
         full = _exchange(round_, rank, device)
         if full is not None:
-            streams[queues[rank][k][0]].write(memoryview(full.cpu().numpy()))
+            streams[queues[rank][k][0]].write(full.cpu().numpy().data)
 
 
 def _exchange(round_: Sequence[_Entry | None], rank: int, device: torch.device) -> torch.Tensor | None:
@@ -370,9 +370,8 @@ def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
     if entry is None:
         return None
     tensor = entry.tensor
-    whole = isinstance(tensor, DTensor) and _shard_dim(tensor) is None
-    if whole and rank in _mesh_ranks(tensor):  # strided shards: gathered on the mesh first
-        tensor = full_tensor(tensor)
+    if isinstance(tensor, DTensor) and _shard_dim(tensor) is None and rank in _mesh_ranks(tensor):
+        tensor = full_tensor(tensor)  # strided shards: gathered on the mesh first
     if all(sender != rank for sender, _ in _senders(entry, owner)):
         return None
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
