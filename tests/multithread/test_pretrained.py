@@ -24,6 +24,7 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2
 from tests._harness import run_threaded
@@ -228,6 +229,43 @@ def test_single_file_and_a_stale_export(tmp_path: Path) -> None:
     safetensors_torch.save_file(net.state_dict(), single)
     for got in run_threaded(2, _import_net, str(single), False):
         torch.testing.assert_close(got["state"], net.state_dict(), **EXACT)
+
+
+class _FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 12)
+        self.down = nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tensor_parallel(net: nn.Module) -> nn.Module:
+    """Column-wise ``up``, row-wise ``down`` on a 2-way TP mesh, then fully_shard on the 2-way DP mesh:
+    strided shards (``_StridedShard``) and a dim-0 by dim-1 weight, both exported whole from their mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fsdp2.fully_shard(net, mesh=mesh["dp"])
+    return net
+
+
+def _tp_round_trip(net: nn.Module, directory: str) -> dict[str, torch.Tensor]:
+    fsdp2.save_pretrained(_tensor_parallel(copy.deepcopy(net)), directory, max_shard_size=300)
+    model = _tensor_parallel(copy.deepcopy(net))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().zero_()
+    fsdp2.load_pretrained(model, directory)
+    return {k: _full(v) for k, v in model.state_dict().items()}
+
+
+def test_tensor_parallel_shards_out_and_back(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    net = _FeedForward()
+    for got in run_threaded(4, _tp_round_trip, net, str(tmp_path)):
+        torch.testing.assert_close(got, net.state_dict(), **EXACT)
+    torch.testing.assert_close(_read_all(tmp_path), net.state_dict(), **EXACT)
 
 
 # ---- bad checkpoints ------------------------------------------------------------------------------
