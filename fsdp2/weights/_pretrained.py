@@ -426,7 +426,7 @@ def _in_row_order(out: torch.Tensor, senders: Sequence[tuple[int, int]]) -> torc
 
 
 class _Reader:
-    """The checkpoint's files, opened lazily: which file holds each name, and a reader for each."""
+    """The checkpoint's files: which file holds each name, and an open (memory-mapped) reader for each."""
 
     def __init__(self, safe_open: Any) -> None:
         self._safe_open = safe_open
