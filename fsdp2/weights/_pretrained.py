@@ -175,8 +175,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
             problem = reader.check(groups)
         _agree(problem, ValueError, f"load_pretrained({os.fspath(path)!r})", "Nothing was loaded.")
         with torch.no_grad():
-            for names, tensor in groups:
-                reader.read_into(next(n for n in names if n in reader.where), tensor)
+            reader.read(groups)
     finally:
         reader.close()
 
@@ -337,32 +336,58 @@ def _stream(
     device: torch.device,
 ) -> None:
     """Every round: each rank's next tensor to its writer (one all-to-all), then each writes its own."""
+    scratch = _Scratch(device)
     for k in range(max(map(len, queues))):
         round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
-        full = _exchange(round_, rank, device)
+        full = _exchange(round_, rank, scratch)
         if full is not None:
             streams[queues[rank][k][0]].write(full.cpu().numpy().data)
 
 
-def _exchange(round_: Sequence[_Entry | None], rank: int, device: torch.device) -> torch.Tensor | None:
+class _Scratch:
+    """A send and a receive byte buffer reused by every round (grown when a round needs more).
+
+    Fresh buffers each round would cost a page fault per page of every tensor, and leave the
+    allocator's peak above two tensors.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, kind: str, nbytes: int) -> torch.Tensor:
+        buffer = self._buffers.get(kind)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(kind, None)  # freed before its successor is allocated
+            buffer = self._buffers[kind] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes]
+
+
+def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: _Scratch) -> torch.Tensor | None:
     """One all-to-all: this rank's rows of each round tensor to its writer; the bytes of its own back."""
     held = [_held(entry, owner, rank) for owner, entry in enumerate(round_)]
-    sends = [h.to(device).contiguous().view(-1).view(torch.uint8) if h is not None else None for h in held]
+    sends = [_bytes(h.to(scratch.device)) if h is not None else None for h in held]
     send_sizes = [s.numel() if s is not None else 0 for s in sends]
     mine = round_[rank]
     senders = _senders(mine, rank) if mine is not None else []
     recv_sizes = [0] * len(round_)
     for sender, nbytes in senders:
         recv_sizes[sender] += nbytes
-    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    data = [s for s in sends if s is not None]
-    inp = torch.cat(data) if data else torch.empty(0, dtype=torch.uint8, device=device)
+    out = scratch.take("receive", sum(recv_sizes))
+    data = [s for s in sends if s is not None and s.numel()]
+    inp = data[0] if len(data) == 1 else scratch.take("send", sum(send_sizes))
+    if len(data) > 1:
+        torch.cat(data, out=inp)
     if dist.is_initialized():
         dist.all_to_all_single(out, inp, recv_sizes, send_sizes)
     else:
         out.copy_(inp)
-    del inp, sends, held
+    del inp, data, sends, held
     return None if mine is None else _in_row_order(out, senders)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
@@ -456,6 +481,15 @@ class _Reader:
             if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
                 meta.append(names[0])
         return _problems(missing, unexpected, shapes, meta)
+
+    def read(self, groups: Sequence[tuple[Sequence[str], torch.Tensor]]) -> None:
+        """Fill every group's tensor, file by file, closing each file once read (its mapped pages go)."""
+        chosen = [(next(n for n in names if n in self.where), tensor) for names, tensor in groups]
+        for file in dict.fromkeys(self.where[name] for name, _ in chosen):
+            for name, tensor in chosen:
+                if self.where[name] == file:
+                    self.read_into(name, tensor)
+            self._handles.pop(file).__exit__(None, None, None)
 
     def read_into(self, name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's part of ``name`` into ``tensor`` in place, reading only those bytes."""
