@@ -320,3 +320,13 @@ def test_save_pretrained_refuses_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="floating-point dtype"):
         fsdp2.save_pretrained(net, tmp_path, dtype=torch.int8)
     assert not os.listdir(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run_threaded(2, _unwritable, net, str(blocker / "out"))
+
+
+def _unwritable(net: _Net, directory: str) -> None:
+    with pytest.raises(
+        OSError, match=r"save_pretrained: .*cannot write in .*a-file/out.* Nothing was written\."
+    ):
+        fsdp2.save_pretrained(_shard_net(copy.deepcopy(net), False), directory)
