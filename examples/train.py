@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(any number of ranks) continues from the newest one (0: never; FSDP2_SNAPSHOT_DIR: where)",
     )
     p.add_argument(
-        "--export", metavar="PATH", default=None, help="write the trained weights to a safetensors file"
+        "--export",
+        metavar="DIR",
+        default=None,
+        help="write the trained weights as a Hugging Face checkpoint (sharded safetensors + index) in DIR",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead peer ends the job")
     p.add_argument(
@@ -462,9 +465,12 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         if rank == 0:
             print(f"--- sample ---\n{text}\n--------------")
     if args.export:
-        fsdp2.save_full_state_dict(model, args.export)  # one block at a time; rank 0 writes the file
+        fsdp2.save_pretrained(model, args.export)  # every rank writes its own files, in parallel
         if rank == 0:
-            print(f"weights written to {args.export} (safetensors, plain parameter names)", flush=True)
+            print(
+                f"weights written to {args.export}/ (safetensors files and index, plain parameter names)",
+                flush=True,
+            )
     if rank == 0 and losses:
         print(f"final: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} after {len(losses)} steps")
     return losses

@@ -31,6 +31,7 @@ from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
 from .weights import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
 from .weights._checkpoint import load_full_state_dict, save_full_state_dict
+from .weights._pretrained import load_pretrained, save_pretrained
 from .weights._weight_sync import WeightSync
 
 __version__ = "0.1.0"
@@ -82,6 +83,7 @@ __all__ = [
     "is_simulated",
     "keep_frozen_gathered",
     "load_full_state_dict",
+    "load_pretrained",
     "local_step",
     "merge_timelines",
     "patch_torch_fsdp",
@@ -90,6 +92,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_chrome_trace",
     "save_full_state_dict",
+    "save_pretrained",
     "save_timeline",
     "set_debug",
     "share_comm_ctx",

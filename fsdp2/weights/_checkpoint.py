@@ -12,9 +12,10 @@ finds every key with its full shape or raises on every rank before any parameter
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, cast
 
 import torch
@@ -27,7 +28,7 @@ from ..debug._guard import check_entry
 from ..param._param import chunk_rows
 
 # safetensors' names of the dtypes it stores
-_SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
+SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -71,31 +72,18 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     check_entry(model, "save_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
     entries = _entries(model)
     writer = dist.get_rank() == 0 if dist.is_initialized() else True
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, tensor in entries.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
     stream: BinaryIO | None = None
     try:
         problem = ""
         if writer:
             try:
                 stream = open(path, "wb")  # noqa: SIM115 - closed in finally, after the collectives
-                encoded = json.dumps(header, separators=(",", ":")).encode()
-                encoded += b" " * (-len(encoded) % 8)  # keeps every tensor's offset aligned
-                stream.write(struct.pack("<Q", len(encoded)))
-                stream.write(encoded)
+                stream.write(header_bytes((k, t.dtype, t.shape) for k, t in entries.items()))
             except OSError as error:
                 problem = f"rank 0 cannot write {os.fspath(path)!r}: {error}"
         _agree(problem, OSError)  # every rank raises, or none: no rank is left in a collective
         for tensor in entries.values():
-            full = _full_tensor(tensor)  # collective: every rank, same order
+            full = full_tensor(tensor)  # collective: every rank, same order
             if stream is not None:
                 stream.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             del full
@@ -131,11 +119,11 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
     Example:
         >>> fsdp2.load_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
     """
-    safe_open = _safe_open()
+    safe_open = safe_open_or_raise("load_full_state_dict")
     check_entry(model, "load_full_state_dict")  # debug mode: every rank is here (else DivergenceError)
     entries = _entries(model)
     is_reader = dist.get_rank() == 0 if dist.is_initialized() else True
-    comm = _comm_device(entries.values())
+    comm = comm_device(entries.values())
     present: list[str] = []
     handle: Any = None
     try:
@@ -185,12 +173,34 @@ def _agree(problem: str, error: type[Exception]) -> None:
         raise error(f"save_full_state_dict: {shared[0]}. Nothing was written.")
 
 
-def _safe_open() -> Any:
+def header_bytes(layout: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> bytes:
+    """The start of a safetensors file whose tensors ``(name, dtype, shape)`` follow back to back.
+
+    The 8-byte little-endian length, then the JSON header padded with spaces to a multiple of 8 bytes
+    (so a tensor's offset stays a multiple of its element size when larger elements come first).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def safe_open_or_raise(what: str) -> Any:
+    """``safetensors.safe_open``, or an ImportError saying ``what`` needs the package."""
     try:
         from safetensors import safe_open
     except ImportError as error:
         raise ImportError(
-            "load_full_state_dict needs the safetensors package: pip install safetensors "
+            f"{what} needs the safetensors package: pip install safetensors "
             "(or pip install 'fsdp2[checkpoint]')."
         ) from error
     return safe_open
@@ -198,6 +208,19 @@ def _safe_open() -> Any:
 
 def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` checked for safetensors, largest element size first (aligned offsets)."""
+    state = checked_state_dict(model)
+    # Stable: state-dict order within one element size. Descending sizes keep each offset a multiple
+    # of its tensor's element size, so readers can view the bytes without copying.
+    order = sorted(state, key=lambda k: -state[k].element_size())
+    return {key: state[key] for key in order}
+
+
+def checked_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (state-dict order), every entry a tensor of a dtype safetensors stores.
+
+    Raises:
+        TypeError: ``model`` is not a module, or an entry is not a tensor or has such a dtype.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}.")
     state = model.state_dict()
@@ -207,18 +230,15 @@ def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
                 f"state_dict entry {key} is a {type(value).__name__}, not a tensor; safetensors stores "
                 "tensors only."
             )
-        if value.dtype not in _SAFETENSORS_DTYPES:
+        if value.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(
                 f"state_dict entry {key} has dtype {value.dtype}, which safetensors cannot store: expected "
-                f"one of {sorted(map(str, _SAFETENSORS_DTYPES))}."
+                f"one of {sorted(map(str, SAFETENSORS_DTYPES))}."
             )
-    # Stable: state-dict order within one element size. Descending sizes keep each offset a multiple
-    # of its tensor's element size, so readers can view the bytes without copying.
-    order = sorted(state, key=lambda k: -state[k].element_size())
-    return {key: state[key] for key in order}
+    return state
 
 
-def _comm_device(tensors: Any) -> torch.device:
+def comm_device(tensors: Any) -> torch.device:
     """The device collectives run on: the first DTensor's mesh device (CPU for a model without any)."""
     for tensor in tensors:
         if isinstance(tensor, DTensor):
@@ -226,7 +246,7 @@ def _comm_device(tensors: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor
     device = mesh_device(tensor.device_mesh)
@@ -258,17 +278,30 @@ def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     if not isinstance(tensor, DTensor):
         tensor.copy_(full)
         return
-    mesh, placements = tensor.device_mesh, tensor.placements
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # this rank holds no part of the tensor
+    if tensor.device_mesh.get_coordinate() is None:  # this rank holds no part of the tensor
         return
-    if all(type(p) in (Shard, Replicate) for p in placements):
-        # A view of the rows this rank holds (torch.chunk's split, as DTensor's), copied without a clone.
-        local = full
-        for size, index, placement in zip(mesh.shape, coordinate, placements, strict=True):
-            if isinstance(placement, Shard):
-                _, start, length = chunk_rows(local.size(placement.dim), size, index)
-                local = local.narrow(placement.dim, start, length)
+    box = local_box(tensor)
+    if box is not None:  # a view of the rows this rank holds, copied without a clone
+        local = full[box]
     else:  # strided shards (tensor parallel under FSDP): DTensor's own split
-        local = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+        local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
     tensor.to_local().copy_(local)
+
+
+def local_box(tensor: DTensor) -> tuple[slice, ...] | None:
+    """The slices of the full tensor this rank holds, or ``None`` for placements other than Shard/Replicate.
+
+    ``torch.chunk``'s split on each sharded mesh dim, as DTensor's (a dim sharded on two mesh dims is
+    split twice, outer mesh dim first). Call it only on a rank of the tensor's mesh.
+    """
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return None
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "local_box on a rank outside the mesh"
+    starts, lengths = [0] * tensor.dim(), list(tensor.shape)
+    for size, index, placement in zip(mesh.shape, coordinate, placements, strict=True):
+        if isinstance(placement, Shard):
+            _, start, lengths[placement.dim] = chunk_rows(lengths[placement.dim], size, index)
+            starts[placement.dim] += start
+    return tuple(slice(s, s + n) for s, n in zip(starts, lengths, strict=True))

@@ -232,6 +232,10 @@ def _check_checkpointing(ns: dict[str, Any]) -> None:
 
     root = Path("ckpt")
     assert Path("model.safetensors").exists()
+    index = json.loads(Path("hf_model/model.safetensors.index.json").read_text())  # both ranks wrote
+    assert sorted(p.name for p in Path("hf_model").glob("*.safetensors")) == sorted(
+        set(index["weight_map"].values())
+    )
     assert (root / "step100" / ".metadata").exists()
     assert (root / "step_100" / "COMPLETE").read_text() == "step 100\n"
     assert torch.load(root / "step_100" / "train_state.pt", weights_only=False)["step"] == 100

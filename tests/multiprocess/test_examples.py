@@ -228,12 +228,15 @@ def _resume_and_check(ckpt_dir: str, export: str) -> None:
 
 
 def test_checkpoint_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -> None:
-    export = tmp_path / "weights.safetensors"
+    export = tmp_path / "weights"
     run_multiprocess(2, _resume_and_check, str(tmp_path / "ckpt"), str(export))
     from safetensors.torch import load_file
 
-    weights = load_file(export)
-    # The file loads into the plain (unsharded) model: same names, same shapes.
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    files = sorted(path.name for path in export.glob("*.safetensors"))
+    assert files == sorted(set(index["weight_map"].values())), files  # one or more per rank
+    weights = {k: v for name in files for k, v in load_file(export / name).items()}
+    # The files load into the plain (unsharded) model: same names, same shapes.
     train = _load_train()
     cfg = train.GPTConfig(train.CharData(train.DATA_DIR).vocab_size, 32, 32, 2, 2)  # SMALL's sizes
     with torch.device("meta"):

@@ -1,0 +1,581 @@
+"""Hugging Face checkpoints (sharded safetensors) written and read by every rank in parallel.
+
+Owns: ``save_pretrained`` (the plain model's state dict split into ``model-0000k-of-0000n.safetensors``
+files plus ``model.safetensors.index.json``, each file written by one rank) and ``load_pretrained``
+(each rank reads only the bytes of its own shards, from such a directory or one ``.safetensors`` file).
+Does not own: the safetensors header and dtype table, the state-dict checks and the placement
+arithmetic (``_checkpoint.py``, shared with the rank-0 full-state files), or the reader (the
+``safetensors`` package, imported lazily).
+Invariants: the files, their tensors and their writers follow from names, shapes and dtypes alone,
+so every rank knows them without communication; a load checks every name and shape on every rank
+and all ranks agree before any parameter is written.
+
+[Note: Who writes what]
+The entries (tied weights once) are cut into files in state-dict order, a file closed before it
+would pass ``max_shard_size`` (as Hugging Face's ``split_torch_state_dict_into_shards`` does); files
+go to ranks largest first, each to the rank with the fewest bytes so far. A rank's tensors, in its
+files' order, form its queue. Round ``k`` moves the ``k``-th tensor of every rank's queue at once: one
+``all_to_all_single`` in which every rank sends the rows it holds of each of those tensors to that
+tensor's writer. A writer so receives the tensors of its own files only, one per round; every other
+rank sends its shard and keeps nothing. Rows come from one holder each: a dim-0 shard from the rank
+at its mesh coordinate in the writer's replica (or replica 0), a replicated or plain tensor from the
+writer itself when it holds one. Other placements (strided tensor-parallel shards) are gathered whole
+on their mesh first (``DTensor.full_tensor``) and sent by one holder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..debug._guard import check_entry
+from ..param._layout import chunk_rows
+from ._checkpoint import (
+    SAFETENSORS_DTYPES,
+    checked_state_dict,
+    comm_device,
+    full_tensor,
+    header_bytes,
+    local_box,
+    safe_open_or_raise,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_DEFAULT_LIMIT = 5 * 10**9  # the Hugging Face Hub's advice for a file
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the export: its name in the file, its state-dict value and the dtype stored."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.dtype.itemsize
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+) -> None:
+    """Write ``model``'s full weights as a Hugging Face checkpoint, every rank writing its own files.
+
+    Every rank must call it, with the same arguments, on a directory every rank sees (a shared
+    filesystem). The files hold the plain (unsharded) model's ``state_dict()`` under its names; a
+    weight tied to others (the same parameter under several names, as ``lm_head.weight`` and
+    ``model.embed_tokens.weight``) is written once, as ``transformers``' ``save_pretrained`` writes it:
+    under its first name that is not a tie target the model declares (``all_tied_weights_keys``), so
+    ``from_pretrained`` reties it. The layout is Hugging Face's: ``model-0000k-of-0000n.safetensors`` and
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), or one ``model.safetensors``
+    when everything fits one file. A model with a ``config`` that saves itself (a ``transformers``
+    model) also gets its ``config.json`` (and ``generation_config.json``), so ``from_pretrained(directory)``
+    works. Rank 0 removes shard files of an earlier export that this one does not replace.
+
+    Each rank receives only the tensors of its own files, one tensor per round (see [Note: Who writes
+    what]): one ``all_to_all_single`` per round, a barrier at the end, and one small exchange before
+    any write (every rank raises, or none). Peak memory per rank: its shards plus two tensors.
+
+    Args:
+        model: the fsdp2 (or plain) model; its parameters are left as they were.
+        directory: where the files go (created if missing; files of the same names are overwritten).
+        dtype: the dtype floating-point tensors are stored in (default: each tensor's own); integer
+            and bool tensors keep theirs.
+        max_shard_size: the largest file, in bytes or as a string (``"5GB"``, ``"500MiB"``); a tensor
+            larger than it gets a file of its own. Default: the model's size over the world size (so
+            every rank writes), at most 5 GB.
+
+    Raises:
+        TypeError: a state-dict entry is not a tensor, or its dtype (or ``dtype``) cannot be stored.
+        ValueError: ``max_shard_size`` is not a positive size.
+        OSError: (on every rank, before anything is written) a rank cannot create its files.
+
+    Example:
+        >>> fsdp2.save_pretrained(model, "out/")  # doctest: +SKIP
+        >>> transformers.AutoModelForCausalLM.from_pretrained("out/")  # doctest: +SKIP
+    """
+    check_entry(model, "save_pretrained")  # debug mode: every rank is here (else DivergenceError)
+    entries = _stored_entries(model, dtype)
+    rank, world = _rank_and_world()
+    files = _split(entries, _limit(max_shard_size, entries, world))
+    owners = _owners(files, world)
+    names = _file_names(len(files))
+    mine = [i for i, owner in enumerate(owners) if owner == rank]
+    streams: dict[int, BinaryIO] = {}
+    try:
+        problem = _open_files(directory, names, files, mine, streams)
+        if rank == 0 and not problem:
+            problem = _write_index(model, directory, names, files)
+        _agree(problem, OSError, "save_pretrained", "Nothing was written.")
+        queues = [
+            [(i, e) for i in range(len(files)) if owners[i] == r for e in files[i]] for r in range(world)
+        ]
+        _stream(queues, streams, rank, comm_device(e.tensor for e in entries))
+    finally:
+        for stream in streams.values():
+            stream.close()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Fill ``model``'s parameters and persistent buffers from a Hugging Face checkpoint, in place.
+
+    Every rank must call it; each rank opens the files itself (a filesystem every rank sees) and reads
+    only the bytes of its own shards (``safe_open(...).get_slice(name)[rows]``): no rank holds a full
+    tensor of a sharded parameter. Plain (non-DTensor) tensors are read whole; strided tensor-parallel
+    shards are read whole and cut locally. Values are cast to each tensor's dtype. The model may have
+    been built on the meta device and ``to_empty``'d; its non-persistent buffers (RoPE's ``inv_freq``)
+    are not in the file and are left as they are (``from_pretrained`` recomputes them: do the same).
+    A tied weight needs only one of its names in the file. Issues one small exchange (all ranks agree
+    on the check) and no collective on the weights.
+
+    Args:
+        model: the fsdp2 (or plain) model, at any world size; names are its ``state_dict()`` keys.
+        path: a directory with ``model.safetensors.index.json`` or ``model.safetensors`` (as Hugging
+            Face's ``save_pretrained`` or :func:`save_pretrained` writes it), or one ``.safetensors`` file.
+
+    Raises:
+        ImportError: the ``safetensors`` package is not installed.
+        ValueError: (on every rank, before any parameter changes) a file cannot be read, or names are
+            missing from the checkpoint, unexpected in it, or of another shape, or a parameter is still
+            on the meta device.
+
+    Example:
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> for layer in model.model.layers:  # doctest: +SKIP
+        ...     fsdp2.fully_shard(layer)
+        >>> fsdp2.fully_shard(model).to_empty(device="cuda")  # doctest: +SKIP
+        >>> fsdp2.load_pretrained(model, "Llama-3.2-1B/")  # doctest: +SKIP
+    """
+    safe_open = safe_open_or_raise("load_pretrained")
+    check_entry(model, "load_pretrained")  # debug mode: every rank is here (else DivergenceError)
+    groups = _tie_groups(model, checked_state_dict(model))
+    reader = _Reader(safe_open)
+    try:
+        problem = reader.open(path)
+        if not problem:
+            problem = reader.check(groups)
+        _agree(problem, ValueError, f"load_pretrained({os.fspath(path)!r})", "Nothing was loaded.")
+        with torch.no_grad():
+            reader.read(groups)
+    finally:
+        reader.close()
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+
+def _stored_entries(model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
+    """The tensors to write, in state-dict order: one per tie group, under its kept name."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"save_pretrained: dtype must be a floating-point dtype, got {dtype}.")
+    if dtype is not None and dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(
+            f"save_pretrained: safetensors cannot store {dtype}: pass float16, bfloat16, float32 or float64."
+        )
+    state = checked_state_dict(model)
+    entries = []
+    for names, tensor in _tie_groups(model, state):
+        stored = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        entries.append(_Entry(names[0], tensor, stored))
+    return entries
+
+
+def _tie_groups(model: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
+    """``(names, tensor)`` per distinct parameter or buffer, the name to write first.
+
+    Names of one parameter (or buffer) object are one group; the name kept is the first, in state-dict
+    order, that the model does not declare as a tie target (``transformers``' ``all_tied_weights_keys``).
+    """
+    owner = {}
+    for name, value in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        owner[name] = id(value)
+    targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    grouped: dict[Any, list[str]] = {}
+    for name in state:
+        grouped.setdefault(owner.get(name, name), []).append(name)
+    groups = []
+    for names in grouped.values():
+        ordered = sorted(names, key=lambda n: n in targets)  # stable: kept names first
+        groups.append((ordered, state[ordered[0]]))
+    return groups
+
+
+def _limit(max_shard_size: int | str | None, entries: Sequence[_Entry], world: int) -> int:
+    """``max_shard_size`` in bytes (``None``: the model over the world size, at most 5 GB)."""
+    if max_shard_size is None:
+        total = sum(e.nbytes for e in entries)
+        return max(1, min(_DEFAULT_LIMIT, -(-total // world)))
+    size = max_shard_size
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", size)
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"save_pretrained: max_shard_size {size!r} is not a size like '5GB' or '500MiB'."
+            )
+        size = int(match.group(1)) * _UNITS[unit]
+    if isinstance(size, bool) or size <= 0:
+        raise ValueError(f"save_pretrained: max_shard_size must be a positive size in bytes, got {size!r}.")
+    return size
+
+
+def _split(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
+    """Entries cut into files in order, a file closed before it passes ``limit``; larger elements first."""
+    files: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    # Stable: descending element sizes keep each tensor's offset a multiple of its element size.
+    return [sorted(file, key=lambda e: -e.dtype.itemsize) for file in files]
+
+
+def _owners(files: Sequence[Sequence[_Entry]], world: int) -> list[int]:
+    """The rank writing each file: largest file first, to the rank with the fewest bytes (then lowest)."""
+    loads = [0] * world
+    owners = [0] * len(files)
+    sizes = [sum(e.nbytes for e in file) for file in files]
+    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(world), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _open_files(
+    directory: str | os.PathLike[str],
+    names: Sequence[str],
+    files: Sequence[Sequence[_Entry]],
+    mine: Sequence[int],
+    streams: dict[int, BinaryIO],
+) -> str:
+    """Create this rank's files with their headers (into ``streams``); a problem, or ``""``."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for i in mine:
+            streams[i] = open(os.path.join(directory, names[i]), "wb")  # noqa: SIM115 - closed by the caller
+            streams[i].write(header_bytes((e.name, e.dtype, e.tensor.shape) for e in files[i]))
+    except OSError as error:
+        return f"cannot write in {os.fspath(directory)!r}: {error}"
+    return ""
+
+
+def _write_index(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    names: Sequence[str],
+    files: Sequence[Sequence[_Entry]],
+) -> str:
+    """Rank 0: the index (several files), the config, and no stale file of an earlier export."""
+    try:
+        for stale in os.listdir(directory):
+            if (_SHARD_NAME.fullmatch(stale) or stale in (SINGLE_NAME, INDEX_NAME)) and stale not in names:
+                os.remove(os.path.join(directory, stale))
+        if len(files) > 1:
+            weight_map = {e.name: names[i] for i, file in enumerate(files) for e in file}
+            total = sum(e.nbytes for file in files for e in file)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as stream:
+                stream.write(json.dumps(index, indent=2) + "\n")
+        floating = [e.dtype for file in files for e in file if e.dtype.is_floating_point]
+        _write_config(model, directory, floating[0] if floating else None)
+    except OSError as error:
+        return f"rank 0 cannot write in {os.fspath(directory)!r}: {error}"
+    return ""
+
+
+def _write_config(model: nn.Module, directory: str | os.PathLike[str], dtype: torch.dtype | None) -> None:
+    """A ``transformers`` model's ``config.json`` (and generation config), naming the plain class."""
+    config: Any = getattr(model, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        return
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard's class swap
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(directory)
+
+
+def _stream(
+    queues: Sequence[Sequence[tuple[int, _Entry]]],
+    streams: dict[int, BinaryIO],
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Every round: each rank's next tensor to its writer (one all-to-all), then each writes its own."""
+    scratch = _Scratch(device)
+    for k in range(max(map(len, queues))):
+        round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
+        full = _exchange(round_, rank, scratch)
+        if full is not None:
+            streams[queues[rank][k][0]].write(full.cpu().numpy().data)
+
+
+class _Scratch:
+    """A send and a receive byte buffer reused by every round (grown when a round needs more).
+
+    Fresh buffers each round would cost a page fault per page of every tensor, and leave the
+    allocator's peak above two tensors.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, kind: str, nbytes: int) -> torch.Tensor:
+        buffer = self._buffers.get(kind)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(kind, None)  # freed before its successor is allocated
+            buffer = self._buffers[kind] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes]
+
+
+def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: _Scratch) -> torch.Tensor | None:
+    """One all-to-all: this rank's rows of each round tensor to its writer; the bytes of its own back."""
+    held = [_held(entry, owner, rank) for owner, entry in enumerate(round_)]
+    sends = [_bytes(h.to(scratch.device)) if h is not None else None for h in held]
+    send_sizes = [s.numel() if s is not None else 0 for s in sends]
+    mine = round_[rank]
+    senders = _senders(mine, rank) if mine is not None else []
+    recv_sizes = [0] * len(round_)
+    for sender, nbytes in senders:
+        recv_sizes[sender] += nbytes
+    out = scratch.take("receive", sum(recv_sizes))
+    data = [s for s in sends if s is not None and s.numel()]
+    inp = data[0] if len(data) == 1 else scratch.take("send", sum(send_sizes))
+    if len(data) > 1:
+        torch.cat(data, out=inp)
+    if dist.is_initialized():
+        dist.all_to_all_single(out, inp, recv_sizes, send_sizes)
+    else:
+        out.copy_(inp)
+    del inp, data, sends, held
+    return None if mine is None else _in_row_order(out, senders)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
+    """What this rank sends ``owner`` of ``entry`` (its rows, in the stored dtype), or ``None``."""
+    if entry is None:
+        return None
+    tensor = entry.tensor
+    if isinstance(tensor, DTensor) and _shard_dim(tensor) is None and rank in _mesh_ranks(tensor):
+        tensor = full_tensor(tensor)  # strided shards: gathered on the mesh first
+    if all(sender != rank for sender, _ in _senders(entry, owner)):
+        return None
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.detach().to(entry.dtype)
+
+
+def _senders(entry: _Entry, owner: int) -> list[tuple[int, int]]:
+    """``(rank, bytes)`` of the holders sending ``entry`` to ``owner``, in row order."""
+    tensor = entry.tensor
+    if not isinstance(tensor, DTensor):
+        return [(owner, entry.nbytes)]
+    mesh = tensor.device_mesh.mesh
+    dim = _shard_dim(tensor)
+    at = (mesh == owner).nonzero()
+    coordinate = at[0].tolist() if len(at) else [0] * mesh.dim()  # the writer's replica, or replica 0
+    if dim is None:  # replicated on the mesh, or gathered whole there
+        return [(int(mesh[tuple(coordinate)]), entry.nbytes)]
+    rows = tensor.shape[0]
+    row_bytes = entry.nbytes // rows if rows else 0
+    senders = []
+    for index in range(mesh.size(dim)):
+        coordinate[dim] = index
+        senders.append((int(mesh[tuple(coordinate)]), chunk_rows(rows, mesh.size(dim), index)[2] * row_bytes))
+    return senders
+
+
+def _shard_dim(tensor: DTensor) -> int | None:
+    """The mesh dim sharding ``tensor``'s dim 0 when every other mesh dim replicates it, else ``None``."""
+    shards = [i for i, p in enumerate(tensor.placements) if type(p) is Shard]  # not _StridedShard
+    if len(shards) != 1 or tensor.placements[shards[0]] != Shard(0):
+        return None
+    others = (p for i, p in enumerate(tensor.placements) if i != shards[0])
+    return shards[0] if all(isinstance(p, Replicate) for p in others) else None
+
+
+def _mesh_ranks(tensor: DTensor) -> list[int]:
+    return [int(r) for r in tensor.device_mesh.mesh.flatten()]
+
+
+def _in_row_order(out: torch.Tensor, senders: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The received bytes (in sender-rank order) as the tensor's bytes (in row order)."""
+    ranks = [rank for rank, _ in senders]
+    if ranks == sorted(ranks):
+        return out
+    starts, offset = {}, 0
+    for rank, nbytes in sorted(senders):
+        starts[rank], offset = offset, offset + nbytes
+    return torch.cat([out[starts[rank] : starts[rank] + nbytes] for rank, nbytes in senders])
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """The checkpoint's files: which file holds each name, and an open (memory-mapped) reader for each."""
+
+    def __init__(self, safe_open: Any) -> None:
+        self._safe_open = safe_open
+        self._handles: dict[str, Any] = {}
+        self.where: dict[str, str] = {}  # name -> file path
+
+    def open(self, path: str | os.PathLike[str]) -> str:
+        """Read the index (or the file's names) and open every file; a problem, or ``""``."""
+        try:
+            self.where = _weight_map(os.fspath(path), self._safe_open)
+            for file in dict.fromkeys(self.where.values()):
+                self._handles[file] = self._safe_open(file, framework="pt", device="cpu").__enter__()
+        except Exception as error:  # unreadable, not safetensors: every rank must hear of it
+            return f"cannot read it: {type(error).__name__}: {error}."
+        return ""
+
+    def check(self, groups: Sequence[tuple[Sequence[str], torch.Tensor]]) -> str:
+        """Missing, unexpected and mis-shaped names, and parameters on the meta device; or ``""``."""
+        known = {name for names, _ in groups for name in names}
+        missing = [names[0] for names, _ in groups if not any(n in self.where for n in names)]
+        unexpected = sorted(set(self.where) - known)
+        shapes, meta = [], []
+        for names, tensor in groups:
+            name = next((n for n in names if n in self.where), None)
+            if name is not None and tuple(self._slice(name).get_shape()) != tuple(tensor.shape):
+                shapes.append(f"{name} {tuple(self._slice(name).get_shape())} (model: {tuple(tensor.shape)})")
+            if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
+                meta.append(names[0])
+        return _problems(missing, unexpected, shapes, meta)
+
+    def read(self, groups: Sequence[tuple[Sequence[str], torch.Tensor]]) -> None:
+        """Fill every group's tensor, file by file, closing each file once read (its mapped pages go)."""
+        chosen = [(next(n for n in names if n in self.where), tensor) for names, tensor in groups]
+        for file in dict.fromkeys(self.where[name] for name, _ in chosen):
+            for name, tensor in chosen:
+                if self.where[name] == file:
+                    self.read_into(name, tensor)
+            self._handles.pop(file).__exit__(None, None, None)
+
+    def read_into(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of ``name`` into ``tensor`` in place, reading only those bytes."""
+        if not isinstance(tensor, DTensor) or tensor.dim() == 0:
+            value = self._handles[self.where[name]].get_tensor(name)
+            if isinstance(tensor, DTensor):
+                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            _local(tensor).copy_(_local(value))
+            return
+        if tensor.device_mesh.get_coordinate() is None:  # this rank holds no part of it
+            return
+        box = local_box(tensor)
+        if box is not None:
+            _local(tensor).copy_(self._slice(name)[box])
+            return
+        full = self._handles[self.where[name]].get_tensor(name).to(tensor.dtype)  # strided shards
+        tensor.to_local().copy_(
+            distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+        )
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def _slice(self, name: str) -> Any:
+        return self._handles[self.where[name]].get_slice(name)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _weight_map(path: str, safe_open: Any) -> dict[str, str]:
+    """Every tensor name of the checkpoint at ``path`` -> the file holding it."""
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX_NAME)
+        if not os.path.exists(index):
+            single = os.path.join(path, SINGLE_NAME)
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"neither {INDEX_NAME} nor {SINGLE_NAME} is in the directory")
+            return _weight_map(single, safe_open)
+        with open(index, encoding="utf-8") as stream:
+            weight_map = json.load(stream)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    with safe_open(path, framework="pt", device="cpu") as handle:
+        return dict.fromkeys(handle.keys(), path)
+
+
+def _problems(
+    missing: Sequence[str], unexpected: Sequence[str], shapes: Sequence[str], meta: Sequence[str]
+) -> str:
+    problems = []
+    if missing:
+        problems.append(f"names missing from the checkpoint: {list(missing)}.")
+    if unexpected:
+        problems.append(f"names in the checkpoint the model does not have: {list(unexpected)}.")
+    if shapes:
+        problems.append(f"shapes that differ: {', '.join(shapes)}.")
+    if problems:
+        problems.append(
+            "Build the model from the checkpoint's own config (transformers.AutoConfig.from_pretrained) "
+            "so names and shapes match."
+        )
+    if meta:
+        problems.append(
+            f"{list(meta)} are on the meta device: call model.to_empty(device=...) before loading."
+        )
+    return " ".join(problems)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _agree(problem: str, error: type[Exception], what: str, outcome: str) -> None:
+    """Raise ``error`` on every rank if any rank found a problem (one all-gather of the messages)."""
+    found = [problem]
+    if dist.is_initialized():
+        found = [""] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+    reports = [f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p]
+    if reports:
+        # identical messages from every rank are said once
+        unique = list(dict.fromkeys(p for p in found if p))
+        text = unique[0] if len(unique) == 1 else " ".join(reports)
+        raise error(f"{what}: {text} {outcome}")
