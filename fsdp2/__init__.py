@@ -49,6 +49,7 @@ __all__ = [
     "FSDPMeshInfo",
     "FSDPModule",
     "HSDPMeshInfo",
+    "LocalShard",
     "MemoryReport",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
