@@ -42,8 +42,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from ..param._dtensor import local_in_placements
 from ._gather_buckets import Item, buckets, gather_bucket, gather_device, row_group
 from ._local_shards import LocalShard, local_shards
 
@@ -265,9 +266,11 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _full(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of which ``local`` is this rank's part (one all-gather for a DTensor)."""
+    """The whole tensor of which ``local`` is this rank's part, its collectives completed."""
     laid_out = _like(param, local)
-    return laid_out.full_tensor() if isinstance(laid_out, DTensor) else laid_out
+    if not isinstance(laid_out, DTensor):
+        return laid_out
+    return local_in_placements(laid_out, [Replicate()] * laid_out.device_mesh.ndim)  # waits
 
 
 def _full_sum(param: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

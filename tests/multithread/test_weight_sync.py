@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import fsdp2
 from tests._harness import run_threaded
@@ -41,8 +41,12 @@ def _load(consumer: nn.Module, name: str, tensor: torch.Tensor) -> None:
             target.copy_(tensor)
 
 
+def _dim1(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.dim() == 2 else None  # columns: a layout gathered alone
+
+
 def _sync_steps(
-    base: nn.Module, hsdp: bool, only_rank0: bool, bucket_mb: float = 64
+    base: nn.Module, hsdp: bool, only_rank0: bool, bucket_mb: float = 64, columns: bool = False
 ) -> list[tuple[list[str], list[bool], int]]:
     world = dist.get_world_size()
     if hsdp:
@@ -51,7 +55,9 @@ def _sync_steps(
         mesh = init_device_mesh("cpu", (world,))
     model = copy.deepcopy(base)
     for layer in (model[0], model[1], model[3]):
-        fsdp2.fully_shard(layer, mesh=mesh)
+        fsdp2.fully_shard(
+            layer, mesh=mesh, shard_placement_fn=_dim1 if columns and layer is model[3] else None
+        )
     fsdp2.fully_shard(model, mesh=mesh)
     consumer = copy.deepcopy(base).bfloat16()
     with torch.no_grad():
@@ -105,6 +111,12 @@ def test_one_receiving_rank_and_the_others_take_part() -> None:
 
 # 2,000 bytes: the bf16 parameters (1,280 | 768 48 | 1,920 80 bytes) make three buckets
 _THREE_BUCKETS_MB = 2000 / 2**20
+
+
+def test_a_column_sharded_weight_is_gathered_alone_between_buckets() -> None:
+    base = _model()
+    one_bucket = run_threaded(2, _sync_steps, base, False, False)
+    assert run_threaded(2, _sync_steps, base, False, False, 64, True) == one_bucket
 
 
 @pytest.mark.parametrize(
@@ -246,8 +258,10 @@ def _shards(base: nn.Module, hsdp: bool) -> list[fsdp2.LocalShard]:
     names = ("replicate", "shard") if hsdp else ("shard",)
     mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,), mesh_dim_names=names)
     model = copy.deepcopy(base)
-    for layer in (model[0], model[1], model[3]):
-        fsdp2.fully_shard(layer, mesh=mesh)
+    for layer in (model[0], model[1], model[3]):  # the last weight by columns without HSDP
+        fsdp2.fully_shard(
+            layer, mesh=mesh, shard_placement_fn=_dim1 if layer is model[3] and not hsdp else None
+        )
     fsdp2.fully_shard(model, mesh=mesh)
     return list(fsdp2.WeightSync(model, torch.float32).local_shards())
 
@@ -264,7 +278,7 @@ def _receive(shards: list[fsdp2.LocalShard]) -> dict[str, torch.Tensor]:
     return full
 
 
-@pytest.mark.parametrize(("world", "hsdp"), [(3, False), (4, True)], ids=["fsdp-uneven", "hsdp"])
+@pytest.mark.parametrize(("world", "hsdp"), [(3, False), (4, True)], ids=["fsdp-uneven-and-columns", "hsdp"])
 def test_local_shards_rebuild_the_unsharded_weights(world: int, hsdp: bool) -> None:
     base = _model()
     per_rank = run_threaded(world, _shards, base, hsdp)
@@ -275,6 +289,9 @@ def test_local_shards_rebuild_the_unsharded_weights(world: int, hsdp: bool) -> N
     embedding = per_rank[2][0]  # 40 rows over 3 ranks: 14, 14, 12; over 2 x 2: rank 2 is replica 1's first
     expected = ((0, 0), 20, (Replicate(), Shard(0))) if hsdp else ((28, 0), 12, (Shard(0),))
     assert (embedding.offset, embedding.tensor.shape[0], embedding.placements) == expected
+    if not hsdp:
+        columns = per_rank[1][3]  # 24 columns over 3 ranks
+        assert (columns.name, columns.offset, tuple(columns.tensor.shape)) == ("3.weight", (0, 8), (40, 8))
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -306,3 +323,15 @@ def _rank_out_of_range() -> None:
 
 def test_a_rank_outside_the_job_is_refused() -> None:
     run_threaded(2, _rank_out_of_range)
+
+
+def _partial_sums() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Module()
+    model.sums = nn.Parameter(DTensor.from_local(torch.ones(2), mesh, [Partial()]))
+    with pytest.raises(ValueError, match=r"cannot place 'sums': its placement .* is not one block per rank"):
+        next(fsdp2.WeightSync(model).local_shards())
+
+
+def test_local_shards_refuse_a_layout_that_is_not_blocks() -> None:
+    run_threaded(2, _partial_sums)
