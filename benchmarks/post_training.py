@@ -20,7 +20,7 @@ buckets (``--bucket-mb``), ``WeightSync(bucket_mb=0)`` (one all-gather per param
 buckets) and the loop users write (``param.full_tensor()`` per parameter, cast, consume); with the
 all-gathers each issues per call.
 
-Run:  torchrun --nproc-per-node 2 benchmarks/post_training.py [--layers 8 --dim 512]
+Run:  torchrun --nproc-per-node 2 benchmarks/post_training.py [--layers 8 --dim 512] [--split-only]
       python benchmarks/post_training.py --memory
 """
 
@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--split-only", action="store_true", help="only (c)")
     parser.add_argument("--bucket-mb", type=float, default=64, help="WeightSync's bucket cap in (c)")
     parser.add_argument("--lr-full", type=float, default=1e-5, help="AdamW lr of the full fine-tune")
     parser.add_argument("--json", default=None)
@@ -245,15 +246,14 @@ def main() -> None:
         print(f"peak live bytes per rank: fsdp2 {peaks['fsdp2']}, keep {peaks['fsdp2 keep']}")
         return
     dist.init_process_group("gloo")
-    figures = {
-        "lora_steps": lora_steps(args),
-        "weight_sync": weight_sync(args),
-        "sync_split": sync_split(args),
-        "args": vars(args),
-    }
+    figures: dict[str, Any] = {"args": vars(args), "lora_steps": {}, "weight_sync": {}}
+    if not args.split_only:
+        figures["lora_steps"] = lora_steps(args)
+        figures["weight_sync"] = weight_sync(args)
+    figures["sync_split"] = sync_split(args)
     if dist.get_rank() == 0:
         steps = figures["lora_steps"]
-        print("variant      all-gather B/step  step ms  ratio to torch")
+        print("variant      all-gather B/step  step ms  ratio to torch" if steps else "")
         for name, row in steps.items():
             ratio = row["step_s"] / steps["torch"]["step_s"]
             print(f"{name:12s} {row['all_gather_bytes']:17d} {row['step_s'] * 1e3:8.1f} {ratio:8.2f}")

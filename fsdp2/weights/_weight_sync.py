@@ -131,20 +131,15 @@ class WeightSync:
         with torch.no_grad():
             items, sending = self._items(list(self.model.named_parameters()))
         cuts = buckets(items, int(self.bucket_mb * 2**20))
+        batches: Iterator[list[tuple[str, torch.Tensor]]]
         if self.rank is not None and dist.is_initialized() and dist.get_world_size() > 1:
             # the other ranks yield nothing: every collective before the first pair (see the Note)
-            ready = [self._gather(group, bucket, keep=here) for group, bucket in cuts]
-            cuts = iter(())
-        else:
-            ready = []
+            batches = _drain([self._gather(group, bucket, keep=here) for group, bucket in cuts])
+        else:  # every rank yields: one bucket at a time, in step
+            batches = (self._gather(group, bucket, keep=here) for group, bucket in cuts)
         total = 0
-        for pairs in ready:
+        for pairs in batches:
             for name, out in pairs:
-                total += _nbytes(out)
-                yield name, out
-        ready.clear()
-        for group, bucket in cuts:
-            for name, out in self._gather(group, bucket, keep=here):
                 total += _nbytes(out)
                 yield name, out
         self._sent = sending
@@ -201,6 +196,12 @@ class WeightSync:
         source = _local(param)
         local = source.to(self.dtype)
         return local.clone() if local is source else local  # the shard changes in place
+
+
+def _drain(batches: list[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The batches in order, each let go of once handed out."""
+    while batches:
+        yield batches.pop(0)
 
 
 def _check_bucket_mb(bucket_mb: object) -> None:
