@@ -24,8 +24,9 @@ call's collectives, waiting for the consumer's rank. So:
   back from the bucket's last pair.
 - With ``rank=None`` every rank yields the same pairs in the same buckets. A rank enters the next
   bucket only after its consumer handled every pair so far, so a consumer that waits between yields
-  on outside processes, or on another rank's consumer handling the same pair, is never waiting on a
-  rank inside a collective.
+  on outside processes, or on another rank's consumer handling the same pair, never waits on a rank
+  that waits for it in a collective. (A peer may still be finishing the bucket's all-gather, but the
+  yielding rank's part of it has completed: the peer needs nothing more from it.)
 - With ``rank=r`` the other ranks yield nothing, and their consumers can only act after their loop.
   So every collective of the call (every bucket) completes before rank ``r`` yields its first pair:
   rank ``r`` then holds everything it sends (the whole model, in the sync dtype, on the first call);
