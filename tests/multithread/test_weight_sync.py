@@ -335,3 +335,17 @@ def _partial_sums() -> None:
 
 def test_local_shards_refuse_a_layout_that_is_not_blocks() -> None:
     run_threaded(2, _partial_sums)
+
+
+def _tiny_sync(base: nn.Module) -> dict[str, torch.Tensor]:
+    model = fsdp2.fully_shard(copy.deepcopy(base))
+    return dict(fsdp2.WeightSync(model).updates())
+
+
+def test_a_rank_with_no_rows_packs_nothing() -> None:
+    torch.manual_seed(0)
+    base = nn.Linear(4, 2)  # 2 rows over 3 ranks: 1, 1, 0
+    for received in run_threaded(3, _tiny_sync, base):
+        assert list(received) == ["weight", "bias"]
+        for name, param in base.named_parameters():
+            assert torch.equal(received[name], param.detach().bfloat16()), name
