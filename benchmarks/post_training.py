@@ -13,7 +13,14 @@ each optimizer step, every parameter every time (a fresh ``WeightSync``) against
 LoRA model and for a full fine-tune of the same stack (fp32 weights, AdamW at ``--lr-full``), synced
 in bf16.
 
-Run:  torchrun --nproc-per-node 2 benchmarks/post_training.py [--layers 8 --dim 512]
+(c) Where a weight sync's time goes (same processes, full fine-tune stack, every parameter, rank 0
+receives and copies each pair into a plain bf16 model): the seconds inside the sync's iterator
+(gathers and assembly) against the seconds in the consumer between pairs, for ``WeightSync`` with
+buckets (``--bucket-mb``), ``WeightSync(bucket_mb=0)`` (one all-gather per parameter, as before
+buckets) and the loop users write (``param.full_tensor()`` per parameter, cast, consume); with the
+all-gathers each issues per call.
+
+Run:  torchrun --nproc-per-node 2 benchmarks/post_training.py [--layers 8 --dim 512] [--split-only]
       python benchmarks/post_training.py --memory
 """
 
@@ -30,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp2
 from fsdp2.testing import record_collectives
@@ -136,6 +144,65 @@ def weight_sync(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return figures
 
 
+def _split(pairs: Any, consume: Any) -> tuple[float, float]:
+    """Seconds inside ``pairs``' iterator, and in ``consume`` between pairs."""
+    inside = outside = 0.0
+    iterator = iter(pairs)
+    while True:
+        start = time.perf_counter()
+        try:
+            name, tensor = next(iterator)
+        except StopIteration:
+            inside += time.perf_counter() - start
+            return inside, outside
+        middle = time.perf_counter()
+        inside += middle - start
+        consume(name, tensor)
+        outside += time.perf_counter() - middle
+
+
+def _full_tensor_loop(model: nn.Module) -> Any:
+    for name, param in model.named_parameters():
+        full = param.full_tensor().bfloat16()
+        if dist.get_rank() == 0:
+            yield name, full
+
+
+def sync_split(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    model = _shard(_build(args.layers, args.dim, False), fsdp2.fully_shard)
+    plain = _build(args.layers, args.dim, False).bfloat16()
+
+    def consume(name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            plain.get_parameter(name).copy_(tensor)
+
+    variants = {
+        f"buckets {args.bucket_mb:g} MB": lambda: fsdp2.WeightSync(
+            model, rank=0, bucket_mb=args.bucket_mb
+        ).updates(),
+        "per parameter": lambda: fsdp2.WeightSync(model, rank=0, bucket_mb=0).updates(),
+        "full_tensor loop": lambda: _full_tensor_loop(model),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    gathers = {}
+    for name, pairs in variants.items():
+        with CommDebugMode() as comms:  # the c10d and functional collectives, whoever issues them
+            list(pairs())
+        gathers[name] = comms.get_total_counts()
+    for _ in range(args.rounds):
+        for name, pairs in variants.items():
+            dist.barrier()
+            times[name].append(_split(pairs(), consume))
+    return {
+        name: {
+            "gather_s": statistics.median(t[0] for t in rows),
+            "consume_s": statistics.median(t[1] for t in rows),
+            "all_gathers": gathers[name],
+        }
+        for name, rows in times.items()
+    }
+
+
 def measure_peaks(args: argparse.Namespace) -> dict[str, int]:
     from fsdp2.testing import measure_memory
 
@@ -166,6 +233,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--split-only", action="store_true", help="only (c)")
+    parser.add_argument("--bucket-mb", type=float, default=64, help="WeightSync's bucket cap in (c)")
     parser.add_argument("--lr-full", type=float, default=1e-5, help="AdamW lr of the full fine-tune")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -177,10 +246,14 @@ def main() -> None:
         print(f"peak live bytes per rank: fsdp2 {peaks['fsdp2']}, keep {peaks['fsdp2 keep']}")
         return
     dist.init_process_group("gloo")
-    figures = {"lora_steps": lora_steps(args), "weight_sync": weight_sync(args), "args": vars(args)}
+    figures: dict[str, Any] = {"args": vars(args), "lora_steps": {}, "weight_sync": {}}
+    if not args.split_only:
+        figures["lora_steps"] = lora_steps(args)
+        figures["weight_sync"] = weight_sync(args)
+    figures["sync_split"] = sync_split(args)
     if dist.get_rank() == 0:
         steps = figures["lora_steps"]
-        print("variant      all-gather B/step  step ms  ratio to torch")
+        print("variant      all-gather B/step  step ms  ratio to torch" if steps else "")
         for name, row in steps.items():
             ratio = row["step_s"] / steps["torch"]["step_s"]
             print(f"{name:12s} {row['all_gather_bytes']:17d} {row['step_s'] * 1e3:8.1f} {ratio:8.2f}")
@@ -188,6 +261,12 @@ def main() -> None:
             print(
                 f"sync {kind}: every parameter {row['all bytes']:.0f} B in {row['all s'] * 1e3:.1f} ms; "
                 f"changed only {row['changed bytes']:.0f} B in {row['changed s'] * 1e3:.1f} ms"
+            )
+        print("sync of every parameter  iterator ms  consumer ms  collectives")
+        for name, row in figures["sync_split"].items():
+            print(
+                f"{name:24s} {row['gather_s'] * 1e3:11.1f} {row['consume_s'] * 1e3:12.1f} "
+                f"{row['all_gathers']:12d}"
             )
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))

@@ -51,6 +51,7 @@ __all__ = [
     "FSDPMeshInfo",
     "FSDPModule",
     "HSDPMeshInfo",
+    "LocalShard",
     "MemoryReport",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

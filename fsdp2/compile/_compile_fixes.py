@@ -24,6 +24,12 @@ alone.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -32,6 +38,7 @@ from torch import fx
 __all__ = ["install_cache_key_fix", "install_rng_order_fix"]
 
 _RNG_INPUT_PREFIX = "rng_state_output_"  # the backward inputs torch 2.13 adds for the saved states
+_PARTITIONERS = "torch._functorch.partitioners"
 _WRAPPERS: list[Any] = []  # what install_rng_order_fix put in place (installing twice is a no-op)
 
 
@@ -71,9 +78,19 @@ def _reorder(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_sym_nodes
 
 
 def install_rng_order_fix() -> None:
-    """Wrap torch's ``functionalize_rng_ops`` once (see [Note: Why fsdp2 fixes this])."""
-    from torch._functorch import partitioners
+    """Wrap torch's ``functionalize_rng_ops`` once (see [Note: Why fsdp2 fixes this]).
 
+    At once where torch's partitioner is already imported; otherwise just after its import (the
+    first compile), see [Note: The partitioner imported when torch imports it].
+    """
+    module = sys.modules.get(_PARTITIONERS)
+    if module is not None:
+        _wrap_rng_ops(module)
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_PARTITIONERS, _wrap_rng_ops))
+
+
+def _wrap_rng_ops(partitioners: ModuleType) -> None:
     original = getattr(partitioners, "functionalize_rng_ops", None)
     if original is None or original in _WRAPPERS:
         return
@@ -86,7 +103,48 @@ def install_rng_order_fix() -> None:
         return fw_module, bw_module
 
     _WRAPPERS.append(functionalize_rng_ops)
-    partitioners.functionalize_rng_ops = functionalize_rng_ops
+    partitioners.functionalize_rng_ops = functionalize_rng_ops  # type: ignore[attr-defined]  # reason: the wrapped function
+
+
+# [Note: The partitioner imported when torch imports it]
+# ``torch._functorch.partitioners`` brings in inductor's code cache, torch.export, sympy's and
+# networkx's graphs: about 29,000 objects the garbage collector tracks (10% of a process that imported
+# torch and built a small model) and 0.5-1 s of import. Imported by ``import fsdp2``, every full
+# collection of an eager job walked them, and they moved the collector's schedule: in a fresh process
+# the first ``torch.distributed.checkpoint.save`` of a 50-block model paid a full collection (0.1 s on
+# an idle machine, 0.3 s on a busy one) that torch's ``fully_shard`` paid saves later. So the fix
+# waits for the module: a finder first on ``sys.meta_path`` sees its import (the first compile),
+# lets the usual finders load it, and wraps the function before anyone calls it; it then leaves the
+# path.
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``then(module)`` just after the module ``name`` is executed, the first time it is imported."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self._name = name
+        self._then = then
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != self._name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec  # (not a module this can follow: left unwrapped, as torch has it)
+        run = loader.exec_module
+        then = self._then
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            then(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # reason: this one spec's loader
+        return spec
 
 
 # [Note: A cache key per local shape]
