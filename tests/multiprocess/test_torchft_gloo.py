@@ -88,11 +88,12 @@ def _manager(
     replica: int,
     lighthouse: str,
     use_async_quorum: bool = True,  # torchtitan's, unless a semi-sync method is set
+    state_dict: Callable[[], dict[str, Any]] | None = None,
 ) -> Any:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    def state_dict() -> dict[str, Any]:
+    def read_now() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optim.state_dict()}
 
     def load_state_dict(state: dict[str, Any]) -> None:
@@ -111,7 +112,7 @@ def _manager(
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=_FT_TIMEOUT,
     )
-    manager.register_state_dict_fn("train", load_state_dict, state_dict)
+    manager.register_state_dict_fn("train", load_state_dict, state_dict or read_now)
     return manager
 
 
@@ -149,7 +150,15 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
     model = _model()
     _shard(model)
     adam = torch.optim.Adam(model.parameters(), lr=0.05)
-    manager = _manager(model, adam, replica, lighthouse)
+    # [The state dict torchft sends] With the async quorum, torchft reads the state dict from its
+    # quorum thread, while this thread runs the forward: with torch's fully_shard (and fsdp2) a module
+    # being computed holds its unsharded parameters, and a state dict read then carries plain tensors
+    # that the rejoining group cannot load into its DTensors ("mixed torch.Tensor and DTensor": 3 of
+    # about 15 runs of this scenario, torch's run too). So, as torchtitan caches its state dicts, the state
+    # is read at the top of each step, before the quorum starts; its tensors are the live shards,
+    # which stay unchanged until the commit vote, after which torchft serves no more reads.
+    at_step_start: dict[str, Any] = {}
+    manager = _manager(model, adam, replica, lighthouse, state_dict=lambda: at_step_start)
     steps: list[dict[str, Any]] = []
 
     def crash_in_the_backward_of_fail_at() -> None:
@@ -162,6 +171,7 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
     try:
         while manager.current_step() < _STEPS:
             step = manager.current_step()
+            at_step_start.update(model=model.state_dict(), optim=adam.state_dict())
             optim.zero_grad()
             inputs, target = _batch(step, 2 * replica + rank)
             loss = torch.nn.functional.mse_loss(model(inputs), target)
