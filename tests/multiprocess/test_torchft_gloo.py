@@ -150,13 +150,13 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
     model = _model()
     _shard(model)
     adam = torch.optim.Adam(model.parameters(), lr=0.05)
-    # [The state dict torchft sends] With the async quorum, torchft reads the state dict from its
-    # quorum thread, while this thread runs the forward: with torch's fully_shard (and fsdp2) a module
-    # being computed holds its unsharded parameters, and a state dict read then carries plain tensors
-    # that the rejoining group cannot load into its DTensors ("mixed torch.Tensor and DTensor": 3 of
-    # about 15 runs of this scenario, torch's run too). So, as torchtitan caches its state dicts, the state
-    # is read at the top of each step, before the quorum starts; its tensors are the live shards,
-    # which stay unchanged until the commit vote, after which torchft serves no more reads.
+    # The state dict torchft sends: with the async quorum torchft reads it from its quorum thread
+    # while this thread runs the forward, and that read races with the forward (both implementations
+    # swap a module's registered parameters around its compute; fsdp2's state_dict() also reshards
+    # each group first): 3 of about 15 runs handed over plain tensors that the rejoining group could
+    # not load ("mixed torch.Tensor and DTensor"), torch's run too. So, as torchtitan caches its
+    # state dicts, it is read at the top of each step, before the quorum starts; its tensors are the
+    # live shards, unchanged until the commit vote, after which torchft serves no more reads.
     at_step_start: dict[str, Any] = {}
     manager = _manager(model, adam, replica, lighthouse, state_dict=lambda: at_step_start)
     steps: list[dict[str, Any]] = []
