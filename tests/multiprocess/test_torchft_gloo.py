@@ -21,8 +21,9 @@ torch's ``fully_shard``, on the same seeds and data:
   the latest step, under ``min_replica_size=2``);
 - steps 2 to 4: both groups commit; the rejoined group's parameters equal the live group's.
 
-DiLoCo (torchtitan's ``semi_sync_method="diloco"``) runs the same two groups without failures: two
-local steps, then the outer step on the averaged change, twice. Its sync runs in the inner
+DiLoCo and LocalSGD (torchtitan's ``semi_sync_method``) run the same two groups without failures:
+two local steps, then the sync (DiLoCo's outer step on the averaged change, LocalSGD's average of
+the parameters), twice. Its sync runs in the inner
 optimizer's step post-hook and reads ``optimizer.state_dict()``: with fsdp2's local-shard steps that
 raised ``KeyError`` until the shards were swapped back before the post-hooks ([Note: Local shards
 inside the step hooks] in ``fsdp2/optim/_local_optim.py``).
@@ -33,6 +34,7 @@ equal torch's run bit for bit (same collectives on the same shards in the same o
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -54,7 +56,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(24
 torchft = pytest.importorskip("torchft")
 
 _STEPS = 5
-_SYNC_EVERY = 2  # DiLoCo's local steps between outer steps
+_SYNC_EVERY = 2  # DiLoCo and LocalSGD: local steps between syncs
 _FAIL_AT = 2  # group 1 dies in the backward of this step, at its first cross-group all-reduce
 _PROCESS_TIMEOUT_S = 90.0
 _FT_TIMEOUT = timedelta(seconds=20)  # every torchft collective, commit vote and HTTP transfer
@@ -191,13 +193,17 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
         manager.shutdown(wait=False)
 
 
-def _train_diloco(impl: str, replica: int, life: int, lighthouse: str, out: str) -> None:
-    """torchtitan's ``semi_sync_method="diloco"``: local steps, then an outer step on the averaged change."""
+def _train_semi_sync(method: str, impl: str, replica: int, life: int, lighthouse: str, out: str) -> None:
+    """torchtitan's ``semi_sync_method``: local steps, then a sync in the optimizer's step post-hook.
+
+    DiLoCo: an outer step on the averaged change (torchtitan's outer SGD); LocalSGD: the averaged
+    parameters.
+    """
     if impl == "fsdp2":
         import fsdp2
 
         fsdp2.patch_torch_fsdp()
-    from torchft.local_sgd import DiLoCo
+    from torchft.local_sgd import DiLoCo, LocalSGD
 
     rank = dist.get_rank()
     model = _model()
@@ -205,15 +211,19 @@ def _train_diloco(impl: str, replica: int, life: int, lighthouse: str, out: str)
     inner = torch.optim.Adam(model.parameters(), lr=0.05)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # torchtitan's
     manager = _manager(model, inner, replica, lighthouse, use_async_quorum=False)
+    if method == "diloco":
+        semi_sync: Any = DiLoCo(manager, [model], inner, [outer], sync_every=_SYNC_EVERY)
+    else:
+        semi_sync = LocalSGD(manager, model, inner, sync_every=_SYNC_EVERY)
     losses = []
     try:
-        with DiLoCo(manager, [model], inner, [outer], sync_every=_SYNC_EVERY):
+        with semi_sync:
             for step in range(2 * _SYNC_EVERY):
                 inner.zero_grad()
                 inputs, target = _batch(step, 2 * replica + rank)
                 loss = torch.nn.functional.mse_loss(model(inputs), target)
                 loss.backward()
-                inner.step()  # every _SYNC_EVERY steps DiLoCo's hook syncs and runs the outer step
+                inner.step()  # every _SYNC_EVERY steps the post-hook syncs
                 losses.append(loss.item())
         params = {name: p.full_tensor() for name, p in model.named_parameters()}
         result = {"losses": losses, "params": params, "outer_steps": manager.current_step()}
@@ -294,14 +304,17 @@ def _run_scenario(impl: str, out: str) -> float:
     return time.monotonic() - start
 
 
-def _run_diloco(impl: str, out: str) -> float:
+def _run_semi_sync(method: str, impl: str, out: str) -> float:
     from torchft._torchft import LighthouseServer
 
     start = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         groups = [
-            _start_group(_train_diloco, impl, replica, 0, lighthouse.address(), out) for replica in (0, 1)
+            _start_group(
+                functools.partial(_train_semi_sync, method), impl, replica, 0, lighthouse.address(), out
+            )
+            for replica in (0, 1)
         ]
         deadline = time.monotonic() + _PROCESS_TIMEOUT_S
         for group in groups:
@@ -363,10 +376,11 @@ def test_failed_group_rejoins_from_the_live_group(runs: dict[Any, Any]) -> None:
         torch.testing.assert_close(live["params"], runs["torch", 0, 0, rank]["params"], rtol=0, atol=0)
 
 
-def test_diloco_outer_steps_match_torchs() -> None:
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_semi_sync_training_matches_torchs(method: str) -> None:
     with tempfile.TemporaryDirectory() as out:
-        seconds = {impl: _run_diloco(impl, out) for impl in ("torch", "fsdp2")}
-        print(f"DiLoCo wall time: {seconds}")
+        seconds = {impl: _run_semi_sync(method, impl, out) for impl in ("torch", "fsdp2")}
+        print(f"{method} wall time: {seconds}")
         results = {
             (impl, replica, rank): _load(out, impl, replica, 0, rank)
             for impl in ("torch", "fsdp2")
