@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from itertools import chain, compress, repeat
 from operator import attrgetter, eq, is_, is_not
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,6 +60,7 @@ def local_step(optimizer: torch.optim.Optimizer, *, enabled: bool = True) -> tor
     if enabled:
         _patch(optimizer, strict=True)
     elif getattr(optimizer, _PATCHED, False):
+        optimizer.__dict__[_PATCHED].remove_hooks()
         before = optimizer.__dict__.pop(_UNPATCHED)
         if before is None:  # the class's own step again
             del optimizer.__dict__["step"]
@@ -73,21 +75,36 @@ def _patch(optimizer: torch.optim.Optimizer, strict: bool) -> None:
     if getattr(optimizer, _PATCHED, False):
         return
     optimizer.__dict__[_UNPATCHED] = optimizer.__dict__.get("step")  # None: the class's own
-    optimizer.step = _LocalStep(optimizer.step, _on_local_shards(optimizer), strict)  # type: ignore[method-assign]
-    setattr(optimizer, _PATCHED, True)
+    step = _LocalStep(optimizer.step, _on_local_shards(optimizer), strict)
+    optimizer.step = step  # type: ignore[method-assign]
+    setattr(optimizer, _PATCHED, step)  # (an LR scheduler built later replaces optimizer.step)
 
 
 class _LocalStep:
     """``optimizer.step`` on local shards.
 
     An object, not a closure: ``copy.deepcopy(optimizer)`` copies it along with the optimizer, so the
-    copy steps itself, not the original.
+    copy steps itself, not the original (the hooks below are its bound methods: they are copied with it).
+
+    [Note: Local shards inside the step hooks]
+    The shards are swapped in by an optimizer step pre-hook that runs after every other pre-hook and
+    swapped out by a post-hook that runs before every other post-hook (both are moved into place
+    before each step), so torch's hooks around the update, global or the optimizer's own, see the
+    DTensor parameters and state as they would without local steps. torchft's DiLoCo and LocalSGD
+    sync in an inner optimizer's post-hook: the sync reads ``optimizer.state_dict()`` (to send it to
+    a recovering replica) and steps an outer optimizer; with the shards still swapped in, the state
+    dict raised ``KeyError`` (its state was keyed by DTensors its param groups no longer held).
     """
 
     def __init__(self, original: Callable[..., Any], swap: _on_local_shards, strict: bool) -> None:
         self.original = original  # the bound step (or an LR scheduler's wrapper of it)
         self.swap = swap
         self.strict = strict
+        self.armed = False  # this call steps on local shards: the pre-hook swaps them in
+        self.entered = False  # the shards are swapped in
+        optimizer = swap.optimizer
+        self.pre = optimizer.register_step_pre_hook(self._swap_in)
+        self.post = optimizer.register_step_post_hook(self._swap_out)
         functools.update_wrapper(self, original)
 
     @property
@@ -102,19 +119,43 @@ class _LocalStep:
 
         return step
 
+    def remove_hooks(self) -> None:
+        """Leave the optimizer's step hooks as they were before the patch (``local_step(enabled=False)``)."""
+        self.pre.remove()
+        self.post.remove()
+
     @eager  # swaps the optimizer's lists and dicts: never traced (runs eagerly)
     def __call__(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         if closure is not None or args or kwargs:  # a closure re-runs forward and backward
             if self.strict and closure is not None:
                 raise ValueError("fsdp2.local_step does not support a closure; call step() without one.")
             return self.original(closure, *args, **kwargs)
-        try:
-            self.swap.__enter__()
-        except _NotLocal:
-            return self.original()  # e.g. a Partial gradient: the DTensor path reduces it
+        optimizer = self.swap.optimizer
+        # torch keeps each optimizer's step hooks in OrderedDicts (typed as dicts), called in order
+        pre_hooks = optimizer._optimizer_step_pre_hooks  # noqa: SLF001 - no public way to order hooks
+        post_hooks = optimizer._optimizer_step_post_hooks  # noqa: SLF001
+        cast("OrderedDict[int, Any]", pre_hooks).move_to_end(self.pre.id)  # ours last
+        cast("OrderedDict[int, Any]", post_hooks).move_to_end(self.post.id, last=False)  # ours first
+        self.armed = True
         try:
             return self.original()
         finally:
+            self.armed = False
+            self._swap_out()  # the step raised: the post-hooks did not run
+
+    def _swap_in(self, *hook_args: Any) -> None:
+        if not self.armed:  # a step of the original (a closure), or one that bypassed this object
+            return
+        self.armed = False
+        try:
+            self.swap.__enter__()
+        except _NotLocal:
+            return  # e.g. a Partial gradient: the DTensor path reduces it
+        self.entered = True
+
+    def _swap_out(self, *hook_args: Any) -> None:
+        if self.entered:
+            self.entered = False
             self.swap.__exit__()
 
 

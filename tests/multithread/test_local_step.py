@@ -325,6 +325,56 @@ def test_deepcopy_of_a_patched_optimizer_steps_the_copy() -> None:
     run_ranks(2, _deepcopied_optimizer, base)
 
 
+def _hooks_see_dtensors(rank: int, world_size: int, base: nn.Module) -> None:
+    """Step hooks, registered before and after the switch to local steps, see the DTensor path's optimizer.
+
+    As torchft's DiLoCo does: its post-hook on the inner optimizer reads ``state_dict()`` (sent to a
+    recovering replica) and steps an outer optimizer over the same parameters.
+    """
+    ours, theirs = _model(base), _model(base)
+    auto = torch.optim.Adam(ours.parameters(), lr=1e-2)  # switches to local steps at its first step
+    ref = fsdp2.local_step(torch.optim.Adam(theirs.parameters(), lr=1e-2), enabled=False)
+    outers = {
+        id(o): torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for o, m in ((auto, ours), (ref, theirs))
+    }
+    seen: dict[int, list[Any]] = {id(auto): [], id(ref): []}
+
+    def look(when: str) -> Any:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            kinds = {type(p).__name__ for g in optimizer.param_groups for p in g["params"]}
+            state = optimizer.state_dict()["state"]  # raised KeyError with the shards swapped in
+            seen[id(optimizer)].append((when, kinds, [_local(v) for s in state.values() for v in s.values()]))
+            if when == "post":  # an outer step inside the inner optimizer's post-hook
+                outer = outers[id(optimizer)]
+                for p in outer.param_groups[0]["params"]:
+                    p.grad = torch.zeros_like(p) + 0.1
+                outer.step()
+                outer.zero_grad()
+
+        return hook
+
+    for optim in (auto, ref):
+        optim.register_step_pre_hook(look("pre"))
+        optim.register_step_post_hook(look("post"))
+    for step in range(3):
+        _step_all(rank, step, ((ours, auto), (theirs, ref)))
+        if step == 0:  # a hook registered after the switch: fsdp2's are put around it
+            assert getattr(auto, "_fsdp2_local_step", False)
+            for optim in (auto, ref):
+                optim.register_step_post_hook(look("late"))
+    mine, want = seen[id(auto)], seen[id(ref)]
+    assert [(w, k) for w, k, _ in mine] == [(w, k) for w, k, _ in want]
+    assert all(kinds == {"DTensor"} for _, kinds, _ in mine)
+    for (_, _, values), (_, _, expected) in zip(mine, want, strict=True):
+        torch.testing.assert_close(values, expected, rtol=0, atol=0)
+    _assert_same_params_and_state(auto, ref, list(ours.parameters()), list(theirs.parameters()))
+
+
+def test_step_hooks_see_dtensors_as_on_the_dtensor_path() -> None:
+    torch.manual_seed(0)
+    run_ranks(2, _hooks_see_dtensors, nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)))
+
+
 def _compiled_optimizer_step(rank: int, world_size: int, base: nn.Module) -> None:
     """``torch.compile`` around ``optimizer.step()``: the hook and the local step run eagerly inside."""
     ours, theirs = _model(base), _model(base)
