@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -51,7 +52,8 @@ SIZES = {
 
 def _train_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_train", REPO / "examples" / "train.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -110,12 +112,12 @@ def _record(out: str, root: str, argv: list[str], kill_at: int | None) -> None:
     fsdp2.Snapshots.save = save  # type: ignore[method-assign]
     fsdp2.Snapshots.restore = timed(original_restore)  # type: ignore[method-assign]
     train.load_checkpoint = timed(original_load)
-    snapshots_module._stage = stage
+    snapshots_module._stage = stage  # noqa: SLF001 - the copy's stages, as the tests watch them
     train.phase = phase
     train.main(argv)
     fsdp2.Snapshots.save = original_save  # type: ignore[method-assign]
     fsdp2.Snapshots.restore = original_restore  # type: ignore[method-assign]
-    steps = [b - a for a, b in zip(starts, starts[1:], strict=False)][2:]  # after the first steps
+    steps = [b - a for a, b in itertools.pairwise(starts)][2:]  # after the first steps
     mine = {
         "step_s": statistics.median(steps) if steps else None,
         "restore_s": sum(restores) if restores else None,
@@ -140,7 +142,7 @@ def _run(world: int, out: Path, root: Path, argv: list[str], kill_at: int | None
     os.environ["BENCH_SPAWN"] = str(time.time())
     try:
         run_multiprocess(world, _record, str(out), str(root), argv, kill_at)
-    except Exception:  # noqa: BLE001 - the killed run ends in an exception by design
+    except Exception:  # the killed run ends in an exception by design
         if kill_at is None:
             raise
         return {}
@@ -151,7 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="fsdp2-bench-snap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    base = Path(
+        tempfile.mkdtemp(prefix="fsdp2-bench-snap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     results: dict[str, Any] = {}
     try:
         for label, size in SIZES.items():
@@ -159,12 +163,24 @@ def main() -> None:
             row: dict[str, Any] = {}
             for every in (0, 1, 10):
                 root = base / f"{label}-{every}"
-                row[f"N={every}"] = _run(4, base / "out.json", root, [*common, "--snapshot-every", str(every)])
+                row[f"N={every}"] = _run(
+                    4, base / "out.json", root, [*common, "--snapshot-every", str(every)]
+                )
             killed = base / f"{label}-killed"
-            argv = [*common, "--snapshot-every", "10", "--ckpt-dir", str(killed / "ckpt"), "--ckpt-every", "10"]
+            argv = [
+                *common,
+                "--snapshot-every",
+                "10",
+                "--ckpt-dir",
+                str(killed / "ckpt"),
+                "--ckpt-every",
+                "10",
+            ]
             _run(4, base / "out.json", killed, argv, kill_at=20)
             shutil.rmtree(killed / "node1", ignore_errors=True)
-            row["restart from memory"] = _run(2, base / "out.json", killed, [*common, "--snapshot-every", "10"])
+            row["restart from memory"] = _run(
+                2, base / "out.json", killed, [*common, "--snapshot-every", "10"]
+            )
             disk = [*common, "--ckpt-dir", str(killed / "ckpt"), "--resume"]
             row["restart from disk"] = _run(2, base / "out.json", killed, disk)
             results[label] = row
@@ -176,7 +192,9 @@ def main() -> None:
     for label, row in results.items():
         print(f"\n{label}")
         for case, figures in row.items():
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items() if v is not None}
+            shown = {
+                k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items() if v is not None
+            }
             print(f"  {case:22} {shown}")
 
 

@@ -50,6 +50,7 @@ Run:  python benchmarks/whole_tensor_optim.py [--worlds 2 4 --dim 512 --steps 3 
 (about 7 minutes on that VM without ``--dtensor-muon``). Writes
 benchmarks/results/whole_tensor_optim.json and prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,7 +123,8 @@ class GatheredMuon(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                assert isinstance(param, DTensor) and isinstance(param.grad, DTensor)
+                assert isinstance(param, DTensor)
+                assert isinstance(param.grad, DTensor)
                 pg = param.device_mesh.get_group(0)
                 world, rank = dist.get_world_size(pg), dist.get_rank(pg)
                 if param.shape[0] % world:
@@ -177,9 +179,7 @@ class _BytesIn(TorchDispatchMode):
                 row = _nbytes(out) // max(1, out.shape[0])
                 own = splits[self.rank] * row if splits else _nbytes(out) // world
                 self.bytes += _nbytes(out) - own
-            elif name == "_allgather_base_":
-                self.bytes += _nbytes(args[0]) - _nbytes(args[1])
-            elif name == "allgather_":
+            elif name in ("_allgather_base_", "allgather_"):
                 self.bytes += _nbytes(args[0]) - _nbytes(args[1])
             elif name == "allreduce_":
                 world = dist.get_world_size()
