@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 _CODE = """
 import sys
 import fsdp2
@@ -23,6 +25,7 @@ print(partitioners.functionalize_rng_ops.__module__)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter: about 12 s
 def test_import_fsdp2_leaves_the_partitioner_to_the_first_compile() -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
