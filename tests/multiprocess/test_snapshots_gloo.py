@@ -5,9 +5,10 @@
 optimizer step, or the copy of a snapshot, and its directory is deleted, as a lost machine's memory
 would be. The survivors restart on 2 ranks and restore the newest snapshot whole among them: their
 losses equal those of a run that switched from 4 to 2 ranks at the same step through a DCP checkpoint,
-bit for bit. A single killed worker restarts at 4 ranks with the uninterrupted run's losses, also when
-its own copy is damaged (the buddy's copy is read). Two adjacent nodes lost at once (4 nodes of one
-rank) fall back to the checkpoint on disk, or stop with one line when there is none.
+bit for bit, and so do they restarted on 3. A single killed worker restarts at 4 ranks with the
+uninterrupted run's losses, also when its own copy is damaged (the buddy's copy is read). Two adjacent
+nodes lost at once (4 nodes of one rank) fall back to the checkpoint on disk, or stop with one line
+when there is none.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def test_a_lost_node_restores_from_memory_on_fewer_ranks_and_a_lost_worker_on_as
     for where in lost_node:
         _kill(tmp_path / where, 2, [2, 3], where)
         shutil.rmtree(tmp_path / where / "node1")  # the lost machine's memory
+    shutil.copytree(tmp_path / "forward" / "node0", tmp_path / "three" / "node0")  # for a restart on 3
     _kill(tmp_path / "worker", 2, [3], "forward")
     damaged = tmp_path / "worker" / "node0" / "train" / "step-2" / "rank-0.snap"
     data = bytearray(damaged.read_bytes())
@@ -132,6 +134,13 @@ def test_a_lost_node_restores_from_memory_on_fewer_ranks_and_a_lost_worker_on_as
         4, _restarts, [([f"{worker}/node{r // 2}" for r in range(4)], COMMON)], str(tmp_path / "w.pt")
     )
     assert torch.load(tmp_path / "w.pt")[0] == uninterrupted[2:]
+
+    # 4 -> 3 ranks: chunks of 4 meet chunks of 3 at other rows; the reference switches through DCP
+    runs = [([str(tmp_path / "none3")] * 3, [*COMMON, "--ckpt-dir", str(switched), "--resume"])]
+    runs += [([str(tmp_path / "three" / "node0")] * 3, COMMON)]
+    run_multiprocess(3, _restarts, runs, str(tmp_path / "three.pt"))
+    reference_3, restored_3 = torch.load(tmp_path / "three.pt")
+    assert restored_3 == reference_3, (restored_3, reference_3)
 
 
 def test_two_lost_nodes_fall_back_to_disk_or_stop_with_one_line(tmp_path: Path) -> None:
