@@ -196,7 +196,7 @@ class Snapshots:
         received = self._swap(torch.frombuffer(bytearray(header), dtype=torch.uint8), payload, every_size)
         for source, (their_header, their_payload) in received.items():
             parts: list[bytes | memoryview] = [host_bytes(their_header), host_bytes(their_payload)]
-            problem = problem or self._write(snapshot.step, source, parts)
+            problem = self._write(snapshot.step, source, parts) or problem  # every copy it can
         _stage("buddies_written", snapshot.step)
         done = torch.tensor([0 if problem else 1], dtype=torch.int64)
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)  # every copy of every rank is written

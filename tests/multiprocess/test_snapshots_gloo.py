@@ -8,7 +8,8 @@ losses equal those of a run that switched from 4 to 2 ranks at the same step thr
 bit for bit, and so do they restarted on 3. A single killed worker restarts at 4 ranks with the
 uninterrupted run's losses, also when its own copy is damaged (the buddy's copy is read). Two adjacent
 nodes lost at once (4 nodes of one rank) fall back to the checkpoint on disk, or stop with one line
-when there is none.
+when there is none. A copy that cannot be written (a full disk) is not committed: every rank warns,
+the previous snapshot stays, and the next one commits.
 """
 
 from __future__ import annotations
@@ -165,3 +166,59 @@ def test_two_lost_nodes_fall_back_to_disk_or_stop_with_one_line(tmp_path: Path) 
     assert "rank(s) 1" in error, error
     assert "no --ckpt-dir to fall back to" in error, error
     assert fell_back == reference_losses, (fell_back, reference_losses)
+
+
+def _a_copy_that_cannot_be_written(root: str, out: str) -> None:
+    """Rank 1's own file of step 2 cannot be written (a full disk): no commit, every rank warns."""
+    import warnings
+
+    import fsdp2
+    from fsdp2.resilience._store import NodeStore
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshots = fsdp2.Snapshots(model, optim, every=1, directory=f"{root}/node{rank}", name="job")
+    original = NodeStore.write
+
+    def write(self: NodeStore, step: int, owner: int, parts: list[Any]) -> None:
+        if rank == 1 and step == 2 and owner == 1:
+            raise OSError(28, "No space left on device")
+        original(self, step, owner, parts)
+
+    NodeStore.write = write  # type: ignore[method-assign]
+    seen = []
+    for step in range(1, 4):
+        model(torch.ones(2, 4)).sum().backward()
+        optim.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            snapshots.save(step)
+            snapshots.wait()
+        assert snapshots.last is not None
+        steps_here = sorted(p.name for p in Path(f"{root}/node{rank}/job").glob("step-*"))
+        seen.append((snapshots.last.failed, [str(w.message) for w in caught], steps_here))
+    NodeStore.write = original  # type: ignore[method-assign]
+    snapshots.close(discard=True)
+    outcomes: list[Any] = [None] * 2
+    dist.all_gather_object(outcomes, seen)
+    if rank == 0:
+        torch.save(outcomes, out)
+
+
+def test_a_copy_that_cannot_be_written_is_not_committed_and_every_rank_warns(tmp_path: Path) -> None:
+    run_multiprocess(2, _a_copy_that_cannot_be_written, str(tmp_path), str(tmp_path / "out.pt"))
+    for rank, seen in enumerate(torch.load(tmp_path / "out.pt")):
+        (failed_1, warned_1, steps_1), (_, warned_2, steps_2), (failed_3, warned_3, steps_3) = seen
+        assert (failed_1, warned_1, steps_1) == ("", [], ["step-1"]), rank
+        assert len(warned_2) == 1, (rank, warned_2)
+        assert "snapshot of step 2 not kept" in warned_2[0], (rank, warned_2)
+        assert steps_2 == ["step-1", "step-2"], (rank, steps_2)  # step 1 stays: step 2 is not whole
+        assert (failed_3, warned_3, steps_3) == ("", [], ["step-3"]), rank
+    rank1 = torch.load(tmp_path / "out.pt")[1][1][0]
+    assert "No space left on device" in rank1, rank1
+    assert torch.load(tmp_path / "out.pt")[0][1][0] == "a copy failed on another rank"
