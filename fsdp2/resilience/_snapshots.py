@@ -254,6 +254,7 @@ class Snapshots:
         a lost node come from its buddies' copies, and every shard reaches its new rank through one
         all-to-all, whatever the new world size.
         """
+        self.wait()  # a copy in flight uses the same group
         start = time.perf_counter()
         listing, _ = self.store.listing()
         result = exchange(self.store, [entry for entry in listing if entry.step > newer_than], self.group)
