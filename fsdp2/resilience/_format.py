@@ -16,10 +16,12 @@ bytes damaged after that.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from ..param._layout import chunk_rows
+
 MAGIC = b"FSDP2SNP"
+_PREFIX = len(MAGIC) + 8  # the magic, then the header's length
 VERSION = 1
 _ALIGN = 64
 
@@ -73,27 +78,16 @@ class RankSnapshot:
         """Leaf ``index``'s local values, a view of the payload in the leaf's dtype and local shape."""
         leaf = self.leaves[index]
         shape = local_shape(leaf, self.world, self.rank)
-        nbytes = _nbytes(shape, leaf.dtype)
+        nbytes = math.prod(shape) * leaf.dtype.itemsize
         start = self.offsets[index]
         return self.payload[start : start + nbytes].view(leaf.dtype).view(shape)
-
-    def tree_bytes(self) -> bytes:
-        return pickle.dumps(self.tree, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def rows(size: int, world: int, rank: int) -> tuple[int, int]:
-    """The ``[start, stop)`` of ``rank``'s chunk of ``size`` rows over ``world`` ranks, as ``torch.chunk``."""
-    chunk = -(-size // world) if size else 0
-    start = min(rank * chunk, size)
-    return start, min(start + chunk, size)
 
 
 def local_shape(leaf: Leaf, world: int, rank: int) -> tuple[int, ...]:
     if leaf.dim is None:
         return leaf.shape
-    start, stop = rows(leaf.shape[leaf.dim], world, rank)
     shape = list(leaf.shape)
-    shape[leaf.dim] = stop - start
+    shape[leaf.dim] = chunk_rows(shape[leaf.dim], world, rank)[2]
     return tuple(shape)
 
 
@@ -112,19 +106,12 @@ def capture(tree: Any, step: int, world: int, rank: int) -> RankSnapshot:
     leaves: list[Leaf] = []
     locals_: list[torch.Tensor] = []
 
-    def visit(node: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(node, torch.Tensor):
-            leaf, local = _leaf(node, path)
-            leaves.append(leaf)
-            locals_.append(local)
-            return LeafRef(len(leaves) - 1)
-        if isinstance(node, dict):
-            return type(node)((key, visit(value, (*path, key))) for key, value in node.items())
-        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-            return type(node)(visit(value, (*path, i)) for i, value in enumerate(node))
-        return node
+    def take(tensor: torch.Tensor, path: tuple[Any, ...]) -> LeafRef:
+        leaves.append(_leaf(tensor, path))
+        locals_.append((tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach())
+        return LeafRef(len(leaves) - 1)
 
-    skeleton = visit(tree, ())
+    skeleton = _map(tree, torch.Tensor, take)
     offsets, total = [], 0
     for local in locals_:
         offsets.append(total)
@@ -133,13 +120,36 @@ def capture(tree: Any, step: int, world: int, rank: int) -> RankSnapshot:
     for offset, local in zip(offsets, locals_, strict=True):
         nbytes = local.numel() * local.element_size()
         if nbytes:
-            payload[offset : offset + nbytes].copy_(local.detach().contiguous().view(-1).view(torch.uint8))
+            payload[offset : offset + nbytes].copy_(local.contiguous().view(-1).view(torch.uint8))
     return RankSnapshot(step, world, rank, leaves, offsets, skeleton, payload)
 
 
-def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> tuple[Leaf, torch.Tensor]:
+def check_layouts(tree: Any) -> None:
+    """Raise what ``capture`` would raise for ``tree``'s layouts, without copying anything."""
+    _map(tree, torch.Tensor, _leaf)
+
+
+def fill(tree: Any, values: list[Any]) -> Any:
+    """``tree`` with each ``LeafRef(i)`` replaced by ``values[i]``."""
+    return _map(tree, LeafRef, lambda ref, _: values[ref.index])
+
+
+def _map(
+    node: Any, kind: type, on_leaf: Callable[[Any, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()
+) -> Any:
+    """``node`` with each ``kind`` in its dicts, lists and tuples replaced by ``on_leaf(it, its path)``."""
+    if isinstance(node, kind):
+        return on_leaf(node, path)
+    if isinstance(node, dict):
+        return type(node)((key, _map(value, kind, on_leaf, (*path, key))) for key, value in node.items())
+    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+        return type(node)(_map(value, kind, on_leaf, (*path, i)) for i, value in enumerate(node))
+    return node
+
+
+def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> Leaf:
     if not isinstance(tensor, DTensor):
-        return Leaf(path, tensor.dtype, tuple(tensor.shape), None), tensor.detach().cpu()
+        return Leaf(path, tensor.dtype, tuple(tensor.shape), None)
     placements = tuple(tensor.placements)
     if tensor.device_mesh.ndim != 1 or not isinstance(placements[0], Shard):
         name = "/".join(str(key) for key in path)
@@ -148,21 +158,13 @@ def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> tuple[Leaf, torch.Tens
             f"placements {placements} on a {tensor.device_mesh.ndim}-D mesh. Save this layout (HSDP, tensor "
             "parallelism) with torch.distributed.checkpoint instead."
         )
-    leaf = Leaf(path, tensor.dtype, tuple(tensor.shape), placements[0].dim)
-    return leaf, tensor.to_local().detach().cpu()
+    return Leaf(path, tensor.dtype, tuple(tensor.shape), placements[0].dim)
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
     """A uint8 host tensor's bytes, without a copy."""
     array: Any = tensor.numpy()  # numpy arrays are buffers; its type stubs do not say so
     return memoryview(array).cast("B")
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
 
 
 def _padded(nbytes: int) -> int:
@@ -209,44 +211,28 @@ def read_header(path: Path) -> dict[str, Any]:
         ValueError: not a snapshot file of this version, or cut short.
     """
     with open(path, "rb") as handle:
-        start = handle.read(len(MAGIC) + 8)
-        if len(start) != len(MAGIC) + 8 or not start.startswith(MAGIC):
-            raise ValueError(f"{path} is not an fsdp2 snapshot file")
-        (length,) = struct.unpack("<Q", start[len(MAGIC) :])
-        header = handle.read(length)
-    if len(header) != length:
-        raise ValueError(f"{path} is cut short (its header)")
-    try:
-        decoded: dict[str, Any] = pickle.loads(header)
-    except Exception as error:
-        raise ValueError(f"{path}: its header does not unpickle ({error})") from None
-    if decoded.get("version") != VERSION:
-        raise ValueError(f"{path} is of snapshot format {decoded.get('version')}, expected {VERSION}")
-    return decoded
+        length = _header_length(handle.read(_PREFIX), str(path))
+        return _header(handle.read(length), length, str(path))
 
 
-def decode(data: bytes | memoryview, where: str) -> RankSnapshot:
-    """A file's bytes back to a ``RankSnapshot``, its payload checked against its CRC.
+def decode(data: bytes | bytearray, where: str) -> RankSnapshot:
+    """A file's bytes back to a ``RankSnapshot`` (its payload a view of ``data``), checked against its CRC.
 
     Raises:
         ValueError: the bytes are not a whole snapshot, or their CRC differs (damaged).
     """
+    data = data if isinstance(data, bytearray) else bytearray(data)  # the payload views it: writable
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < len(MAGIC) + 8:
-        raise ValueError(f"{where} is not an fsdp2 snapshot")
-    (length,) = struct.unpack("<Q", view[len(MAGIC) : len(MAGIC) + 8])
-    start = len(MAGIC) + 8 + length
-    try:
-        header = pickle.loads(view[len(MAGIC) + 8 : start])
-    except Exception as error:
-        raise ValueError(f"{where}: its header does not unpickle ({error})") from None
+    length = _header_length(bytes(view[:_PREFIX]), where)
+    header = _header(view[_PREFIX : _PREFIX + length], length, where)
+    start = _PREFIX + length
     body = view[start:]
     if len(body) != header["nbytes"]:
         raise ValueError(f"{where} holds {len(body)} payload bytes, its header says {header['nbytes']}")
     if zlib.crc32(body) != header["crc"]:
         raise ValueError(f"{where}: its bytes differ from those written (CRC-32 mismatch)")
     payload = (
-        torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        torch.frombuffer(data, dtype=torch.uint8, offset=start)
         if len(body)
         else torch.empty(0, dtype=torch.uint8)
     )
@@ -261,16 +247,26 @@ def decode(data: bytes | memoryview, where: str) -> RankSnapshot:
     )
 
 
+def _header_length(start: bytes, where: str) -> int:
+    if len(start) != _PREFIX or not start.startswith(MAGIC):
+        raise ValueError(f"{where} is not an fsdp2 snapshot file")
+    return int(struct.unpack("<Q", start[len(MAGIC) :])[0])
+
+
+def _header(raw: bytes | memoryview, length: int, where: str) -> dict[str, Any]:
+    if len(raw) != length:
+        raise ValueError(f"{where} is cut short (its header)")
+    try:
+        header: dict[str, Any] = pickle.loads(raw)
+    except Exception as error:
+        raise ValueError(f"{where}: its header does not unpickle ({error})") from None
+    if header.get("version") != VERSION:
+        raise ValueError(f"{where} is of snapshot format {header.get('version')}, expected {VERSION}")
+    return header
+
+
 def read_file(path: Path) -> RankSnapshot:
-    return decode(path.read_bytes(), str(path))
-
-
-def fill(tree: Any, values: list[Any]) -> Any:
-    """``tree`` with each ``LeafRef(i)`` replaced by ``values[i]``."""
-    if isinstance(tree, LeafRef):
-        return values[tree.index]
-    if isinstance(tree, dict):
-        return type(tree)((key, fill(value, values)) for key, value in tree.items())
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-        return type(tree)(fill(value, values) for value in tree)
-    return tree
+    data = bytearray(path.stat().st_size)
+    with open(path, "rb") as handle:
+        handle.readinto(data)
+    return decode(data, str(path))

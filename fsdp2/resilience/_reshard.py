@@ -17,13 +17,15 @@ travels (the all-to-all's counts).
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._format import Leaf, RankSnapshot, local_shape, rows
+from ..param._layout import chunk_rows
+from ._format import Leaf, RankSnapshot, local_shape
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,8 @@ class Reshard:
         """Rows ``[start, stop)`` of ``leaf``'s sharded dimension in both chunks, in global numbering."""
         assert leaf.dim is not None
         size = leaf.shape[leaf.dim]
-        old_start, old_stop = rows(size, self.old_world, old)
-        new_start, new_stop = rows(size, self.new_world, new)
+        old_start, old_stop = _span(size, self.old_world, old)
+        new_start, new_stop = _span(size, self.new_world, new)
         start, stop = max(old_start, new_start), min(old_stop, new_stop)
         return (start, stop) if start < stop else None
 
@@ -63,7 +65,7 @@ class Reshard:
                 for old in mine:
                     span = self._overlap(leaf, old, receiver)
                     if span is not None:
-                        start = rows(leaf.shape[leaf.dim], self.old_world, old)[0]
+                        start = _span(leaf.shape[leaf.dim], self.old_world, old)[0]
                         piece = held[old].local(index).narrow(leaf.dim, span[0] - start, span[1] - span[0])
                         parts.append(piece.contiguous().view(-1).view(torch.uint8))
             if self.source(receiver) in mine:
@@ -85,10 +87,10 @@ class Reshard:
                 sender = self.holder[old]
                 shape = list(leaf.shape)
                 shape[leaf.dim] = span[1] - span[0]
-                nbytes = _count(shape) * _itemsize(leaf.dtype)
+                nbytes = math.prod(shape) * leaf.dtype.itemsize
                 raw = received[sender][cursors[sender] : cursors[sender] + nbytes]
                 cursors[sender] += nbytes
-                if raw.storage_offset() % _itemsize(leaf.dtype):  # viewed in its dtype, it must be aligned
+                if raw.storage_offset() % leaf.dtype.itemsize:  # viewed in its dtype, it must be aligned
                     raw = raw.clone()
                 pieces.setdefault(index, []).append(raw.view(leaf.dtype).view(shape))
         rest = received[self.holder[self.source(me)]][cursors[self.holder[self.source(me)]] :]
@@ -111,12 +113,7 @@ def _pickled_rest(snapshot: RankSnapshot) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _count(shape: list[int] | tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _span(size: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s ``torch.chunk`` piece of ``size`` rows."""
+    _, start, count = chunk_rows(size, world, rank)
+    return start, start + count

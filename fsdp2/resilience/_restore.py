@@ -161,13 +161,7 @@ def apply(
 
 def _placed(leaf: Leaf, value: torch.Tensor, targets: dict[str, Any]) -> torch.Tensor:
     """A restored local value as the tensor the model expects: a DTensor on the parameter's mesh."""
-    name = (
-        leaf.path[1]
-        if leaf.path[:1] == ("model",)
-        else leaf.path[2]
-        if leaf.path[:2] == ("optim", "state")
-        else None
-    )
+    name = _owner(leaf.path)
     target = targets.get(name) if isinstance(name, str) else None
     if leaf.path[:1] == ("model",) and (target is None or tuple(target.shape) != leaf.shape):
         here = "absent" if target is None else f"of shape {tuple(target.shape)}"
@@ -193,3 +187,10 @@ def _placed(leaf: Leaf, value: torch.Tensor, targets: dict[str, Any]) -> torch.T
         shape=torch.Size(leaf.shape),
         stride=stride,
     )
+
+
+def _owner(path: tuple[Any, ...]) -> Any:
+    """The model entry a leaf belongs to: ``model/<name>`` or ``optim/state/<name>/<key>`` (else ``None``)."""
+    if path[:1] == ("model",):
+        return path[1]
+    return path[2] if path[:2] == ("optim", "state") else None

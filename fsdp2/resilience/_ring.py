@@ -39,10 +39,6 @@ class Ring:
             buddy.append(following[position % len(following)])
         return cls(node_of, tuple(buddy))
 
-    @property
-    def nodes(self) -> int:
-        return len(set(self.node_of))
-
     def kept_for(self, rank: int) -> list[int]:
         """The ranks whose snapshots ``rank`` keeps a copy of."""
         return [source for source, target in enumerate(self.buddy) if target == rank]

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from ..base._warn import warn_user
-from ._format import RankSnapshot, capture, encode_header, host_bytes
+from ._format import RankSnapshot, capture, check_layouts, encode_header, host_bytes
 from ._restore import apply, exchange
 from ._ring import Ring
 from ._store import NodeStore, default_root
@@ -111,7 +111,7 @@ class Snapshots:
         self.model, self.optimizer, self.every = model, optimizer, every
         self.states: dict[str, Any] = dict(state or {})
         self.store = NodeStore(Path(directory) if directory is not None else default_root(), name)
-        capture({"model": get_model_state_dict(model)}, 0, 1, 0)  # refuses an unsupported layout now
+        check_layouts(get_model_state_dict(model))  # an unsupported layout is refused now
         self.group = dist.new_group(backend="gloo")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         keys: list[Any] = [None] * self.world
@@ -256,7 +256,7 @@ class Snapshots:
         """
         self.wait()  # a copy in flight uses the same group
         start = time.perf_counter()
-        listing, _ = self.store.listing()
+        listing, unreadable = self.store.listing()
         result = exchange(self.store, [entry for entry in listing if entry.step > newer_than], self.group)
         if result is None:
             return Restored(None, f"no snapshot in {self.directory} or on any other node: starting afresh")
@@ -272,6 +272,8 @@ class Snapshots:
             f"restored step {choice.step} from memory snapshots: {choice.old_world} -> {self.world} ranks "
             f"in {seconds:.2f} s"
         )
+        if unreadable:  # (this rank's node only: the rank that prints says what it saw)
+            message += f"; skipped {len(unreadable)} unreadable file(s) here: {unreadable[0]}"
         return Restored(choice.step, message, seconds=seconds)
 
     # -- the end -------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..param._layout import chunk_rows
+
 __all__ = ["Item", "buckets", "full_bytes", "gather_bucket", "gather_device", "row_group"]
 
 _ALIGN = 8
@@ -61,17 +63,10 @@ def row_group(param: torch.Tensor) -> Any | None:
     return param.device_mesh.get_group(sharded[0])
 
 
-def _rows(total: int, world: int, rank: int) -> tuple[int, int]:
-    """The first row and the number of rows of ``rank`` among ``world`` (torch.chunk's split)."""
-    chunk = -(-total // world)
-    start = min(rank * chunk, total)
-    return start, max(0, min(chunk, total - start))
-
-
 def _room(item: Item, world: int) -> tuple[int, int]:
     """Bytes a rank's part of the bucket keeps for ``item``: its values, its mask (aligned)."""
     shape = item.param.shape
-    elems = -(-shape[0] // world) * math.prod(shape[1:])
+    elems = chunk_rows(shape[0], world, 0)[0] * math.prod(shape[1:])  # the padded part
     values = -(-elems * item.values.element_size() // _ALIGN) * _ALIGN
     mask = -(-elems // _ALIGN) * _ALIGN if item.mask is not None else 0
     return values, mask
@@ -170,10 +165,10 @@ def _unpack(
 def _cut(parts: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype, world: int) -> torch.Tensor:
     """The full tensor of ``shape`` whose rows each rank's part holds at ``offset``."""
     row = math.prod(shape[1:])
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     pieces = []
     for rank in range(world):
-        _, rows = _rows(shape[0], world, rank)
+        _, _, rows = chunk_rows(shape[0], world, rank)
         raw = parts[rank, offset : offset + rows * row * size]
         pieces.append(raw.view(dtype).view(rows, *shape[1:]))
     return torch.cat(pieces)

@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..param._layout import chunk_rows
+
 __all__ = ["LocalShard", "local_shards"]
 
 
@@ -77,9 +79,7 @@ def _offset(name: str, param: DTensor) -> tuple[int, ...]:
                 f"{mesh_dim} is not one block per rank (partial sums, or rows interleaved by tensor "
                 "parallelism). Gather it with WeightSync.updates() instead."
             )
-        dim, parts = placement.dim, param.device_mesh.size(mesh_dim)
-        chunk = -(-size[dim] // parts)
-        first = min(coordinate[mesh_dim] * chunk, size[dim])
+        dim = placement.dim
+        _, first, size[dim] = chunk_rows(size[dim], param.device_mesh.size(mesh_dim), coordinate[mesh_dim])
         start[dim] += first
-        size[dim] = max(0, min(chunk, size[dim] - first))
     return tuple(start)

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill, rows
+from fsdp2.param._layout import chunk_rows
+from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill
 from fsdp2.resilience._reshard import Reshard
 from fsdp2.resilience._restore import choose
 from fsdp2.resilience._ring import Ring
@@ -61,8 +62,8 @@ def _snapshot(full: list[torch.Tensor], leaves: list[Leaf], world: int, rank: in
 
 def _span(leaf: Leaf, world: int, rank: int) -> tuple[int, int]:
     assert leaf.dim is not None
-    start, stop = rows(leaf.shape[leaf.dim], world, rank)
-    return start, stop - start
+    _, start, count = chunk_rows(leaf.shape[leaf.dim], world, rank)
+    return start, count
 
 
 @settings(max_examples=40, deadline=None)
