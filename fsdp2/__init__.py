@@ -31,6 +31,7 @@ from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
 from .weights import _copy  # noqa: F401 - installs copy.deepcopy for fully_shard modules
 from .weights._checkpoint import load_full_state_dict, save_full_state_dict
+from .weights._local_shards import LocalShard
 from .weights._pretrained import load_pretrained, save_pretrained
 from .weights._weight_sync import WeightSync
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ..base._autograd import eager
+from ..base._buffers import KeptBuffers
 from ..base._lifecycle import TrainingState
 from ..comm._comms import (
     AllGather,
@@ -563,6 +564,20 @@ class FSDPModule(_ModuleBase):
                 f"reset_iter_state must be called on the root module, not on {type(self).__name__}."
             )
         state.reset_iteration()
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
+        """``nn.Module.to_empty``, keeping what no checkpoint restores: non-persistent buffers.
+
+        Parameters and persistent buffers are left uninitialised, as torch leaves them (a load or an
+        initialisation fills them). A non-persistent buffer under this module that had values (built
+        on a real device) keeps them; one built on the meta device is marked unset, so
+        ``fsdp2.load_pretrained`` rebuilds it (a ``transformers`` model's own initialisation) or refuses
+        to load, naming it (see [Note: Non-persistent buffers and to_empty] in ``base/_buffers.py``).
+        """
+        kept = KeptBuffers(self, recurse)
+        result = super().to_empty(device=device, recurse=recurse)
+        kept.put_back()
+        return result
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.

@@ -4,7 +4,7 @@ Owns: ``ExtensionGather``, the per-parameter state of an all-gather that goes th
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (see [Note: All-gather extension] in
 ``_extension``): the output buffers and the inner tensors the post hook allocated, freed at reshard and
 re-allocated at the next unshard; and re-detecting the hooks at lazy init (``redetect``). It reads the
-local tensor from the parameter's ``LocalShard`` and hands the post hook's first result to its
+local tensor from the parameter's ``PaddedShard`` and hands the post hook's first result to its
 ``UnshardedParam``. Does not own: the hook protocol itself (``_extension``), the local shard or the
 unsharded ``nn.Parameter`` (``_shard``, ``_unsharded``), issuing the collective (the group).
 """
@@ -28,7 +28,7 @@ from ._extension import (
     padded_rule_holds,
 )
 from ._layout import ShardLayout
-from ._shard import LocalShard
+from ._shard import PaddedShard
 from ._unsharded import UnshardedParam
 
 __all__ = ["ExtensionGather", "redetect"]
@@ -61,7 +61,7 @@ class ExtensionGather:
         return tuple(self.record.inner_tensors)
 
     def all_gather_inputs(
-        self, shard: LocalShard, layout: ShardLayout, mesh_info: MeshInfo, module: nn.Module, fqn: str
+        self, shard: PaddedShard, layout: ShardLayout, mesh_info: MeshInfo, module: nn.Module, fqn: str
     ) -> list[torch.Tensor]:
         """The pre hook's outputs for ``shard``'s local tensor (on the compute device), flattened."""
         local = shard.local_tensor()
@@ -94,7 +94,7 @@ class ExtensionGather:
                 output.untyped_storage().resize_(nbytes)
         return self.outputs
 
-    def finish(self, shard: LocalShard, unsharded: UnshardedParam) -> None:
+    def finish(self, shard: PaddedShard, unsharded: UnshardedParam) -> None:
         """Run the post hook on the gathered outputs.
 
         The first time (no unsharded parameter yet) the hook allocates; ``unsharded`` adopts an

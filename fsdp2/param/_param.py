@@ -7,7 +7,7 @@ parts, public fields that callers call directly (``fsdp_param.unsharded.take_gra
 own module:
 
 - ``ShardLayout`` (``_layout``): the sizes of the sharding (chunk rows, padding, this rank's piece);
-- ``LocalShard`` (``_shard``): the padded local shard, the sharded DTensor parameter and its gradient;
+- ``PaddedShard`` (``_shard``): the padded local shard, the sharded DTensor parameter and its gradient;
 - ``UnshardedParam`` (``_unsharded``): the all-gather output, the unsharded parameter and its
   gradient (no-sync accumulation included), the post-forward slice;
 - ``ExtensionGather`` (``_extension_gather``): an all-gather extension parameter's gathered tensors;
@@ -18,12 +18,12 @@ communication (``_collectives``) or deciding when to swap forms (``FSDPParamGrou
 
 [Note: FSDP tensors]
 - *original parameter*: the ``nn.Parameter`` on the module when ``fully_shard`` is called.
-- *local shard* (``LocalShard.shard``): a 1-D tensor of ``padded_shard_numel`` elements holding this
+- *local shard* (``PaddedShard.shard``): a 1-D tensor of ``padded_shard_numel`` elements holding this
   rank's rows of the original parameter, ``torch.chunk`` style, zero-padded to the size of chunk 0.
   Every rank therefore contributes the same number of elements to the all-gather. Usually a slot of
   the group's packed buffer (``shard_slot``; see [Note: Packed shards] in ``group/_gather.py``), else a
   tensor of its own.
-- *sharded parameter* (``LocalShard.param``): an ``nn.Parameter`` DTensor (``Shard(0)``) whose local
+- *sharded parameter* (``PaddedShard.param``): an ``nn.Parameter`` DTensor (``Shard(0)``) whose local
   tensor is a view of the leading, unpadded part of the local shard. In-place updates (optimizer
   steps, ``load_state_dict``) write straight into the all-gather source.
 - *all-gather input / output*: the group's packed buffer itself, or the local shard (or post-forward
@@ -55,7 +55,7 @@ from ._extension import check_hooks_unchanged, defines_hooks, may_gain_hooks
 from ._extension_gather import ExtensionGather, redetect
 from ._late_params import quiet_registrations
 from ._layout import ShardLayout, chunk_rows, padded_shard_numel
-from ._shard import LocalShard, is_managed, mark_managed
+from ._shard import PaddedShard, is_managed, mark_managed
 from ._tp import TPLayout, sharded_spec
 from ._unsharded import UnshardedParam
 
@@ -76,14 +76,14 @@ class FSDPParam:
     - ``orig_dtype`` / ``param_dtype`` / ``reduce_dtype``: the sharded dtype and mixed precision
       (resolved by :meth:`init_dtypes` at lazy init; ``None``: no cast).
     - ``from_meta``: materialised from meta since the group's last first-unshard check.
-    - ``sharded_param`` / ``_local_shard``: the ``LocalShard``'s parameter and padded shard, cached
-      for per-step reads; refreshed whenever a call into the ``LocalShard`` may have replaced them.
+    - ``sharded_param`` / ``_local_shard``: the ``PaddedShard``'s parameter and padded shard, cached
+      for per-step reads; refreshed whenever a call into the ``PaddedShard`` may have replaced them.
 
     Parts (declared below; callers call the part that does the work, e.g.
     ``fsdp_param.unsharded.take_grad()``, ``fsdp_param.local.accumulate_grad(view)``,
     ``fsdp_param.layout.padded_shard_numel``):
     - ``layout`` (``ShardLayout``): the sizes of the sharding (fixed);
-    - ``local`` (``LocalShard``): the padded local shard, the sharded parameter and its gradient;
+    - ``local`` (``PaddedShard``): the padded local shard, the sharded parameter and its gradient;
     - ``unsharded`` (``UnshardedParam``): the all-gather output, the unsharded parameter and its
       gradient, the post-forward slice;
     - ``tp`` (``TPLayout`` or ``None``): a tensor-parallel parameter's DTensor layouts (fixed);
@@ -92,7 +92,7 @@ class FSDPParam:
     """
 
     layout: ShardLayout
-    local: LocalShard
+    local: PaddedShard
     unsharded: UnshardedParam
     tp: TPLayout | None
     extension: ExtensionGather | None
@@ -129,7 +129,7 @@ class FSDPParam:
             param, spec.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
         )
         pin = offload_to_cpu and can_pin(offload)
-        self.local = shard = LocalShard(param, layout, shard_spec, device, offload_to_cpu, pin, shard_slot)
+        self.local = shard = PaddedShard(param, layout, shard_spec, device, offload_to_cpu, pin, shard_slot)
         self.unsharded = UnshardedParam(shard, layout, device, self.tp)
         local = shard.view
         # all-gather extension (see [Note: All-gather extension]); re-detected at lazy init
@@ -149,7 +149,7 @@ class FSDPParam:
 
         A ``grad_dtype`` on the sharded parameter (other than its dtype) is the reduce dtype when the
         policy sets none: the policy's ``reduce_dtype`` wins where both are set. The sharded gradient
-        is in ``grad_dtype`` either way (``LocalShard.accumulate_grad``).
+        is in ``grad_dtype`` either way (``PaddedShard.accumulate_grad``).
         """
         self.orig_dtype = self.local.settle_dtype()
         if reduce_dtype is None:
@@ -228,7 +228,7 @@ class FSDPParam:
         return self.local.copy()
 
     def can_move_shard(self) -> bool:
-        """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``LocalShard``)."""
+        """Whether :meth:`move_shard_into` can re-point the sharded parameter (see ``PaddedShard``)."""
         return self.local.can_move()
 
     def move_shard_into(self, view: torch.Tensor) -> None:
@@ -360,7 +360,7 @@ class FSDPParam:
         return [(module._parameters, name, tensor) for module, name in self.owners]  # noqa: SLF001 - see _register
 
     def _sharded_changed(self) -> None:
-        """Cache the ``LocalShard``'s parameter and shard again (both are read per step)."""
+        """Cache the ``PaddedShard``'s parameter and shard again (both are read per step)."""
         self.sharded_param = self.local.param
         self._local_shard = self.local.shard
 

@@ -1,6 +1,6 @@
 """One parameter's sharded form: its padded local shard and the sharded DTensor parameter over it.
 
-Owns: ``LocalShard`` (building the shard from the original parameter, re-adopting it after a module
+Owns: ``PaddedShard`` (building the shard from the original parameter, re-adopting it after a module
 conversion or a load, moving it into a slot of the group's packed buffer, offloading and pinning it,
 the all-gather input it gives, a full tensor's shard as a DTensor, a meta stand-in, and setting or
 adding to the sharded parameter's gradient after a reduction), and the tag that marks sharded
@@ -32,10 +32,10 @@ from ._extension import may_gain_hooks
 from ._layout import ShardLayout, chunk_rows
 from ._tp import TPLayout
 
-__all__ = ["LocalShard", "is_managed", "mark_managed"]
+__all__ = ["PaddedShard", "is_managed", "mark_managed"]
 
 
-class LocalShard:
+class PaddedShard:
     """One parameter's padded local shard and the sharded DTensor ``nn.Parameter`` that views it.
 
     Fields:
@@ -316,7 +316,7 @@ def subclass_shard(source: torch.Tensor, layout: ShardLayout) -> tuple[torch.Ten
 def check_subclass_shardable(param: torch.Tensor, name: str, world: int, rank: int) -> None:
     """Refuse, before ``fully_shard`` changes anything, a weight subclass it cannot shard on dim 0.
 
-    Builds (and drops) this rank's shard with the subclass's own ops, as ``LocalShard`` will.
+    Builds (and drops) this rank's shard with the subclass's own ops, as ``PaddedShard`` will.
 
     Raises:
         NotImplementedError: an op the subclass lacks for this shape, naming the parameter.

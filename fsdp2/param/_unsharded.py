@@ -27,7 +27,7 @@ from ..base._mesh import MeshInfo
 from ..comm._collectives import contiguous_strides
 from ._dtensor import make_spec, wrap_local
 from ._layout import ShardLayout, chunk_rows
-from ._shard import LocalShard
+from ._shard import PaddedShard
 from ._tp import TPLayout
 
 __all__ = ["UnshardedParam"]
@@ -39,7 +39,7 @@ class UnshardedParam:
     Fields:
     - ``layout`` / ``device`` / ``tp``: the parameter's ``ShardLayout``, compute device and TP layout
       (``None`` without tensor parallelism); fixed.
-    - ``shard``: the parameter's ``LocalShard``, read only: a new unsharded parameter starts with the
+    - ``shard``: the parameter's ``PaddedShard``, read only: a new unsharded parameter starts with the
       sharded parameter's ``requires_grad`` (and ``dtype`` starts as its dtype).
     - ``dtype`` / ``reduce_dtype``: the unsharded (compute) dtype, and the dtype gradients are
       accumulated in across no-sync steps (``None``: theirs); set by :meth:`use_dtypes` at lazy init.
@@ -65,7 +65,7 @@ class UnshardedParam:
     """
 
     def __init__(
-        self, shard: LocalShard, layout: ShardLayout, device: torch.device, tp: TPLayout | None
+        self, shard: PaddedShard, layout: ShardLayout, device: torch.device, tp: TPLayout | None
     ) -> None:
         self.layout = layout
         self.device = device

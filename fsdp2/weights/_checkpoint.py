@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..base._mesh import mesh_device
 from ..debug._guard import check_entry
 from ..param._param import chunk_rows
+from ._buffers import rebuild_buffers
 
 # safetensors' names of the dtypes it stores
 SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
@@ -113,8 +114,10 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
     Raises:
         ImportError: the ``safetensors`` package is not installed.
         ValueError: (on every rank, before anything is written) rank 0 cannot read ``path`` as a
-            safetensors file, missing or unexpected keys with ``strict=True``, or a tensor whose shape
-            is not the full shape of its entry.
+            safetensors file, missing or unexpected keys with ``strict=True``, a tensor whose shape
+            is not the full shape of its entry, or a non-persistent buffer that ``to_empty`` left
+            uninitialised and nothing rebuilds (a ``transformers`` model's own ``_init_weights`` rebuilds
+            its buffers first, as in :func:`load_pretrained`).
 
     Example:
         >>> fsdp2.load_full_state_dict(model, "model.safetensors")  # doctest: +SKIP
@@ -138,6 +141,8 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
         problem, present = shared
+        if not problem:
+            problem = rebuild_buffers(model, "load_full_state_dict")  # the same on every rank
         if problem:
             raise ValueError(f"load_full_state_dict({os.fspath(path)!r}): {problem} Nothing was loaded.")
         with torch.no_grad():

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..debug._guard import check_entry
 from ..param._layout import chunk_rows
+from ._buffers import rebuild_buffers
 from ._checkpoint import (
     SAFETENSORS_DTYPES,
     checked_state_dict,
@@ -72,7 +73,7 @@ class _Entry:
 def save_pretrained(
     model: nn.Module,
     directory: str | os.PathLike[str],
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
 ) -> None:
     """Write ``model``'s full weights as a Hugging Face checkpoint, every rank writing its own files.
@@ -95,8 +96,9 @@ def save_pretrained(
     Args:
         model: the fsdp2 (or plain) model; its parameters are left as they were.
         directory: where the files go (created if missing; files of the same names are overwritten).
-        dtype: the dtype floating-point tensors are stored in (default: each tensor's own); integer
-            and bool tensors keep theirs.
+        dtype: the dtype floating-point tensors are stored in (default: each tensor's own), as a
+            ``torch.dtype`` or its name as ``transformers`` takes it (``"bfloat16"``, ``"torch.float16"``);
+            integer and bool tensors keep theirs.
         max_shard_size: the largest file, in bytes or as a string (``"5GB"``, ``"500MiB"``); a tensor
             larger than it gets a file of its own. Default: the model's size over the world size (so
             every rank writes), at most 5 GB.
@@ -111,6 +113,7 @@ def save_pretrained(
         >>> transformers.AutoModelForCausalLM.from_pretrained("out/")  # doctest: +SKIP
     """
     check_entry(model, "save_pretrained")  # debug mode: every rank is here (else DivergenceError)
+    dtype = _stored_dtype(dtype)
     entries = _stored_entries(model, dtype)
     rank, world = _rank_and_world()
     files = _split(entries, _limit(max_shard_size, entries, world))
@@ -141,8 +144,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     only the bytes of its own shards (``safe_open(...).get_slice(name)[rows]``): no rank holds a full
     tensor of a sharded parameter. Plain (non-DTensor) tensors are read whole; strided tensor-parallel
     shards are read whole and cut locally. Values are cast to each tensor's dtype. The model may have
-    been built on the meta device and ``to_empty``'d; its non-persistent buffers (RoPE's ``inv_freq``)
-    are not in the file and are left as they are (``from_pretrained`` recomputes them: do the same).
+    been built on the meta device and ``to_empty``'d: its non-persistent buffers (RoPE's ``inv_freq``),
+    which no file holds, are then rebuilt as ``from_pretrained`` rebuilds them (a ``transformers``
+    model's own ``_init_weights``); one that nothing rebuilds is named in a ``ValueError`` before any
+    parameter changes. A buffer that had values before ``to_empty`` keeps them (``FSDPModule.to_empty``).
     A tied weight needs only one of its names in the file. Issues one small exchange (all ranks agree
     on the check) and no collective on the weights.
 
@@ -154,8 +159,9 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     Raises:
         ImportError: the ``safetensors`` package is not installed.
         ValueError: (on every rank, before any parameter changes) a file cannot be read, or names are
-            missing from the checkpoint, unexpected in it, or of another shape, or a parameter is still
-            on the meta device.
+            missing from the checkpoint, unexpected in it, or of another shape, a parameter is still
+            on the meta device, or a non-persistent buffer holds uninitialised memory that nothing
+            rebuilds.
 
     Example:
         >>> with torch.device("meta"):  # doctest: +SKIP
@@ -173,6 +179,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
         problem = reader.open(path)
         if not problem:
             problem = reader.check(groups)
+        if not problem:
+            problem = rebuild_buffers(model, "load_pretrained")
         _agree(problem, ValueError, f"load_pretrained({os.fspath(path)!r})", "Nothing was loaded.")
         with torch.no_grad():
             reader.read(groups)
@@ -183,14 +191,25 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
 # ---- export -------------------------------------------------------------------------------------
 
 
+def _stored_dtype(dtype: object) -> torch.dtype | None:
+    """``save_pretrained``'s ``dtype``: ``None``, a ``torch.dtype`` or its name; refused otherwise."""
+    accepted = "pass torch.float16, torch.bfloat16, torch.float32 or torch.float64 (or their names)"
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.strip().removeprefix("torch."), None)
+        if not isinstance(named, torch.dtype):
+            raise TypeError(f"save_pretrained: dtype {dtype!r} names no torch dtype: {accepted}.")
+        dtype = named
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"save_pretrained: dtype must be a torch.dtype or its name, got {dtype!r}: {accepted}.")
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"save_pretrained: dtype must be a floating-point dtype, got {dtype}: {accepted}.")
+    if dtype is not None and dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"save_pretrained: safetensors cannot store {dtype}: {accepted}.")
+    return dtype
+
+
 def _stored_entries(model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
     """The tensors to write, in state-dict order: one per tie group, under its kept name."""
-    if dtype is not None and not dtype.is_floating_point:
-        raise TypeError(f"save_pretrained: dtype must be a floating-point dtype, got {dtype}.")
-    if dtype is not None and dtype not in SAFETENSORS_DTYPES:
-        raise TypeError(
-            f"save_pretrained: safetensors cannot store {dtype}: pass float16, bfloat16, float32 or float64."
-        )
     state = checked_state_dict(model)
     entries = []
     for names, tensor in _tie_groups(model, state):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.overrides import TorchFunctionMode
 
 import fsdp2
 from tests._harness import run_threaded
@@ -75,19 +76,29 @@ def _read_all(directory: Path) -> dict[str, torch.Tensor]:
 # ---- Hugging Face's checkpoints in --------------------------------------------------------------
 
 
+class _GarbageMemory(TorchFunctionMode):
+    """``to_empty``'s uninitialised memory made visible: plain tensors come back as NaN (or -7)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.empty_like and not isinstance(args[0], DTensor):
+            fill = float("nan") if args[0].is_floating_point() else -7
+            return torch.full_like(args[0], fill, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _load_llama(reference: nn.Module, path: str, meta: bool) -> torch.Tensor:
-    if meta:
+    if meta:  # RoPE's non-persistent inv_freq: uninitialised memory until load_pretrained rebuilds it
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(reference.config)
-        _shard_llama(model).to_empty(device="cpu")
-        for name, buffer in reference.named_buffers():  # non-persistent (RoPE): recomputed, as HF does
-            model.get_buffer(name).copy_(buffer)
-    else:
-        model = _shard_llama(copy.deepcopy(reference))
-        with torch.no_grad():
-            for param in model.parameters():
-                param.to_local().zero_()
+        with _GarbageMemory():
+            _shard_llama(model).to_empty(device="cpu")
+    else:  # built: to_empty keeps the non-persistent buffers' values, the load fills the rest
+        with _GarbageMemory():
+            model = _shard_llama(copy.deepcopy(reference)).to_empty(device="cpu")
     fsdp2.load_pretrained(model, path)
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), buffer, **EXACT)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     return _logits(model)
 
@@ -110,7 +121,7 @@ def test_hf_save_pretrained_loads_into_sharded_model(meta: bool, max_shard_size:
 # ---- fsdp2's export out --------------------------------------------------------------------------
 
 
-def _export_llama(reference: nn.Module, directory: str, dtype: torch.dtype | None) -> None:
+def _export_llama(reference: nn.Module, directory: str, dtype: torch.dtype | str | None) -> None:
     model = _shard_llama(copy.deepcopy(reference))
     fsdp2.save_pretrained(model, directory, dtype=dtype, max_shard_size="20KB")
 
@@ -122,7 +133,8 @@ def test_export_reads_back_with_safetensors_and_transformers(
 ) -> None:
     torch.manual_seed(1)
     reference = _llama()
-    run_threaded(2, _export_llama, reference, str(tmp_path), dtype)
+    # bf16 is asked for by name, as transformers takes it
+    run_threaded(2, _export_llama, reference, str(tmp_path), "bfloat16" if dtype else None)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert files == sorted(set(index["weight_map"].values()))
@@ -304,7 +316,8 @@ def test_unreadable_checkpoint_and_meta_parameters(tmp_path: Path) -> None:
     run_threaded(
         2, _refused, str(tmp_path), r"neither model\.safetensors\.index\.json nor model\.safetensors"
     )
-    safetensors_torch.save_file(_Net().state_dict(), tmp_path / "model.safetensors")
+    saved = _Net()
+    safetensors_torch.save_file(saved.state_dict(), tmp_path / "model.safetensors")
 
     def on_meta(path: str) -> None:
         with torch.device("meta"):
@@ -314,6 +327,23 @@ def test_unreadable_checkpoint_and_meta_parameters(tmp_path: Path) -> None:
 
     run_threaded(2, on_meta, str(tmp_path))
 
+    def meta_built(path: str) -> torch.Tensor:  # a plain module's non-persistent buffer: no rebuild known
+        with torch.device("meta"):
+            model = _shard_net(_Net(), False)
+        with _GarbageMemory():
+            model.to_empty(device="cpu")
+        before = [p.to_local().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"non-persistent buffer\(s\) scratch hold uninitialised memory"):
+            fsdp2.load_pretrained(model, path)
+        after = [p.to_local() for p in model.parameters()]  # nothing was loaded
+        torch.testing.assert_close(after, before, equal_nan=True, **EXACT)
+        model.scratch.zero_()  # what the module's constructor computes
+        fsdp2.load_pretrained(model, path)
+        return model.up.weight.full_tensor()
+
+    for got in run_threaded(2, meta_built, str(tmp_path)):
+        torch.testing.assert_close(got, saved.up.weight.detach(), **EXACT)
+
 
 def test_save_pretrained_refuses_bad_arguments(tmp_path: Path) -> None:
     net = _Net()
@@ -321,6 +351,9 @@ def test_save_pretrained_refuses_bad_arguments(tmp_path: Path) -> None:
         fsdp2.save_pretrained(net, tmp_path, max_shard_size="5 parsecs")
     with pytest.raises(TypeError, match="floating-point dtype"):
         fsdp2.save_pretrained(net, tmp_path, dtype=torch.int8)
+    for bad in ("int8", "auto", "bf16", 16):
+        with pytest.raises(TypeError, match=r"pass torch\.float16, torch\.bfloat16, torch\.float32"):
+            fsdp2.save_pretrained(net, tmp_path, dtype=bad)  # type: ignore[arg-type]
     assert not os.listdir(tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
