@@ -17,18 +17,20 @@ refuses to run, naming it: a forward over uninitialised memory gives a silently 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 __all__ = ["KeptBuffers", "unset_buffers"]
 
+T = TypeVar("T")
 _MARK = "_fsdp2_unset_at_version"  # on a buffer tensor: its version when to_empty left it unset
 
 
-def _non_persistent(module: nn.Module, recurse: bool) -> Iterator[tuple[str, nn.Module, str]]:
-    """``(qualified name, owner, name)`` of each non-persistent buffer, once per tensor."""
+def _non_persistent(module: nn.Module, recurse: bool) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(qualified name, owner, name, tensor)`` of each non-persistent buffer, once per tensor."""
     seen: set[int] = set()
     modules = module.named_modules() if recurse else [("", module)]
     for prefix, owner in modules:
@@ -37,7 +39,7 @@ def _non_persistent(module: nn.Module, recurse: bool) -> Iterator[tuple[str, nn.
             if tensor is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            yield (f"{prefix}.{name}" if prefix else name), owner, name
+            yield (f"{prefix}.{name}" if prefix else name), owner, name, tensor
 
 
 class KeptBuffers:
@@ -51,12 +53,17 @@ class KeptBuffers:
     def __init__(self, module: nn.Module, recurse: bool) -> None:
         self._values: list[tuple[nn.Module, str, torch.Tensor]] = []
         self._unset: list[tuple[nn.Module, str]] = []
-        for _, owner, name in _non_persistent(module, recurse):
-            tensor = owner._buffers[name]  # noqa: SLF001
+        for _, owner, name, tensor in _non_persistent(module, recurse):
             if tensor.is_meta or _is_unset(tensor):
                 self._unset.append((owner, name))
             else:
                 self._values.append((owner, name, tensor.detach().clone()))
+
+    def around(self, to_empty: Callable[[], T]) -> T:
+        """Run ``to_empty()`` (the module's own), then put the buffers back."""
+        result = to_empty()
+        self.put_back()
+        return result
 
     def put_back(self) -> None:
         """After ``to_empty``: copy the kept values back and mark the rest as unset."""
@@ -79,6 +86,6 @@ def unset_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(qualified name, owner, name)`` of each non-persistent buffer ``to_empty`` left unset."""
     return [
         (qualified, owner, name)
-        for qualified, owner, name in _non_persistent(model, recurse=True)
-        if _is_unset(owner._buffers[name])  # noqa: SLF001
+        for qualified, owner, name, tensor in _non_persistent(model, recurse=True)
+        if _is_unset(tensor)
     ]

@@ -301,18 +301,7 @@ class FSDPModule(_ModuleBase):
 
         Not recursive. Works on every backend: gradients are pre-scaled by ``1/factor`` and summed.
         """
-        value: object = factor
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ArgumentTypeError(
-                f"gradient divide factor must be a positive number (int or float), got {describe(factor)}."
-            )
-        if value == 0:
-            raise ZeroDivideFactorError("gradient divide factor must be a positive number, got 0.")
-        if not value > 0 or not math.isfinite(value):
-            raise ValueError(
-                f"gradient divide factor must be a positive, finite number, got {describe(factor)}."
-            )
-        self._set_controls(False, gradient_divide_factor=float(factor))
+        self._set_controls(False, gradient_divide_factor=_checked_divide_factor(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -566,18 +555,13 @@ class FSDPModule(_ModuleBase):
         state.reset_iteration()
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
-        """``nn.Module.to_empty``, keeping what no checkpoint restores: non-persistent buffers.
+        """``nn.Module.to_empty``; non-persistent buffers keep their values or are marked unset.
 
-        Parameters and persistent buffers are left uninitialised, as torch leaves them (a load or an
-        initialisation fills them). A non-persistent buffer under this module that had values (built
-        on a real device) keeps them; one built on the meta device is marked unset, so
-        ``fsdp2.load_pretrained`` rebuilds it (a ``transformers`` model's own initialisation) or refuses
-        to load, naming it (see [Note: Non-persistent buffers and to_empty] in ``base/_buffers.py``).
+        See [Note: Non-persistent buffers and to_empty] in ``base/_buffers.py``.
         """
-        kept = KeptBuffers(self, recurse)
-        result = super().to_empty(device=device, recurse=recurse)
-        kept.put_back()
-        return result
+        return KeptBuffers(self, recurse).around(
+            lambda: super(FSDPModule, self).to_empty(device=device, recurse=recurse)
+        )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Conversions (.to, to_empty, .double()) act on the sharded parameters, then re-pad them.
@@ -587,6 +571,19 @@ class FSDPModule(_ModuleBase):
             for group in self._get_fsdp_state().groups:
                 group.readopt_sharded_params()
         return result
+
+
+def _checked_divide_factor(factor: object) -> float:
+    """``set_gradient_divide_factor``'s argument as a float; refused unless positive and finite."""
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise ArgumentTypeError(
+            f"gradient divide factor must be a positive number (int or float), got {describe(factor)}."
+        )
+    if factor == 0:
+        raise ZeroDivideFactorError("gradient divide factor must be a positive number, got 0.")
+    if not factor > 0 or not math.isfinite(factor):
+        raise ValueError(f"gradient divide factor must be a positive, finite number, got {describe(factor)}.")
+    return float(factor)
 
 
 def _require_state(module: Any) -> FSDPState:

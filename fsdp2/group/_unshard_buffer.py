@@ -19,8 +19,10 @@ parameters are registered again after backward, after a no-grad forward and at `
 sharded DTensors, never a stale unsharded tensor. Only its storage is not freed: the gathered values
 stay, with the version counters of the shards they came from (``held``). The next unshard registers
 them again without a collective while every counter is unchanged; any in-place write to a shard since
-(an optimizer step after unfreezing, ``load_state_dict``, ``init_like_unsharded``) changes one, and the
-group gathers again. ``model.reshard()`` and conversions free the copy (``release``).
+(an optimizer step after unfreezing, ``load_state_dict``, ``init_like_unsharded``, a load into
+``state_dict()``'s tensors, whose local tensors share the parameters' counters: see
+``FSDPParam.detached_sharded``) changes one, and the group gathers again. ``model.reshard()`` and
+conversions free the copy (``release``).
 """
 
 from __future__ import annotations

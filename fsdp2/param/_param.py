@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from ..base._api import CPUOffloadPolicy, OffloadPolicy
 from ..base._config import ParamSpec
 from ..base._mesh import MeshInfo
-from ._dtensor import local_of, spec_of
+from ._dtensor import local_of, spec_of, wrap_local
 from ._extension import check_hooks_unchanged, defines_hooks, may_gain_hooks
 from ._extension_gather import ExtensionGather, redetect
 from ._late_params import quiet_registrations
@@ -253,6 +253,16 @@ class FSDPParam:
         self.local.adopt(shard)
         self._sharded_changed()
         self._register(self.sharded_param)
+
+    def detached_sharded(self) -> DTensor:
+        """The sharded parameter detached, as ``state_dict()`` gives it, sharing its version counter.
+
+        ``DTensor.detach()`` gives a local tensor with a version counter of its own, so an in-place
+        write through it (a load into ``state_dict()``'s tensors) would go unseen by a kept copy's
+        check (see [Note: A kept copy] in ``group/_unshard_buffer.py``); this one's writes are seen.
+        """
+        param = cast(DTensor, self.sharded_param)
+        return wrap_local(local_of(param).detach(), spec_of(param))
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (the whole parameter; the caller checks :attr:`global_size`)."""

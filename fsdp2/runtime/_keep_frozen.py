@@ -38,10 +38,11 @@ def keep_frozen_gathered(model: nn.Module, budget_bytes: int | None = None) -> l
     other parameter (``model.parameters()``, optimizers, state dicts and ``WeightSync`` see the
     DTensors); only the gathered storage stays, and the next use registers it again without a
     collective. A kept parameter whose shard is written in place afterwards (an optimizer step after
-    unfreezing it, ``load_state_dict``, ``init_like_unsharded``) is gathered again at its next use,
-    never served stale. Call it on the root, outside forward and backward; a later call replaces the
-    earlier choice (``budget_bytes=0`` keeps none). ``model.reshard()`` on the root frees the kept
-    copies until their next use. Setters called later on a module (``set_reshard_after_backward``,
+    unfreezing it, ``load_state_dict``, ``fsdp2.load_pretrained``, a write into ``state_dict()``'s
+    tensors, ``init_like_unsharded``) is gathered again at its next use, never served stale. Call it
+    on the root, outside forward and backward; a later call replaces the earlier choice
+    (``budget_bytes=0`` keeps none). ``model.reshard()`` on the root frees the kept copies until
+    their next use. Setters called later on a module (``set_reshard_after_backward``,
     ``set_reshard_after_forward``) apply to its kept group too.
 
     Args:

@@ -1,7 +1,8 @@
 """State-dict hooks of fully_shard modules.
 
 Owns: the hooks ``FSDPState`` registers on each module it manages: before ``state_dict()`` and
-``load_state_dict()`` the group is resharded (both always see the sharded DTensor parameters); before
+``load_state_dict()`` the group is resharded (both always see the sharded DTensor parameters); after
+``state_dict()`` its DTensors share the parameters' version counters (writes into them are seen); before
 a load, plain full-size tensors in the state dict are turned into this rank's DTensor shards (so the
 unsharded model's ``state_dict()`` loads directly, also with ``assign=True``); after an
 ``assign=True`` load the new DTensors are re-padded into local shards. Does not own: the chunk math
@@ -39,8 +40,23 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup, state_of
         with torch.no_grad():
             group.readopt_sharded_params()
 
+    def share_versions(mod: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # In-place writes into the returned tensors (fsdp2's loads, DCP's in-place load) must bump the
+        # parameters' version counters, which a kept copy checks (see [Note: A kept copy]).
+        names = {id(module): name for name, module in mod.named_modules()}
+        for fsdp_param in group.fsdp_params:
+            for owner, attr in fsdp_param.owners:
+                name = names.get(id(owner))
+                key = f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}"
+                value = state_dict.get(key) if name is not None else None
+                if isinstance(value, DTensor) and not isinstance(
+                    value, nn.Parameter
+                ):  # keep_vars: the parameter
+                    state_dict[key] = fsdp_param.detached_sharded()
+
     return [
         module.register_state_dict_pre_hook(reshard_for_save),
+        module.register_state_dict_post_hook(share_versions),
         module.register_load_state_dict_pre_hook(prepare_load),
         module.register_load_state_dict_post_hook(adopt_loaded),
     ]

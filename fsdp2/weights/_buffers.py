@@ -57,7 +57,9 @@ def _hf_init_weights(model: nn.Module) -> Callable[[nn.Module], None] | None:
     return None
 
 
-def _init_buffers_only(owner: nn.Module, unset_ids: set[int], init_weights: Callable[[nn.Module], None]) -> None:
+def _init_buffers_only(
+    owner: nn.Module, unset_ids: set[int], init_weights: Callable[[nn.Module], None]
+) -> None:
     """``init_weights(owner)`` with every tensor of ``owner`` but its unset buffers marked initialised."""
     flagged = []
     tensors = [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]

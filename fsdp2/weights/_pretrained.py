@@ -200,7 +200,9 @@ def _stored_dtype(dtype: object) -> torch.dtype | None:
             raise TypeError(f"save_pretrained: dtype {dtype!r} names no torch dtype: {accepted}.")
         dtype = named
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"save_pretrained: dtype must be a torch.dtype or its name, got {dtype!r}: {accepted}.")
+        raise TypeError(
+            f"save_pretrained: dtype must be a torch.dtype or its name, got {dtype!r}: {accepted}."
+        )
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"save_pretrained: dtype must be a floating-point dtype, got {dtype}: {accepted}.")
     if dtype is not None and dtype not in SAFETENSORS_DTYPES:

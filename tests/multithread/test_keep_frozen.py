@@ -270,25 +270,61 @@ def test_weight_sync_across_steps_state_dicts_and_loads() -> None:
         assert all("base" not in name and not name.startswith("head") for name in sent[1] + sent[2] + sent[3])
 
 
-def _full_load_after_a_step(base: Net) -> None:
-    """A full state dict loaded (``set_model_state_dict``) right after a training step."""
+def _write(model: Net, edited: dict[str, torch.Tensor], how: str, directory: str) -> None:
+    """Every way a job writes new values into the parameters of a trained sharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if how == "set_model_state_dict":
+        set_model_state_dict(model, edited, options=StateDictOptions(full_state_dict=True))
+    elif how == "load_full_state_dict":
+        fsdp2.load_full_state_dict(model, f"{directory}/model.safetensors")
+    elif how == "load_pretrained":
+        fsdp2.load_pretrained(model, directory)
+    elif how == "into_state_dict":  # as DCP's in-place load writes: into state_dict()'s local tensors
+        with torch.no_grad():
+            for name, value in model.state_dict().items():
+                mine = value.device_mesh.get_local_rank()
+                value.to_local().copy_(edited[name].tensor_split(2)[mine][: value.to_local().shape[0]])
+    else:  # a user's copy_ under no_grad
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(_shard_of(edited[name], param))
+
+
+def _shard_of(full: torch.Tensor, like: DTensor) -> DTensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+def _load_after_steps(base: Net, how: str, directory: str) -> None:
+    """New weights written after two AdamW steps: the next forwards use them, not the kept copy."""
     edited = {k: v * 2 for k, v in base.state_dict().items()}
     ref = copy.deepcopy(base)
     ref.load_state_dict(edited)
     model = _shard(copy.deepcopy(base))
     fsdp2.keep_frozen_gathered(model)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model(_batch(dist.get_rank(), 0, 0)).pow(2).mean().backward()
-    optim.step()
-    set_model_state_dict(model, edited, options=StateDictOptions(full_state_dict=True))
-    x = _batch(0, 9, 0)
-    torch.testing.assert_close(model(x).detach(), ref(x).detach(), rtol=0, atol=0)
+    for step in range(2):
+        model(_batch(dist.get_rank(), step, 0)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    _write(model, edited, how, directory)
+    for step in (8, 9):  # a forward with gradients, then one without
+        x = _batch(0, step, 0)
+        with torch.set_grad_enabled(step == 8):
+            torch.testing.assert_close(model(x).detach(), ref(x).detach(), rtol=0, atol=0)
 
 
-def test_full_state_dict_load_after_a_step_with_kept_weights() -> None:
-    run_threaded(2, _full_load_after_a_step, _base())
+@pytest.mark.parametrize(
+    "how", ["set_model_state_dict", "load_full_state_dict", "load_pretrained", "into_state_dict", "copy_"]
+)
+def test_a_load_after_steps_is_not_hidden_by_kept_weights(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
+    base = _base()
+    save_file({k: v * 2 for k, v in base.state_dict().items()}, tmp_path / "model.safetensors")
+    run_threaded(2, _load_after_steps, base, how, str(tmp_path))
 
 
 def _replicas_of_kept_weights(base: Net) -> str:
