@@ -11,5 +11,6 @@ Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the ar
 """
 
 from ._param_group import FSDPParamGroup
+from ._pending import PendingReduceScatter, pack_gradients, reduce_scatter_key
 
-__all__ = ["FSDPParamGroup"]
+__all__ = ["FSDPParamGroup", "PendingReduceScatter", "pack_gradients", "reduce_scatter_key"]

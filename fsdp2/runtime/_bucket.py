@@ -5,9 +5,10 @@ cap, the greedy split of an execution order into buckets (``split_into_buckets``
 the inputs of several groups (``all_gather_bucket``: each group gets an ``AllGatherResult`` naming its
 own columns of the shared output), and ``ReduceScatterQueue``: the packed gradient buffers of
 consecutive post-backwards, reduced by one collective once their bytes reach the cap or backward ends.
-Also what a group offers a bucket, read from its parts: its keys (what groups sharing a collective
-must agree on), the size a cap counts, whether it joins a bucketed all-gather now, its inputs, and its
-gradients packed for the queue (``PendingReduceScatter``).
+Also what a group offers a bucketed all-gather, read from its parts: its key (what groups sharing a
+collective must agree on), the size a cap counts, whether it joins now, and its inputs. What a group
+offers a shared reduce-scatter (its key, its gradients packed: ``PendingReduceScatter``) is the group
+room's (``group/_pending.py``).
 Does not own: when an execution order is known and the plan built (``Schedule``), or how shards
 become gradients (``GradientReducer``).
 
@@ -31,41 +32,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..base._config import GroupControls
 from ..base._lifecycle import ShardedState, TrainingState
 from ..comm._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather
 from ..comm._comm_context import CommContext, serves_on_streams
-from ..comm._comms import GroupComms
 from ..group._param_group import FSDPParamGroup
-from ..group._reduce import GradientReducer, ReducePart, bucket_key, reduce_shared
-from ..param._param import FSDPParam
+from ..group._pending import PendingReduceScatter
+from ..group._reduce import ReducePart, reduce_shared
 from ..trace import _events
 from ..trace._debug import watch_collective
-from ..trace._events import EventScope
 
 MIB = 1024 * 1024
-
-
-@dataclass
-class PendingReduceScatter:
-    """One group's packed gradients waiting for a shared reduce-scatter."""
-
-    reducer: GradientReducer
-    dtype: torch.dtype  # the reduce dtype (the buffer's, unless packed in a wire dtype)
-    params: list[FSDPParam]  # every parameter given to the reduction (zero-element ones included)
-    reduced_params: list[FSDPParam]  # the parameters packed into ``buffer``, in order
-    buffer: torch.Tensor  # 1-D, W * s: the group's (W, s) reduce-scatter input
-    controls: GroupControls
-    comms: GroupComms
-    module_fqn: str
-    state: TrainingState
-    scope: EventScope | None
-    start: float | None  # span start (timeline), when recorded
 
 
 def cap_bytes(value: object, name: str) -> int | None:
@@ -301,51 +281,14 @@ def bucket_inputs(group: FSDPParamGroup, state: TrainingState) -> list[torch.Ten
     return group.gatherer.inputs(False)
 
 
-def reduce_scatter_key(
-    group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor]
-) -> Hashable | None:
-    """What groups sharing one reduce-scatter must agree on; ``None``: ``group`` reduces alone."""
-    return bucket_key(
-        group.reducer, params, grads, group.controls, group.comms, group.tensor_parallel, group.device
-    )
-
-
-def pack_gradients(
-    group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor]
-) -> PendingReduceScatter:
-    """Pack ``group``'s gradients into one input for a shared reduce-scatter (empties ``grads``)."""
-    controls, comms, scope = group.controls, group.comms, group.event_scope
-    start = _events.span_start(scope)
-    # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
-    ((dtype, reduced, buffer),) = group.reducer.pack(
-        params, grads, group.comm_ctx, controls, comms.reduce_scatter
-    )
-    return PendingReduceScatter(
-        group.reducer,
-        dtype,
-        params,
-        reduced,
-        buffer,
-        controls,
-        comms,
-        group.module_fqn,
-        group.training_state,
-        scope,
-        start,
-    )
-
-
 __all__ = [
     "MIB",
     "Bucketing",
-    "PendingReduceScatter",
     "ReduceScatterQueue",
     "all_gather_bucket",
     "all_gather_key",
     "bucket_inputs",
     "cap_bytes",
     "joins_bucket",
-    "pack_gradients",
-    "reduce_scatter_key",
     "split_into_buckets",
 ]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 
 from ..base._lifecycle import ShardedState, TrainingState
+from ..group import pack_gradients, reduce_scatter_key
 from ..group._param_group import FSDPParamGroup
 from ..trace import _events
 from ..trace._debug import watch_collective
@@ -30,8 +31,6 @@ from ._bucket import (
     all_gather_key,
     bucket_inputs,
     joins_bucket,
-    pack_gradients,
-    reduce_scatter_key,
     split_into_buckets,
 )
 

@@ -15,10 +15,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -365,24 +365,40 @@ def save_chrome_trace(
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     tracks: dict[str, int] = {}
-    trace = []
-    for event in events:
-        name = event.module_fqn or "<root>"
-        tid = tracks.setdefault(name, len(tracks))
-        trace.append(
-            {
-                "name": f"{event.kind} ({event.training_state.name})",
-                "ph": "i",
-                "s": "t",
-                "ts": event.time_us,
-                "pid": rank,
-                "tid": tid,
-                "args": {"module": name, "training_state": event.training_state.name},
-            }
-        )
-    names = [
-        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": module}}
-        for module, tid in tracks.items()
+    trace = [
+        chrome_marker(event, rank, tracks.setdefault(event.module_fqn or "<root>", len(tracks)))
+        for event in events
     ]
+    write_chrome_trace(path, chrome_track_names(tracks, rank) + trace)
+
+
+# ---- the Chrome-trace format, shared with save_timeline ---------------------------------------------
+
+
+def chrome_marker(event: Event, rank: int, tid: int) -> dict[str, Any]:
+    """``event`` as an instant marker on track ``tid`` of process ``rank``."""
+    module = event.module_fqn or "<root>"
+    state = event.training_state.name
+    return {
+        "name": f"{event.kind} ({state})",
+        "ph": "i",
+        "s": "t",
+        "ts": event.time_us,
+        "pid": rank,
+        "tid": tid,
+        "args": {"module": module, "training_state": state},
+    }
+
+
+def chrome_track_names(tracks: Mapping[str, int], rank: int) -> list[dict[str, Any]]:
+    """The metadata entries that name each track (``{name: tid}``) of process ``rank``."""
+    return [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        for name, tid in tracks.items()
+    ]
+
+
+def write_chrome_trace(path: str | os.PathLike[str], trace: list[dict[str, Any]]) -> None:
+    """Write ``trace`` (Chrome-trace entries) as one JSON file."""
     with open(path, "w") as f:
-        json.dump({"traceEvents": names + trace, "displayTimeUnit": "ms"}, f)
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._events import Event, Span
+from ._events import Event, Span, chrome_marker, chrome_track_names, write_chrome_trace
 
 _COLORS = {"all-gather": "tab:blue", "reduce-scatter": "tab:orange"}
 
@@ -52,9 +52,7 @@ def save_timeline(events: Iterable[Event], path: str | os.PathLike[str], *, rank
     spans: list[Span] = list(getattr(events, "spans", []))
     waits: list[Span] = list(getattr(events, "waits", []))
     if path.endswith(".json"):
-        trace = _trace_events(events, spans, rank) + _wait_events(waits, rank)
-        with open(path, "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        write_chrome_trace(path, _trace_events(events, spans, rank) + _wait_events(waits, rank))
     else:
         _save_png(events, spans, waits, path, rank)
 
@@ -68,8 +66,7 @@ def merge_timelines(paths: Sequence[str | os.PathLike[str]], out: str | os.PathL
     for path in paths:
         with open(path) as f:
             merged.extend(json.load(f)["traceEvents"])
-    with open(out, "w") as f:
-        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
+    write_chrome_trace(out, merged)
 
 
 def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> list[dict[str, Any]]:
@@ -102,22 +99,8 @@ def _trace_events(events: Sequence[Event], spans: Sequence[Span], rank: int) -> 
                     "args": {"bytes": span.memory_bytes},
                 }
             )
-    for event in events:
-        trace.append(
-            {
-                "name": f"{event.kind} ({event.training_state.name})",
-                "ph": "i",
-                "s": "t",
-                "ts": event.time_us,
-                "pid": rank,
-                "tid": tid(event.module_fqn),
-                "args": {"module": event.module_fqn or "<root>", "training_state": event.training_state.name},
-            }
-        )
-    names = [
-        {"name": "thread_name", "ph": "M", "pid": rank, "tid": t, "args": {"name": module}}
-        for module, t in tracks.items()
-    ]
+    trace.extend(chrome_marker(event, rank, tid(event.module_fqn)) for event in events)
+    names = chrome_track_names(tracks, rank)
     process = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
     return process + names + trace
 
