@@ -55,7 +55,6 @@ from torch.utils.checkpoint import checkpoint
 from ..base._api import CPUOffloadPolicy
 from ..base._lifecycle import ShardedState
 from ..group._param_group import FSDPParamGroup
-from ._compile_fixes import install_cache_key_fix, install_rng_order_fix
 
 __all__ = ["TRACING", "recover", "torch_too_old", "traced_post_forward", "traced_pre_forward", "untraceable"]
 
@@ -81,10 +80,6 @@ def torch_too_old(version: str) -> bool:
     """Whether torch ``version`` (``torch.__version__``: "2.11.0+cu130") predates the compiled path."""
     major, minor = (int(part) for part in version.split(".")[:2])
     return (major, minor) < _OLDEST_TORCH
-
-
-install_rng_order_fix()  # activation checkpointing with dropout/attention (see _compile_fixes.py)
-install_cache_key_fix()  # uneven shards: a cached graph per local shape (see _compile_fixes.py)
 
 
 _NOT_TRACED = (

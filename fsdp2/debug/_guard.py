@@ -40,7 +40,7 @@ from ..frontend import _engine as engine
 from ..param._dtensor import local_of
 from ..runtime._optimizer_hooks import take_part
 from ..runtime._step_guard import sharded_params
-from ..trace._debug import debug_enabled, guard_timeout, on_root_init, replica_check_every
+from ..trace._debug import debug_enabled, guard_timeout, replica_check_every
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._replicas import check_replicas
 from ._straggler_watch import StragglerWatch
@@ -536,7 +536,7 @@ def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 _guarded_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def install(root: nn.Module, states: list[Any]) -> None:
+def install_guard(root: nn.Module, states: list[Any]) -> None:
     """Guard every collective of ``root``'s groups (called at the root's lazy init in debug mode)."""
     if root in _guarded_roots:
         return
@@ -552,9 +552,6 @@ def install(root: nn.Module, states: list[Any]) -> None:
 
     engine.wrap_comms(states, wrap)
     _watch_steps(steps)
-
-
-on_root_init(install)
 
 
 def check_entry(model: nn.Module, what: str) -> None:

@@ -1,9 +1,9 @@
 """Floor 7: what steps the optimizer over sharded parameters.
 
 Owns: optimizer steps on local shards (``local_step``, and the automatic one for torch's elementwise
-optimizers, enabled at the first ``fully_shard``), whole-tensor steps on owner ranks for optimizers
-that need each whole parameter (``whole_tensor_step``: Muon, Adafactor, declared classes;
-``declare_optimizer``), gradient clipping over shards
+optimizers, enabled at the first ``fully_shard``: ``fsdp2/__init__.py`` registers it), whole-tensor
+steps on owner ranks for optimizers that need each whole parameter (``whole_tensor_step``: Muon,
+Adafactor, declared classes; ``declare_optimizer``), gradient clipping over shards
 (``clip_grad_norm_``) and gradient accumulation within a memory budget (``accumulate``). Does not
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
 ``frontend._engine``; imports the floors below.
@@ -11,20 +11,18 @@ own: the one pre- and post-step hook and the step guard (``runtime``). Reads the
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """
 
-from ..frontend._fully_shard import on_first_fully_shard
 from ._accumulate import Accumulation, accumulate
 from ._clip import clip_grad_norm_
 from ._local_optim import enable_automatic_local_steps, local_step
 from ._whole_tensor import declare_optimizer, enable_whole_tensor_steps, whole_tensor_step
-
-on_first_fully_shard(enable_automatic_local_steps)
-on_first_fully_shard(enable_whole_tensor_steps)
 
 __all__ = [
     "Accumulation",
     "accumulate",
     "clip_grad_norm_",
     "declare_optimizer",
+    "enable_automatic_local_steps",
+    "enable_whole_tensor_steps",
     "local_step",
     "whole_tensor_step",
 ]

@@ -3,16 +3,15 @@
 One parameter and its parts: the shard layout (chunk and padding math), the local shard and
 its sharded DTensor, the unsharded parameter and its gradient, tensor-parallel and all-gather-extension
 layouts, the DTensor helpers, initialisation like the unsharded model, and the check for parameters
-added late. Imports ``base`` and ``comm``. Importing it makes DTensors over packed shards picklable.
+added late. Imports ``base`` and ``comm``. Offers the installs that make DTensors over packed
+shards picklable and deep-copyable (``fsdp2/__init__.py`` runs them).
 
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
 """
 
-from ._dtensor import install_pickling
+from ._dtensor import install_deepcopy, install_pickling
 from ._init import init_like_unsharded
 from ._layout import ShardLayout
 from ._param import FSDPParam
 
-install_pickling()  # torch.save of a sharded state dict: DTensors over packed shards (see _dtensor.py)
-
-__all__ = ["FSDPParam", "ShardLayout", "init_like_unsharded"]
+__all__ = ["FSDPParam", "ShardLayout", "init_like_unsharded", "install_deepcopy", "install_pickling"]

@@ -22,8 +22,6 @@ from torch import nn
 
 from ..frontend import _engine as engine
 from ..frontend._fully_shard import fully_shard
-from ..frontend._module import set_deepcopy_impl
-from ..param._dtensor import install_deepcopy
 
 
 def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -60,8 +58,5 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
     engine.copy_prefetch_and_caps(states, lambda s: new_states.get(id(s)), engine.state_of(root))
     return plain_copy
 
-
-set_deepcopy_impl(deepcopy_fsdp)
-install_deepcopy()  # copy.deepcopy(model.state_dict()): DTensors over packed shards (see _dtensor.py)
 
 __all__ = ["deepcopy_fsdp"]

@@ -243,3 +243,21 @@ def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
 def test_the_communication_report_reads_recordings_only() -> None:
     # Pure data processing over what record_events yielded: nothing of the engine.
     assert _graph()["trace._report"] == {"trace._events"}
+
+
+def test_import_time_registrations_are_listed_in_one_place() -> None:
+    """Only ``fsdp2/__init__.py`` calls anything at module level: importing a room installs nothing."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                found.append(f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno}")
+    assert found == [], f"module-level calls outside fsdp2/__init__.py (list them there): {found}"
+    listed = [
+        node.value.func.id  # type: ignore[attr-defined]
+        for node in ast.parse((PACKAGE / "__init__.py").read_text()).body
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+    ]
+    assert len(listed) == 8, listed
