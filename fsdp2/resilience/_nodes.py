@@ -99,5 +99,3 @@ def warn_other_jobs(store: NodeStore) -> None:
         f"job(s) ({', '.join(folder.name for folder in others[:3])}; {size / 2**20:.1f} MiB), which this "
         "job never restores or drops: remove them if those jobs are over"
     )
-
-

@@ -101,8 +101,10 @@ def _lines(groups: Iterable[list[str]], shown: int = 2) -> str:
 
 @dataclass(frozen=True)
 class Exchanged:
-    """What ``exchange`` gives this rank: the choice, the leaf table, its tree and local leaf values, and
-    a line for each damaged copy that was skipped (on any node)."""
+    """What ``exchange`` gives this rank: the choice, the leaf table, its tree and local leaf values.
+
+    ``skipped`` has a line for each damaged copy that was passed over, on any node.
+    """
 
     choice: Choice
     leaves: tuple[Leaf, ...]

@@ -46,7 +46,7 @@ def default_root() -> Path:
     return base / f"fsdp2-snapshots-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
-def job_identity(job: str | None) -> str:
+def job_identity(job: object) -> str:
     """The job's identity: ``job``, ``$FSDP2_SNAPSHOT_JOB`` or torchrun's run id (see the Note).
 
     Raises:

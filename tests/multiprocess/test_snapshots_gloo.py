@@ -212,7 +212,7 @@ def _a_full_disk(root: str, out: str) -> None:
         """A file on a full disk: the first write puts 100 bytes down, then fails."""
 
         def __init__(self, path: Any) -> None:
-            self.handle = builtins.open(path, "wb")
+            self.handle = builtins.open(path, "wb")  # noqa: SIM115 - closed by __exit__, as open's is
 
         def __enter__(self) -> Full:
             return self
@@ -264,7 +264,8 @@ def test_a_full_disk_keeps_only_the_committed_snapshot_and_no_partial_file(tmp_p
         for step, (failed, kept, warned, files) in zip((2, 3), refused, strict=True):
             assert failed, (rank, step)
             assert kept == 0, (rank, step)  # not kept: its files are gone
-            assert len(warned) == 1 and f"snapshot of step {step} not kept" in warned[0], (rank, warned)
+            assert len(warned) == 1, (rank, warned)
+            assert f"snapshot of step {step} not kept" in warned[0], (rank, warned)
             # the committed step 1 stays; neither the refused step nor a partial file is kept anywhere
             assert files == step_files(1), (rank, step, files)
         assert (failed_4, warned_4, files_4) == ("", [], step_files(4)), rank
@@ -338,7 +339,8 @@ def test_damaged_snapshots_are_lost_not_absent_and_named(tmp_path: Path) -> None
     assert "starting afresh" not in every_file[2], every_file
     # an older whole snapshot under a damaged newest one is restored, the damaged files named
     assert (older[:2]) == (4, False), older
-    assert "skipped 4 damaged file(s)" in older[2] and "step-5/rank-" in older[2], older
+    assert "skipped 4 damaged file(s)" in older[2], older
+    assert "step-5/rank-" in older[2], older
 
 
 def _two_jobs(root: str, out: str) -> None:
@@ -388,7 +390,8 @@ def test_a_restore_takes_only_its_own_jobs_snapshots(tmp_path: Path) -> None:
     assert same, "job b restored job b's parameters"
     assert c_fresh[:2] == (None, False), c_fresh
     assert "no snapshot of this job" in c_fresh[2], c_fresh
-    assert len(warned) == 1 and "holds the snapshots of 2 other job(s) (job-a, job-b" in warned[0], warned
+    assert len(warned) == 1, warned
+    assert "holds the snapshots of 2 other job(s) (job-a, job-b" in warned[0], warned
     # job a's snapshot is untouched by b's restore and by c's discard; b's restore kept only its own step
     kept = [("a", 4, 0), ("a", 4, 1), ("b", 1, 0), ("b", 1, 1)]
     assert files == [f"default/job-{job}/step-{step}/rank-{r}.snap" for job, step, r in kept], files
@@ -416,7 +419,8 @@ def _shared_directory(root: str, out: str) -> None:
 def test_two_hosts_sharing_one_snapshot_directory_are_refused(tmp_path: Path) -> None:
     run_multiprocess(2, _shared_directory, str(tmp_path / "shared"), str(tmp_path / "out.pt"))
     for outcome in torch.load(tmp_path / "out.pt"):  # every rank raises, naming both nodes
-        assert "nodes host0:" in outcome and "and host1:" in outcome, outcome
+        assert "nodes host0:" in outcome, outcome
+        assert "and host1:" in outcome, outcome
         assert "keep their snapshots in one storage" in outcome, outcome
         assert "FSDP2_SNAPSHOT_DIR" in outcome, outcome
     assert _files(tmp_path / "shared") == []  # no marker left behind

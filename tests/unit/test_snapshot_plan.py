@@ -15,13 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2.param._layout import chunk_rows
 import fsdp2.resilience._format as file_format
+import fsdp2.resilience._store as node_store
+from fsdp2.param._layout import chunk_rows
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill
 from fsdp2.resilience._reshard import Reshard
 from fsdp2.resilience._restore import choose
 from fsdp2.resilience._ring import Ring
-import fsdp2.resilience._store as node_store
 from fsdp2.resilience._store import Listed, NodeStore
 
 
@@ -148,7 +148,8 @@ def test_a_file_whose_header_cannot_be_read_is_listed_as_damaged(tmp_path: Path)
     store = NodeStore(tmp_path, "train", "j")
     store.write(3, 1, [encode_header(snapshot), memoryview(snapshot.payload.numpy())])
     store.file(3, 1).write_bytes(b"garbage")
-    assert store.listing() == ([], [node_store.Damaged(3, 1, f"{store.file(3, 1)} is not an fsdp2 snapshot file")])
+    why = f"{store.file(3, 1)} is not an fsdp2 snapshot file"
+    assert store.listing() == ([], [node_store.Damaged(3, 1, why)])
 
 
 def test_a_write_that_fails_part_way_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,7 +178,9 @@ def test_a_write_that_fails_part_way_leaves_no_file(tmp_path: Path, monkeypatch:
 
 def test_each_job_has_a_folder_of_its_own_and_discard_removes_the_empty_ones(tmp_path: Path) -> None:
     names = {node_store.job_folder(job) for job in ["a", "b", "a/b", "a_b", "a:b", "x" * 200, "x" * 201]}
-    assert len(names) == 7 and "job-a" in names and all("/" not in name for name in names)
+    assert len(names) == 7
+    assert "job-a" in names
+    assert all("/" not in name for name in names)
     root = tmp_path / "fsdp2-snapshots-1000"
     first, second = (NodeStore(root, "train", job, owns_root=True) for job in ("a", "b"))
     first.write(1, 0, [b"x"])
@@ -191,4 +194,5 @@ def test_each_job_has_a_folder_of_its_own_and_discard_removes_the_empty_ones(tmp
     mine = NodeStore(tmp_path / "mine", "train", "a")  # the user's directory stays
     mine.write(1, 0, [b"x"])
     mine.clear()
-    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+    assert not any((tmp_path / "mine").iterdir())
