@@ -8,8 +8,12 @@ losses equal those of a run that switched from 4 to 2 ranks at the same step thr
 bit for bit, and so do they restarted on 3. A single killed worker restarts at 4 ranks with the
 uninterrupted run's losses, also when its own copy is damaged (the buddy's copy is read). Two adjacent
 nodes lost at once (4 nodes of one rank) fall back to the checkpoint on disk, or stop with one line
-when there is none. A copy that cannot be written (a full disk) is not committed: every rank warns,
-the previous snapshot stays, and the next one commits.
+when there is none. A disk full for two snapshots in a row (each write stopping part-way): neither is
+committed, every rank warns, and no node keeps more than the committed snapshot (no refused step, no
+partial file); the next one that fits commits. Damaged copies make a restore lost, not absent, and are
+named: both copies of a rank, every file of the newest step, and a damaged step over an older whole one
+(restored). Two jobs of one name in one directory each restore only their own snapshots; two hosts
+sharing one directory are refused; ``close(discard=True)`` leaves no empty folder of fsdp2's.
 """
 
 from __future__ import annotations
