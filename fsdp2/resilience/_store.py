@@ -60,15 +60,15 @@ def job_identity(job: object) -> str:
     chosen = os.environ.get(ENV_JOB) or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if chosen and chosen != "none":
         return chosen
-    where = (
-        "torchrun was launched without --rdzv-id (its run id is 'none')"
+    where, fix = (
+        ("torchrun was launched without --rdzv-id (its run id is 'none')", "pass torchrun --rdzv-id <job id>")
         if chosen == "none"
-        else "this job was not launched by torchrun"
+        else ("this job was not launched by torchrun", "launch it with torchrun (its run id names the job)")
     )
     raise ValueError(
         f"fsdp2.Snapshots needs an identity for the job that stays the same across its restarts and "
-        f"differs between jobs, and {where}: pass torchrun --rdzv-id <job id>, or Snapshots(job=...) / "
-        f"{ENV_JOB}=<job id> (your scheduler's job id, e.g. $SLURM_JOB_ID)"
+        f"differs between jobs, and {where}: {fix}, or pass Snapshots(job=...) or set {ENV_JOB}=<job id> "
+        "(your scheduler's job id, e.g. $SLURM_JOB_ID)"
     )
 
 

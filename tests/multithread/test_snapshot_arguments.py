@@ -86,8 +86,8 @@ def test_a_capture_holds_each_ranks_shards_of_parameters_and_optimizer_state() -
 @pytest.mark.parametrize(
     ("environ", "job", "match"),
     [
-        ({}, None, "needs an identity for the job.*not launched by torchrun.*--rdzv-id.*FSDP2_SNAPSHOT_JOB"),
-        ({"TORCHELASTIC_RUN_ID": "none"}, None, r"torchrun was launched without --rdzv-id \(its run id is"),
+        ({}, None, "identity for the job.*not launched by torchrun: launch it with torchrun.*_JOB"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None, r"id is 'none'\): pass torchrun --rdzv-id <job id>"),
         ({"TORCHELASTIC_RUN_ID": "x"}, " ", "job=.*non-empty string"),
     ],
 )
