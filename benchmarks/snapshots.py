@@ -68,6 +68,7 @@ def _record(out: str, root: str, argv: list[str], kill_at: int | None) -> None:
     train = _train_module()
     rank = dist.get_rank()
     os.environ["FSDP2_SNAPSHOT_DIR"] = f"{root}/node{rank // 2}"
+    os.environ["FSDP2_SNAPSHOT_JOB"] = "bench"  # the killed run and its restart are one job
     starts: list[float] = []
     stats: list[Any] = []
     committed: set[int] = set()

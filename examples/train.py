@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="every N steps, keep the sharded state in node memory and on the next node; a restart "
-        "(any number of ranks) continues from the newest one (0: never; FSDP2_SNAPSHOT_DIR: where)",
+        "(any number of ranks) continues from the newest one of this job (0: never; FSDP2_SNAPSHOT_DIR: "
+        "where; the job: torchrun's --rdzv-id, or FSDP2_SNAPSHOT_JOB)",
     )
     p.add_argument(
         "--export",

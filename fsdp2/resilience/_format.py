@@ -10,8 +10,8 @@ Does not own where files live (``_store``) or how shards move between ranks (``_
 rank, the leaf table, the tree with every tensor replaced by ``LeafRef(i)``, each leaf's byte offset,
 the payload's length and CRC-32), then the payload: each leaf's local values, in table order, each
 starting at a multiple of 64 bytes so it can be viewed in its dtype where it lies. A file is written
-under a temporary name and renamed into place, so a file with its final name is whole; its CRC tells
-bytes damaged after that.
+under a temporary name and renamed into place, so a file with its final name is whole (a write that
+fails removes its temporary file); its CRC tells bytes damaged after that.
 """
 
 from __future__ import annotations
@@ -196,12 +196,19 @@ def encode_header(snapshot: RankSnapshot) -> bytes:
 
 
 def write_file(path: Path, parts: list[bytes | memoryview]) -> None:
-    """Write ``parts`` one after another to ``path``, whole or not at all (a temporary name, a rename)."""
+    """Write ``parts`` one after another to ``path``, whole or not at all (a temporary name, a rename).
+
+    A write that fails (a full disk) removes what it wrote of the temporary file before it raises.
+    """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        for part in parts:
-            handle.write(part)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            for part in parts:
+                handle.write(part)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def read_header(path: Path) -> dict[str, Any]:

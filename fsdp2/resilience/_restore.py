@@ -1,16 +1,17 @@
 """A restart's restore: the newest snapshot some surviving node still has for every old rank, resharded.
 
 Owns: ``choose`` (from every new rank's listing of its node's files: the newest step whose every old
-rank has a copy somewhere, and which new rank reads each), ``exchange`` (each reader checks the bytes
-it read; a damaged copy is dropped and the choice made again; then one all-to-all moves every row to
-its new rank, see ``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
+rank has a whole copy somewhere, and which new rank reads each; or why there is none, naming the
+damaged copies apart from the lost ones), ``exchange`` (each reader checks the bytes it read; a damaged
+copy is dropped and the choice made again; then one all-to-all moves every row to its new rank, see
+``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
 objects, through torch.distributed.checkpoint's state-dict functions, as a DCP load does). No file
 outside the node's snapshot directory is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._format import Leaf, RankSnapshot, fill
 from ._reshard import Reshard
-from ._store import Listed, NodeStore
+from ._store import Damaged, Listed, NodeStore
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,19 @@ class Choice:
     holder: tuple[int, ...]
 
 
-def choose(listings: list[list[Listed]], dropped: set[tuple[int, int, int]]) -> Choice | str:
+def choose(
+    listings: list[list[Listed]],
+    dropped: set[tuple[int, int, int]],
+    damaged: Mapping[tuple[int, int], list[str]] | None = None,
+) -> Choice | str:
     """The newest snapshot every old rank of which is listed by some new rank, or why there is none.
 
     ``listings[j]`` is what new rank ``j`` found on its node; ``(j, step, old)`` in ``dropped`` is a copy
-    already found damaged. Each old rank is read by the new rank of the same number when it lists it,
-    else by the lister with the fewest to read so far.
+    already found damaged; ``damaged[(step, old)]`` says why each damaged copy of old rank ``old`` at
+    ``step`` is (the reason names them, and does not blame lost nodes for them). Each old rank is read by
+    the new rank of the same number when it lists it, else by the lister with the fewest to read so far.
     """
+    damaged = damaged or {}
     candidates: dict[tuple[int, int, int], dict[int, list[int]]] = {}
     for reader, listing in enumerate(listings):
         for found in listing:
@@ -49,16 +56,14 @@ def choose(listings: list[list[Listed]], dropped: set[tuple[int, int, int]]) -> 
                 continue
             key = (found.step, found.world, found.fingerprint)
             candidates.setdefault(key, {}).setdefault(found.rank, []).append(reader)
+    if not candidates and damaged:
+        return f"every snapshot file found is damaged: {_lines(damaged.values())}"
     why = ""
     for step, world, print_ in sorted(candidates, reverse=True):
         listers = candidates[(step, world, print_)]
         missing = [old for old in range(world) if old not in listers]
         if missing:
-            why = why or (
-                f"the newest snapshot, step {step} of {world} ranks, survives nowhere for rank(s) "
-                f"{', '.join(map(str, missing))} (their node and their buddy's node are gone, or the "
-                "snapshot was cut short)"
-            )
+            why = why or _not_whole(step, world, missing, damaged)
             continue
         load = [0] * len(listings)
         holder = []
@@ -70,48 +75,94 @@ def choose(listings: list[list[Listed]], dropped: set[tuple[int, int, int]]) -> 
     return why
 
 
+def _not_whole(
+    step: int, world: int, missing: list[int], damaged: Mapping[tuple[int, int], list[str]]
+) -> str:
+    broken = [old for old in missing if (step, old) in damaged]
+    gone = [old for old in missing if (step, old) not in damaged]
+    parts = []
+    if gone:
+        parts.append(
+            f"survives nowhere for rank(s) {', '.join(map(str, gone))} (their node and their buddy's node "
+            "are gone, or the snapshot was cut short)"
+        )
+    if broken:
+        lines = _lines(damaged[(step, old)] for old in broken)
+        parts.append(f"has only damaged copies of rank(s) {', '.join(map(str, broken))} ({lines})")
+    return f"the newest snapshot, step {step} of {world} ranks, {', and '.join(parts)}"
+
+
+def _lines(groups: Iterable[list[str]], shown: int = 2) -> str:
+    """Damaged copies, one ``path: why`` each: the first ``shown`` of them, then how many more."""
+    lines = [line for group in groups for line in group]
+    more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "; ".join(lines[:shown]) + more
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What ``exchange`` gives this rank: the choice, the leaf table, its tree and local leaf values.
+
+    ``skipped`` has a line for each damaged copy that was passed over, on any node.
+    """
+
+    choice: Choice
+    leaves: tuple[Leaf, ...]
+    tree: Any
+    values: list[torch.Tensor]
+    skipped: list[str]
+
+
 def exchange(
-    store: NodeStore, listing: list[Listed], group: dist.ProcessGroup
-) -> tuple[Choice, tuple[Leaf, ...], Any, list[torch.Tensor]] | str | None:
+    store: NodeStore, listing: list[Listed], damaged: list[Damaged], group: dist.ProcessGroup
+) -> Exchanged | str | None:
     """Choose, read, check and reshard onto this job's ranks.
 
-    Returns this rank's tree and local leaf values, ``None`` when no rank found a snapshot at all, or
-    the reason none is whole.
+    ``listing`` and ``damaged``: this rank's node's files, whole and damaged. Returns ``None`` when no rank
+    found a snapshot file at all, or the reason none is whole (damaged copies named).
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    listings: list[Any] = [None] * world
-    dist.all_gather_object(listings, listing, group=group)
-    if not any(listings):
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, (listing, damaged), group=group)
+    listings = [entries for entries, _ in found]
+    broken: dict[tuple[int, int], list[str]] = {}
+    for _, bad in found:
+        for item in bad:
+            broken.setdefault((item.step, item.rank), []).append(item.why)
+    if not any(listings) and not broken:
         return None
     dropped: set[tuple[int, int, int]] = set()
     while True:
-        choice = choose(listings, dropped)
+        choice = choose(listings, dropped, broken)
         if isinstance(choice, str):
             return choice
-        held, damaged = _read_mine(store, choice, me)
+        held, bad_here = _read_mine(store, choice, me)
         reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, damaged, group=group)
+        dist.all_gather_object(reports, bad_here, group=group)
         if not any(reports):
             break
         for reader, bad in enumerate(reports):
-            dropped.update((reader, choice.step, old) for old in bad)
+            for item in bad:
+                dropped.add((reader, item.step, item.rank))
+                broken.setdefault((item.step, item.rank), []).append(item.why)
     table: list[Any] = [held[0].leaves if 0 in held else None]
     dist.broadcast_object_list(table, src=dist.get_global_rank(group, choice.holder[0]), group=group)
     plan = Reshard(tuple(table[0]), choice.old_world, world, choice.holder)
     tree, values = _all_to_all(plan, me, held, group)
-    return choice, plan.leaves, tree, values
+    skipped = [line for lines in broken.values() for line in lines]
+    return Exchanged(choice, plan.leaves, tree, values, skipped)
 
 
-def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, RankSnapshot], list[int]]:
-    """The old snapshots this rank reads, and the old ranks whose copy here is damaged or gone."""
+def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, RankSnapshot], list[Damaged]]:
+    """The old snapshots this rank reads, and those whose copy here is damaged or gone."""
     held, damaged = {}, []
     for old, reader in enumerate(choice.holder):
         if reader != me:
             continue
         try:
             held[old] = store.read(choice.step, old)
-        except (OSError, ValueError, EOFError):
-            damaged.append(old)
+        except (OSError, ValueError, EOFError) as error:
+            damaged.append(store.damaged(choice.step, old, error))
     return held, damaged
 
 

@@ -2,14 +2,17 @@
 
 Owns: the snapshot of one step (captured on the critical path; written here, sent to the buddy and
 committed on a thread of its own, on a gloo group of its own), the commit (a step counts once every
-rank has written its own and its buddies' copies; only then are older steps dropped), the restore
-on start and the figures of the last snapshot. See docs/resilience.md.
+rank has written its own and its buddies' copies; only then are older steps dropped, and a step that
+is not committed is dropped at once), the restore on start and the figures of the last snapshot. Does
+not own the checks made when it is built (``_nodes``). See docs/resilience.md.
 
 [Note: When a snapshot counts]
 A restore takes the newest step of which every old rank's snapshot is found, whole, on some surviving
 node. A node drops a step only after one all-reduce has told every rank that every copy of a newer
 step is written, so until a snapshot is complete on both holders the previous one stays, and a node
-lost in the middle of a copy costs at most the steps since the previous snapshot.
+lost in the middle of a copy costs at most the steps since the previous snapshot. A step that one rank
+could not write (a full ``/dev/shm``) is dropped on every node, so a node holds at most the committed
+snapshot and the one in flight, however many copies fail.
 """
 
 from __future__ import annotations
@@ -30,17 +33,19 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from ..base._warn import warn_user
 from ._format import RankSnapshot, capture, check_layouts, encode_header, host_bytes
+from ._nodes import check_restartable, check_separate_storage, warn_other_jobs
 from ._restore import apply, exchange
 from ._ring import Ring
-from ._store import NodeStore, default_root
+from ._store import ENV_DIR, NodeStore, default_root, job_identity
 
 
 @dataclass(frozen=True)
 class SnapshotStats:
     """One snapshot on this rank: seconds on the training path and in all, bytes sent and kept in memory.
 
-    ``host_bytes`` counts this rank's own snapshot file and the copies it keeps for its buddies;
-    ``failed`` is why the snapshot was not committed ("" when it was).
+    ``host_bytes`` counts this rank's own snapshot file and the copies it keeps for its buddies (0 for a
+    snapshot not committed: its files are dropped); ``failed`` is why it was not committed ("" when it
+    was).
     """
 
     step: int
@@ -55,8 +60,8 @@ class SnapshotStats:
 class Restored:
     """What ``Snapshots.restore`` did: the step restored (``None``: none) and one line saying so.
 
-    ``lost`` is true when snapshots were found but no step of them is whole on the surviving nodes (the
-    caller falls back to a checkpoint on disk, or stops).
+    ``lost`` is true when snapshot files were found but no step of them is whole on the surviving nodes,
+    lost or damaged (the caller falls back to a checkpoint on disk, or stops).
     """
 
     step: int | None
@@ -79,8 +84,8 @@ class Snapshots:
     which writes them into its own. ``restore()`` on start finds the newest snapshot whole among the
     surviving nodes, reshards it onto this job's ranks through collectives and loads it.
 
-    Construct it on every rank, after the optimizer (it creates a gloo process group and exchanges
-    where each rank runs).
+    Construct it on every rank, after the optimizer (it creates a gloo process group, exchanges where
+    each rank runs and checks that each node's directory is its own).
 
     Args:
         model: the ``fully_shard`` model (parameters sharded on one dimension of a 1-D mesh).
@@ -88,13 +93,20 @@ class Snapshots:
         every: snapshot every ``every`` steps (``save(step)`` with ``step % every == 0``).
         state: objects with ``state_dict()`` and ``load_state_dict()`` (a learning-rate scheduler, a data
             loader's position): rank ``j`` of a restored job loads the state of old rank ``j % old_world``.
-        name: the job's name: snapshots of different jobs on one machine live apart.
-        directory: where this node keeps them (default ``$FSDP2_SNAPSHOT_DIR``, else ``/dev/shm``).
+        name: a folder name for the kind of job (``<directory>/<name>/job-<job>``).
+        directory: where this node keeps them (default ``$FSDP2_SNAPSHOT_DIR``, else
+            ``/dev/shm/fsdp2-snapshots-<uid>``).
+        job: the job's identity, the same across its restarts and different between jobs (default
+            ``$FSDP2_SNAPSHOT_JOB``, else torchrun's run id): a restore reads only this job's snapshots.
 
     Raises:
-        ValueError: ``every`` is not a positive int, ``name`` is empty or has a path separator, or the
+        ValueError: ``every`` is not a positive int, ``name`` is empty or has a path separator, no ``job``
+            identity is known, two nodes' directories are one storage (a network file system), or the
             model has a parameter laid out other than sharded over a 1-D mesh.
         TypeError: ``state`` holds an object without ``state_dict``/``load_state_dict``.
+        RuntimeError: torchrun may restart the job but shares its store between rounds (the restart
+            would fail: launch it with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), or a node cannot write
+            its directory.
     """
 
     def __init__(
@@ -106,12 +118,16 @@ class Snapshots:
         state: Mapping[str, Any] | None = None,
         name: str = "default",
         directory: str | Path | None = None,
+        job: str | None = None,
     ) -> None:
         _check_arguments(every, name, state or {})
+        check_layouts(get_model_state_dict(model))  # an unsupported layout is refused now
         self.model, self.optimizer, self.every = model, optimizer, every
         self.states: dict[str, Any] = dict(state or {})
-        self.store = NodeStore(Path(directory) if directory is not None else default_root(), name)
-        check_layouts(get_model_state_dict(model))  # an unsupported layout is refused now
+        owns_root = directory is None and not os.environ.get(ENV_DIR)
+        root = Path(directory) if directory is not None else default_root()
+        self.store = NodeStore(root, name, job_identity(job), owns_root=owns_root)
+        check_restartable()
         self.group = dist.new_group(backend="gloo")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         keys: list[Any] = [None] * self.world
@@ -119,13 +135,9 @@ class Snapshots:
             keys, f"{socket.gethostname()}:{self.store.directory.resolve()}", group=self.group
         )
         self.ring = Ring.of(keys)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self.rank == 0:
-            warn_user(
-                "torchrun shares one store between its restarts (TORCHELASTIC_USE_AGENT_STORE=True): a "
-                "restarted worker can read the previous round's addresses and fail to connect, so the "
-                "restart that should restore a snapshot fails instead. Launch torchrun with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/resilience.md)."
-            )
+        check_separate_storage(self.store, self.ring, keys, self.rank, self.group)
+        if self.ring.is_leader(self.rank):
+            warn_other_jobs(self.store)
         self.last: SnapshotStats | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -200,11 +212,14 @@ class Snapshots:
         _stage("buddies_written", snapshot.step)
         done = torch.tensor([0 if problem else 1], dtype=torch.int64)
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)  # every copy of every rank is written
-        if int(done.item()) and self.ring.is_leader(self.rank):
-            self.store.drop_before(snapshot.step)
+        if self.ring.is_leader(self.rank):  # the committed snapshot stays, and nothing else
+            if int(done.item()):
+                self.store.drop_before(snapshot.step)
+            else:
+                self.store.drop(snapshot.step)
         _stage("committed", snapshot.step)
         sent = len(header) + payload.numel() if self.ring.buddy[self.rank] is not None else 0
-        kept = self.store.size_of(snapshot.step, [self.rank, *received])
+        kept = self.store.size_of(snapshot.step, [self.rank, *received]) if int(done.item()) else 0
         failed = "" if int(done.item()) else (problem or "a copy failed on another rank")
         return SnapshotStats(snapshot.step, critical, time.perf_counter() - start, sent, kept, failed)
 
@@ -256,14 +271,21 @@ class Snapshots:
         """
         self.wait()  # a copy in flight uses the same group
         start = time.perf_counter()
-        listing, unreadable = self.store.listing()
-        result = exchange(self.store, [entry for entry in listing if entry.step > newer_than], self.group)
+        listing, damaged = self.store.listing()
+        result = exchange(
+            self.store,
+            [entry for entry in listing if entry.step > newer_than],
+            [entry for entry in damaged if entry.step > newer_than],
+            self.group,
+        )
         if result is None:
-            return Restored(None, f"no snapshot in {self.directory} or on any other node: starting afresh")
+            return Restored(
+                None, f"no snapshot of this job in {self.directory} or on any other node: starting afresh"
+            )
         if isinstance(result, str):
             return Restored(None, f"no whole snapshot: {result}", lost=True)
-        choice, leaves, tree, values = result
-        apply(self.model, self.optimizer, self.states, leaves, tree, values)
+        choice = result.choice
+        apply(self.model, self.optimizer, self.states, result.leaves, result.tree, result.values)
         dist.barrier(group=self.group)
         if self.ring.is_leader(self.rank):
             self.store.drop_other_than(choice.step)  # older ones, and newer ones the lost run left unfinished
@@ -272,8 +294,8 @@ class Snapshots:
             f"restored step {choice.step} from memory snapshots: {choice.old_world} -> {self.world} ranks "
             f"in {seconds:.2f} s"
         )
-        if unreadable:  # (this rank's node only: the rank that prints says what it saw)
-            message += f"; skipped {len(unreadable)} unreadable file(s) here: {unreadable[0]}"
+        if result.skipped:
+            message += f"; skipped {len(result.skipped)} damaged file(s): {result.skipped[0]}"
         return Restored(choice.step, message, seconds=seconds)
 
     # -- the end -------------------------------------------------------------------------------------
@@ -281,7 +303,8 @@ class Snapshots:
     def close(self, *, discard: bool = False) -> None:
         """Finish the copy in flight; with ``discard``, free this job's snapshots on every node.
 
-        A finished job has nothing to resume. Collective when ``discard`` is true.
+        A finished job has nothing to resume. Collective when ``discard`` is true. Removes the job's
+        folder, its ``<name>`` folder when no other job's is left there, and the default root when empty.
         """
         self.wait()
         if discard:

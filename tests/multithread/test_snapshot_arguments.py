@@ -1,6 +1,8 @@
 """``fsdp2.Snapshots`` refuses what it cannot keep, before it creates its process group: a cadence
 that is not a positive int, a name that is not a folder name, state objects without
-``state_dict``/``load_state_dict``, and an HSDP model (a 2-D mesh: a restore reshards one dimension).
+``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension), a job
+without an identity (a restore could take another job's snapshots), and a torchrun launch that may
+restart the job on a store shared between its rounds (the restart would fail to connect).
 A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
 optimizer state (the bytes the restore moves; the restore itself runs in spawned gloo processes, in
 tests/multiprocess/test_snapshots_gloo.py).
@@ -79,3 +81,40 @@ def _captured(step: int) -> None:
 
 def test_a_capture_holds_each_ranks_shards_of_parameters_and_optimizer_state() -> None:
     run_threaded(2, functools.partial(_captured, 2))
+
+
+@pytest.mark.parametrize(
+    ("environ", "job", "match"),
+    [
+        ({}, None, "identity for the job.*not launched by torchrun: launch it with torchrun.*_JOB"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None, r"id is 'none'\): pass torchrun --rdzv-id <job id>"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, " ", "job=.*non-empty string"),
+    ],
+)
+def test_a_job_without_an_identity_is_refused(
+    environ: dict[str, str], job: str | None, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FSDP2_SNAPSHOT_JOB", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+
+    def body() -> None:
+        with pytest.raises(ValueError, match=match):
+            fsdp2.Snapshots(_model(), every=1, job=job)
+
+    run_threaded(2, body)
+
+
+def test_a_restartable_torchrun_job_on_a_shared_store_is_refused_with_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "demo")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+
+    def body() -> None:
+        with pytest.raises(RuntimeError, match=r"--max-restarts 3.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            fsdp2.Snapshots(_model(), every=1)
+
+    run_threaded(2, body)

@@ -1,6 +1,8 @@
-"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot, the resharding
-of every leaf from W old ranks onto W' new ones (against ``torch.chunk`` of the whole tensor), and the
-snapshot file's check of its own bytes. The restore itself runs in tests/multiprocess/test_snapshots_gloo.py.
+"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (and why there
+is none, damaged copies named apart from lost ones), the resharding of every leaf from W old ranks onto
+W' new ones (against ``torch.chunk`` of the whole tensor), the snapshot file's check of its own bytes,
+a failed write that leaves nothing, and the folders of one job. The restore itself runs in
+tests/multiprocess/test_snapshots_gloo.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fsdp2.resilience._format as file_format
+import fsdp2.resilience._store as node_store
 from fsdp2.param._layout import chunk_rows
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill
 from fsdp2.resilience._reshard import Reshard
@@ -102,7 +106,7 @@ def test_every_new_rank_gets_torch_chunks_piece_of_every_leaf(
 def test_a_damaged_snapshot_file_is_refused_and_a_whole_one_reads_back(tmp_path: Path) -> None:
     leaves = [Leaf(("model", "w"), torch.float32, (4, 2), 0)]
     snapshot = _snapshot([torch.arange(8.0).view(4, 2)], leaves, 2, 1)
-    store = NodeStore(tmp_path, "job")
+    store = NodeStore(tmp_path, "train", "job")
     store.write(3, 1, [encode_header(snapshot), memoryview(snapshot.payload.numpy())])
     assert torch.equal(store.read(3, 1).local(0), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
     assert store.listing() == ([Listed(3, 1, 2, store.listing()[0][0].fingerprint, 64)], [])
@@ -114,3 +118,81 @@ def test_a_damaged_snapshot_file_is_refused_and_a_whole_one_reads_back(tmp_path:
     with pytest.raises(ValueError, match=r"cut short|not unpickle|payload bytes"):
         decode(bytes(data[:-10]), "cut")
     assert pickle.loads(pickle.dumps(leaves[0])) == leaves[0]
+
+
+def test_choose_names_damaged_copies_and_does_not_blame_lost_nodes_for_them() -> None:
+    listings = [_listed(4, 2, [0]), _listed(4, 2, [0])]  # old rank 1: both copies damaged
+    damaged = {(4, 1): [f"n{node}/step-4/rank-1.snap: CRC-32 mismatch" for node in (0, 1)]}
+    assert choose(listings, set(), damaged) == (
+        "the newest snapshot, step 4 of 2 ranks, has only damaged copies of rank(s) 1 "
+        "(n0/step-4/rank-1.snap: CRC-32 mismatch; n1/step-4/rank-1.snap: CRC-32 mismatch)"
+    )
+    # a lost rank and a damaged one, each said as it is
+    three = [_listed(4, 3, [0]), []]
+    assert choose(three, set(), damaged) == (
+        "the newest snapshot, step 4 of 3 ranks, survives nowhere for rank(s) 2 (their node and their "
+        "buddy's node are gone, or the snapshot was cut short), and has only damaged copies of rank(s) 1 "
+        "(n0/step-4/rank-1.snap: CRC-32 mismatch; n1/step-4/rank-1.snap: CRC-32 mismatch)"
+    )
+    # nothing readable at all, but files that were snapshots: lost, not absent
+    every = {(4, r): [f"n0/step-4/rank-{r}.snap: not a snapshot"] for r in range(3)}
+    assert choose([[], []], set(), every) == (
+        "every snapshot file found is damaged: n0/step-4/rank-0.snap: not a snapshot; "
+        "n0/step-4/rank-1.snap: not a snapshot; and 1 more"
+    )
+
+
+def test_a_file_whose_header_cannot_be_read_is_listed_as_damaged(tmp_path: Path) -> None:
+    leaves = [Leaf(("model", "w"), torch.float32, (4, 2), 0)]
+    snapshot = _snapshot([torch.arange(8.0).view(4, 2)], leaves, 2, 1)
+    store = NodeStore(tmp_path, "train", "j")
+    store.write(3, 1, [encode_header(snapshot), memoryview(snapshot.payload.numpy())])
+    store.file(3, 1).write_bytes(b"garbage")
+    why = f"{store.file(3, 1)} is not an fsdp2 snapshot file"
+    assert store.listing() == ([], [node_store.Damaged(3, 1, why)])
+
+
+def test_a_write_that_fails_part_way_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = open
+
+    class Full:
+        def __init__(self, path: Path) -> None:
+            self.handle = real_open(path, "wb")
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()
+
+        def write(self, data: bytes) -> int:
+            self.handle.write(data[:3])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_format, "open", lambda path, mode: Full(path), raising=False)
+    store = NodeStore(tmp_path, "train", "j")
+    with pytest.raises(OSError, match="No space left"):
+        store.write(2, 0, [b"header", b"payload"])
+    assert [p.name for p in store.file(2, 0).parent.iterdir()] == []
+
+
+def test_each_job_has_a_folder_of_its_own_and_discard_removes_the_empty_ones(tmp_path: Path) -> None:
+    names = {node_store.job_folder(job) for job in ["a", "b", "a/b", "a_b", "a:b", "x" * 200, "x" * 201]}
+    assert len(names) == 7
+    assert "job-a" in names
+    assert all("/" not in name for name in names)
+    root = tmp_path / "fsdp2-snapshots-1000"
+    first, second = (NodeStore(root, "train", job, owns_root=True) for job in ("a", "b"))
+    first.write(1, 0, [b"x"])
+    second.write(1, 0, [b"y"])
+    assert first.directory == root / "train" / "job-a"
+    assert first.others() == [second.directory]
+    first.clear()
+    assert second.file(1, 0).read_bytes() == b"y"  # the other job's snapshot stays, and its folders
+    second.clear()
+    assert list(tmp_path.iterdir()) == []  # the default root, emptied, goes too
+    mine = NodeStore(tmp_path / "mine", "train", "a")  # the user's directory stays
+    mine.write(1, 0, [b"x"])
+    mine.clear()
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+    assert not any((tmp_path / "mine").iterdir())
