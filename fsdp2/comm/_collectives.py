@@ -3,7 +3,8 @@
 Owns: the all-gather copy-in (every parameter's 1-D input into one flat buffer), the all-gather,
 the copy-out into per-parameter outputs, the reduce-scatter copy-in (chunk-concatenation of padded
 gradients), the reduce-scatter, and the view-out into per-parameter shards; plus the reduce ops and
-divide factors. Buffers are allocated by, and collectives issued through, the comm objects passed in
+divide factors, and the agreements of a group's ranks (``all_ranks_true``, ``raise_everywhere``).
+Buffers are allocated by, and collectives issued through, the comm objects passed in
 (``_comms``; the defaults when none is given). Module state: one cache of contiguous strides by shape
 (``_STRIDES``). Does not own: streams' lifetimes (``CommContext``) or registering parameters.
 
@@ -274,6 +275,25 @@ def all_ranks_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=ReduceOp.MIN, group=group)
     return bool(value.item())
+
+
+def raise_everywhere(
+    problem: str, group: dist.ProcessGroup | None, make: Callable[[str], BaseException]
+) -> None:
+    """Raise ``make(text)`` on every rank of ``group`` when any rank has a ``problem`` (``""``: none).
+
+    One ``all_gather_object`` of the messages (none when no process group is initialized). ``text``:
+    the problem when every rank that has one has the same, else each rank's, named (``rank 1: ...``).
+    """
+    found = [problem]
+    if dist.is_initialized():
+        found = [""] * dist.get_world_size(group)
+        dist.all_gather_object(found, problem, group=group)
+    unique = list(dict.fromkeys(p for p in found if p))
+    if not unique:
+        return
+    named = " ".join(f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p)
+    raise make(unique[0] if len(unique) == 1 else named)
 
 
 def run_all_reduce_hook(

@@ -2,7 +2,8 @@
 
 One parameter and its parts: the shard layout (chunk and padding math), the local shard and
 its sharded DTensor, the unsharded parameter and its gradient, tensor-parallel and all-gather-extension
-layouts, the DTensor helpers, initialisation like the unsharded model, and the check for parameters
+layouts, the row layouts and the routes between them (which rank sends which rows where), the DTensor
+helpers, initialisation like the unsharded model, and the check for parameters
 added late. Imports ``base`` and ``comm``. Importing it makes DTensors over packed shards picklable.
 
 Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
@@ -12,7 +13,19 @@ from ._dtensor import install_pickling
 from ._init import init_like_unsharded
 from ._layout import ShardLayout
 from ._param import FSDPParam
+from ._rows import Piece, Routes, RowLayout, local_box, owners_by_load, routes, row_shard
 
 install_pickling()  # torch.save of a sharded state dict: DTensors over packed shards (see _dtensor.py)
 
-__all__ = ["FSDPParam", "ShardLayout", "init_like_unsharded"]
+__all__ = [
+    "FSDPParam",
+    "Piece",
+    "Routes",
+    "RowLayout",
+    "ShardLayout",
+    "init_like_unsharded",
+    "local_box",
+    "owners_by_load",
+    "routes",
+    "row_shard",
+]
