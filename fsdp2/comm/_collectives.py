@@ -278,22 +278,39 @@ def all_ranks_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -
 
 
 def raise_everywhere(
-    problem: str, group: dist.ProcessGroup | None, make: Callable[[str], BaseException]
+    problem: str,
+    group: dist.ProcessGroup | None,
+    make: Callable[[str], BaseException],
+    *,
+    device: torch.device | None = None,
+    combine: Callable[[list[str]], str] | None = None,
 ) -> None:
     """Raise ``make(text)`` on every rank of ``group`` when any rank has a ``problem`` (``""``: none).
 
-    One ``all_gather_object`` of the messages (none when no process group is initialized). ``text``:
-    the problem when every rank that has one has the same, else each rank's, named (``rank 1: ...``).
+    One ``all_gather_object`` of the messages; with ``device``, one all-reduce of a flag there first and
+    the messages gathered only when some rank has one (for checks that run often). Nothing when no
+    process group is initialized. ``text``: ``combine(every rank's problem)``; by default the problem
+    when every rank that has one has the same, else each rank's, named (``rank 1: ... rank 2: ...``).
     """
     found = [problem]
     if dist.is_initialized():
+        if device is not None:
+            flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, group=group)
+            if not int(flag.item()):
+                return
         found = [""] * dist.get_world_size(group)
         dist.all_gather_object(found, problem, group=group)
-    unique = list(dict.fromkeys(p for p in found if p))
-    if not unique:
+    if not any(found):
         return
-    named = " ".join(f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p)
-    raise make(unique[0] if len(unique) == 1 else named)
+    raise make(combine(found) if combine is not None else _named(found))
+
+
+def _named(found: list[str]) -> str:
+    unique = list(dict.fromkeys(p for p in found if p))
+    if len(unique) == 1:
+        return unique[0]
+    return " ".join(f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p)
 
 
 def run_all_reduce_hook(

@@ -8,7 +8,6 @@ problem on one rank is raised on all of them.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -82,18 +81,29 @@ def test_a_wrong_size_raises_on_every_rank() -> None:
     run_threaded(4, _wrong_size)
 
 
-def _problems(kind: str) -> str:
+def _problems(kind: str, flag_first: bool = False) -> tuple[str, dict[str, int]]:
     me = dist.get_rank()
     problem = {"none": "", "one": "bad" if me == 1 else "", "two": f"bad {me}" if me in (0, 2) else ""}[kind]
-    try:
-        raise_everywhere(problem, None, lambda text: ValueError(f"what: {text}"))
-    except ValueError as error:
-        return str(error)
-    return ""
+    device = torch.device("cpu") if flag_first else None
+    with count_collectives() as counted:
+        try:
+            raise_everywhere(problem, None, lambda text: ValueError(f"what: {text}"), device=device)
+        except ValueError as error:
+            return str(error), dict(counted)
+    return "", dict(counted)
 
 
 def test_raise_everywhere_raises_one_problem_on_every_rank() -> None:
-    assert run_threaded(3, _problems, "none") == ["", "", ""]
-    assert run_threaded(3, _problems, "one") == ["what: bad"] * 3
-    assert run_threaded(3, _problems, "two") == ["what: rank 0: bad 0 rank 2: bad 2"] * 3
-    assert Counter(run_threaded(1, _problems, "none")) == Counter([""])
+    assert [text for text, _ in run_threaded(3, _problems, "none")] == ["", "", ""]
+    assert [text for text, _ in run_threaded(3, _problems, "one")] == ["what: bad"] * 3
+    named = "what: rank 0: bad 0 rank 2: bad 2"
+    assert [text for text, _ in run_threaded(3, _problems, "two")] == [named] * 3
+    assert [text for text, _ in run_threaded(1, _problems, "one")] == [""]
+
+
+def test_raise_everywhere_with_a_device_gathers_messages_only_on_a_problem() -> None:
+    for text, counts in run_threaded(3, _problems, "none", True):
+        assert (text, counts) == ("", {"all_reduce": 1})
+    for text, counts in run_threaded(3, _problems, "one", True):
+        assert text == "what: bad"
+        assert counts["all_reduce"] == 1
