@@ -8,12 +8,13 @@ routes between row layouts, ``param._rows``) or what the bytes mean (the callers
 
 [Note: Counts known and unknown]
 A receiver that can compute what each peer sends (sizes from shapes, dtypes and routes) passes
-``expect``: no counts travel. Its sizes are checked once, by one all-reduce of two integers: each rank
-adds up ``bytes sent to j * h(i, j)`` and subtracts ``bytes expected from j * h(j, i)`` modulo a prime,
-so the ranks' sum is zero when every pair agrees, and any one pair that disagrees shows (the prime
-does not divide a difference below 2 GiB times a nonzero weight). Where some rank's sizes are wrong
-every rank raises, so none waits in an all-to-all that would not match. Without ``expect`` the counts
-are exchanged first (one small all-to-all) and nothing can disagree.
+``expect``: no counts travel. Its sizes are checked once, by one all-reduce of two integers: for each
+of two weightings ``h``, each rank adds up ``bytes sent to j * h(i, j)`` and subtracts ``bytes
+expected from j * h(j, i)`` modulo the prime ``2^31 - 1``, so the ranks' sums are zero when every
+pair agrees. One pair that disagrees always shows (the prime divides neither a nonzero weight nor a
+difference below 2 GiB); several that cancel in both sums at once are a chance of about 2^-62. Where
+some rank's sizes are wrong every rank raises, so none waits in an all-to-all that would not match.
+Without ``expect`` the counts are exchanged first (one small all-to-all) and nothing can disagree.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = ["ALIGN", "Received", "Scratch", "exchange", "nbytes_of", "pack", "pad
 
 ALIGN = 8  # every piece starts aligned for any dtype
 _PRIME = 2**31 - 1
+_BASES = (48271, 69621)  # two weightings of the size check (primitive roots modulo _PRIME)
 
 
 def padded(nbytes: int, align: int = ALIGN) -> int:
@@ -182,8 +184,8 @@ def _first_device(sends: Sequence[Sequence[torch.Tensor]]) -> torch.device:
     return next((t.device for tensors in sends for t in tensors), torch.device("cpu"))
 
 
-def _weight(sender: int, receiver: int) -> int:
-    return pow(48271, sender * 1_000_003 + receiver + 1, _PRIME)
+def _weight(base: int, sender: int, receiver: int) -> int:
+    return pow(base, sender * 1_000_003 + receiver + 1, _PRIME)
 
 
 def _sizes_agree(
@@ -191,8 +193,11 @@ def _sizes_agree(
 ) -> bool:
     """Whether every rank sends every other what that one expects (one all-reduce; see the Note)."""
     me = dist.get_rank(group)
-    mine = sum(n * _weight(me, peer) for peer, n in enumerate(out_sizes) if n)
-    mine -= sum(n * _weight(peer, me) for peer, n in enumerate(expect) if n)
-    total = torch.tensor([mine % _PRIME], dtype=torch.int64, device=device)
+    sums = []
+    for base in _BASES:
+        mine = sum(n * _weight(base, me, peer) for peer, n in enumerate(out_sizes) if n)
+        mine -= sum(n * _weight(base, peer, me) for peer, n in enumerate(expect) if n)
+        sums.append(mine % _PRIME)
+    total = torch.tensor(sums, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=group)
-    return int(total.item()) % _PRIME == 0
+    return all(int(value) % _PRIME == 0 for value in total.tolist())
