@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm._exchange import exchange, nbytes_of
 from ..param._dtensor import local_of, make_spec, wrap_local
-from ..param._rows import RowLayout, owners_by_load, routes, row_shard
+from ..param._rows import Piece, RowLayout, owners_by_load, routes, row_shard
 
 __all__ = ["DISAGREE", "ExchangePlan", "join_rows", "owners_of", "shard_group_of", "sharded_like"]
 
@@ -124,7 +124,7 @@ class ExchangePlan:
             pieces[i] = per_tensor
         return pieces
 
-    def _gathered(self, i: int) -> tuple[Any, ...]:
+    def _gathered(self, i: int) -> tuple[Piece, ...]:
         """The rows of parameter ``i`` this rank receives as its owner (none when it is not)."""
         return routes(self.rows[i], self.owned[i], self.rank).receive
 
