@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2.param import RowLayout, local_box, owners_by_load, routes
+from fsdp2.param import Piece, RowLayout, local_box, owners_by_load, routes
 from fsdp2.param._layout import chunk_rows
 
 EXAMPLES = 120
@@ -140,3 +140,17 @@ def test_a_box_of_two_mesh_dims_is_chunked_twice(rows: int, outer: int, inner: i
             box = local_box(once, (i, j))  # type: ignore[arg-type]
             assert box is not None
             torch.testing.assert_close(tensor[box], _expected(tensor, dim, RowLayout.chunked(rows, inner), j))
+
+
+def test_routes_at_4096_ranks_name_only_their_peers() -> None:
+    """Far more ranks than a test can run: a rank's routes list the ranks it exchanges rows with."""
+    world, rows = 4096, 10_000
+    chunked, owned = RowLayout.chunked(rows, world), RowLayout.owned(rows, world, 17)
+    assert routes(chunked, owned, 3).send == (Piece(17, 9, 12),)
+    assert routes(chunked, owned, 3).receive == ()
+    gathered = routes(chunked, owned, 17).receive
+    assert len(gathered) == -(-rows // 3)  # every rank holding rows: 3 each (the last ones none)
+    assert routes(owned, chunked, 4000).receive == ()  # rows run out before rank 4000
+    wider = RowLayout.chunked(rows, 5000)
+    assert [p.peer for p in routes(chunked, wider, 1000).send] == [1500, 1501]
+    assert owners_by_load([5] * 3 + [1], world) == [0, 1, 2, 3]
