@@ -3,7 +3,8 @@
 Owns: the all-gather copy-in (every parameter's 1-D input into one flat buffer), the all-gather,
 the copy-out into per-parameter outputs, the reduce-scatter copy-in (chunk-concatenation of padded
 gradients), the reduce-scatter, and the view-out into per-parameter shards; plus the reduce ops and
-divide factors. Buffers are allocated by, and collectives issued through, the comm objects passed in
+divide factors, and the agreements of a group's ranks (``all_ranks_true``, ``raise_everywhere``).
+Buffers are allocated by, and collectives issued through, the comm objects passed in
 (``_comms``; the defaults when none is given). Module state: one cache of contiguous strides by shape
 (``_STRIDES``). Does not own: streams' lifetimes (``CommContext``) or registering parameters.
 
@@ -274,6 +275,42 @@ def all_ranks_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=ReduceOp.MIN, group=group)
     return bool(value.item())
+
+
+def raise_everywhere(
+    problem: str,
+    group: dist.ProcessGroup | None,
+    make: Callable[[str], BaseException],
+    *,
+    device: torch.device | None = None,
+    combine: Callable[[list[str]], str] | None = None,
+) -> None:
+    """Raise ``make(text)`` on every rank of ``group`` when any rank has a ``problem`` (``""``: none).
+
+    One ``all_gather_object`` of the messages; with ``device``, one all-reduce of a flag there first and
+    the messages gathered only when some rank has one (for checks that run often). Nothing when no
+    process group is initialized. ``text``: ``combine(every rank's problem)``; by default the problem
+    when every rank that has one has the same, else each rank's, named (``rank 1: ... rank 2: ...``).
+    """
+    found = [problem]
+    if dist.is_initialized():
+        if device is not None:
+            flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, group=group)
+            if not int(flag.item()):
+                return
+        found = [""] * dist.get_world_size(group)
+        dist.all_gather_object(found, problem, group=group)
+    if not any(found):
+        return
+    raise make(combine(found) if combine is not None else _named(found))
+
+
+def _named(found: list[str]) -> str:
+    unique = list(dict.fromkeys(p for p in found if p))
+    if len(unique) == 1:
+        return unique[0]
+    return " ".join(f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p)
 
 
 def run_all_reduce_hook(

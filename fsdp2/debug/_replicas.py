@@ -2,9 +2,10 @@
 
 Owns: a fingerprint of each parameter's local tensor (its bytes as 64-bit words: their count, wrapping
 sum and position-weighted wrapping sum; 24 bytes), one all-gather of a rank's fingerprints per
-replicated mesh dim, the comparison, and the error every rank raises. A flipped bit changes the
-wrapping sum, so it is always found; other differences are found unless two different tensors agree on
-both sums, a 2^-64 chance. Does not own: the parameters or their meshes (read from the DTensors).
+replicated mesh dim, the comparison, and the error every rank raises (through ``comm.raise_everywhere``,
+a flag all-reduced first). A flipped bit changes the wrapping sum, so it is always found; other
+differences are found unless two different tensors agree on both sums, a 2^-64 chance. Does not own:
+the parameters or their meshes (read from the DTensors).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from ..comm._collectives import raise_everywhere
 
 __all__ = ["check_replicas"]
 
@@ -85,19 +88,20 @@ def _who_differs(values: list[tuple[int, ...]]) -> str:
 
 def _raise_everywhere(problems: list[str]) -> None:
     """Every rank raises when any rank found a difference (each replica group sees only its own)."""
-    flag = torch.tensor([len(problems)], dtype=torch.int64)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    flag = flag.to(device)
-    dist.all_reduce(flag)
-    if int(flag.item()) == 0:
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    found = sorted({line for lines in everyone for line in lines or ()})
-    raise RuntimeError(
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    raise_everywhere("\n".join(problems), None, _differ, device=device, combine=_lines)
+
+
+def _lines(everyone: list[str]) -> str:
+    """Every rank's differences, each once, sorted."""
+    return "; ".join(sorted({line for found in everyone for line in found.split("\n") if line}))
+
+
+def _differ(found: str) -> RuntimeError:
+    return RuntimeError(
         "check_replicas: parameters differ across their replicas (ranks that hold the same shard), so the "
-        f"replicas train different models: {'; '.join(found)}. Restore the replicas from a checkpoint, or "
+        f"replicas train different models: {found}. Restore the replicas from a checkpoint, or "
         "broadcast the parameters from one replica; look for a rank that skipped a step or a "
         "non-deterministic update."
     )

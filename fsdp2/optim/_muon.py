@@ -2,8 +2,8 @@
 
 Owns: ``rows_step``, torch 2.13's Muon update (``_single_tensor_muon``) for the matrices
 ``fully_shard`` sharded on dim 0. Does not own: when it runs (``_whole_tensor``'s step hooks), the
-owners and the all-to-all (``_owner_exchange``), the Newton-Schulz iteration and the learning-rate
-adjustment (torch's own functions, called as they are).
+owners (``_owner_exchange``), the routes and the exchange (``param._rows``, ``comm._exchange``), the
+Newton-Schulz iteration and the learning-rate adjustment (torch's own functions, called as they are).
 
 [Note: Muon on rows]
 Of Muon's update only the orthogonalisation needs the whole matrix; the momentum, the Nesterov blend,
@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..comm._exchange import exchange, nbytes_of
 from ..param._dtensor import local_of
-from ..param._layout import chunk_rows
-from ._owner_exchange import all_to_all_bytes, assign_owners, padded, row_bytes, sharded_like, take
+from ..param._rows import RowLayout, routes
+from ._owner_exchange import DISAGREE, join_rows, owners_of, sharded_like
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -48,8 +49,9 @@ def rows_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grou
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = params[0].device
     settings = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    rows = [[chunk_rows(p.shape[0], world, r)[2] for r in range(world)] for p in params]
-    owners = assign_owners(params, world)
+    rows = [RowLayout.chunked(p.shape[0], world) for p in params]
+    owners = owners_of(params, world)
+    owned = [RowLayout.owned(p.shape[0], world, owner) for p, owner in zip(params, owners, strict=True)]
     updates = []
     with torch.no_grad():
         for param in params:
@@ -63,41 +65,33 @@ def rows_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grou
         expect = [0] * world
         for i, update in enumerate(updates):
             sends[owners[i]].append(update)
-            if owners[i] == rank:
-                for r in range(world):
-                    expect[r] += padded(rows[i][r] * row_bytes(update))
-        received = all_to_all_bytes(sends, expect, group, device)
-        offsets = [0] * world
+            for piece in routes(rows[i], owned[i], rank).receive:
+                expect[piece.peer] += nbytes_of((piece.rows, *update.shape[1:]), update.dtype)
+        received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
         results: dict[int, torch.Tensor] = {}
         for i, update in enumerate(updates):
             if owners[i] != rank:
                 continue
-            pieces = []
-            for r in range(world):
-                piece, offsets[r] = take(
-                    received[r], offsets[r], (rows[i][r], *update.shape[1:]), update.dtype
-                )
-                pieces.append(piece)
+            pieces = [
+                received.take(piece.peer, (piece.rows, *update.shape[1:]), update.dtype)
+                for piece in routes(rows[i], owned[i], rank).receive
+            ]
             g = settings[id(params[i])]
-            whole = torch.cat(pieces, dim=0)
+            whole = join_rows(pieces, update)
             results[i] = _zeropower_via_newtonschulz(whole, g["ns_coefficients"], g["ns_steps"], g["eps"])
         # Back: each rank's rows of each orthogonalised update.
         sends = [[] for _ in range(world)]
         for i, result in results.items():
-            start = 0
-            for r in range(world):
-                sends[r].append(result[start : start + rows[i][r]])
-                start += rows[i][r]
+            for piece in routes(owned[i], rows[i], rank).send:
+                sends[piece.peer].append(result[piece.start : piece.stop])
         expect = [0] * world  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
         for i, param in enumerate(params):
-            expect[owners[i]] += padded(rows[i][rank] * param.shape[1] * torch.bfloat16.itemsize)
-        received = all_to_all_bytes(sends, expect, group, device)
-        offsets = [0] * world
+            expect[owners[i]] += nbytes_of((rows[i].count(rank), param.shape[1]), torch.bfloat16)
+        received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
         for i, param in enumerate(params):
             g = settings[id(param)]
-            owner = owners[i]
-            shape = (rows[i][rank], param.shape[1])
-            result, offsets[owner] = take(received[owner], offsets[owner], shape, torch.bfloat16)
+            shape = (rows[i].count(rank), param.shape[1])
+            result = received.take(owners[i], shape, torch.bfloat16)
             if param.shape[0] > param.shape[1]:
                 # torch's Newton-Schulz returns a tall matrix as a transposed view, and the add takes
                 # another kernel for such an operand (in bf16, another rounding): lay the rows out alike.

@@ -6,34 +6,32 @@ layout) and ``shard_group_of`` (the layouts the owner step serves). Does not own
 shadow optimizer (``_whole_tensor``, see [Note: The owner step] there).
 
 Bytes: every tensor travels as its raw bytes (any dtype, so bf16 parameters with fp32 state in one
-buffer), each piece padded to 8 bytes so that every piece starts aligned for any dtype.
+buffer), packed and exchanged by ``comm.exchange`` (each piece aligned for any dtype); the rows go
+where the routes between a parameter's row layouts say (``param._rows``: its rows over the shard
+group to its owner, and back). Every receiver knows what it receives: no counts travel, one
+all-reduce checks them.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
+from ..comm._exchange import exchange, nbytes_of
 from ..param._dtensor import local_of, make_spec, wrap_local
-from ..param._layout import chunk_rows
+from ..param._rows import Piece, RowLayout, owners_by_load, routes, row_shard
 
-__all__ = [
-    "ExchangePlan",
-    "all_to_all_bytes",
-    "assign_owners",
-    "padded",
-    "row_bytes",
-    "shard_group_of",
-    "sharded_like",
-    "take",
-]
+__all__ = ["DISAGREE", "ExchangePlan", "join_rows", "owners_of", "shard_group_of", "sharded_like"]
 
-_ALIGN = 8
+DISAGREE = (
+    "whole-tensor optimizer step: the ranks of a shard group disagree on what to exchange "
+    "(a parameter has a gradient or state on some ranks only). Step the optimizer on every "
+    "rank after the same backward, and load its state on every rank."
+)
 Layout = tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]  # (key, "rows" | "full", shape, dtype)
 
 
@@ -45,18 +43,16 @@ def shard_group_of(param: torch.Tensor) -> tuple[dist.ProcessGroup, int]:
             mesh dim or on another tensor dim), naming the parameter's shape and placements.
     """
     assert isinstance(param, DTensor)
-    placements = param.placements
-    shards = [dim for dim, p in enumerate(placements) if p.is_shard()]
-    plain = all(p.is_replicate() or p.is_shard() for p in placements)
-    if len(shards) != 1 or placements[shards[0]] != Shard(0) or not plain:
+    mesh_dim = row_shard(param)
+    if mesh_dim is None:
         raise ValueError(
             f"whole-tensor optimizer step: a parameter of shape {tuple(param.shape)} is laid out as "
-            f"{tuple(placements)} on its mesh; the owner step serves parameters sharded on dim 0 over one "
-            "mesh dim (FSDP, or HSDP's shard dim) only. Tensor-parallel parameters need the update "
+            f"{tuple(param.placements)} on its mesh; the owner step serves parameters sharded on dim 0 "
+            "over one mesh dim (FSDP, or HSDP's shard dim) only. Tensor-parallel parameters need the update "
             "computed on the tensor-parallel shards' whole: step them with an optimizer built for that "
             "layout, or leave them out of this optimizer."
         )
-    return param.device_mesh.get_group(shards[0]), shards[0]
+    return param.device_mesh.get_group(mesh_dim), mesh_dim
 
 
 class ExchangePlan:
@@ -66,7 +62,8 @@ class ExchangePlan:
     - ``group`` / ``world`` / ``rank``: the shard process group, its size, this rank in it.
     - ``params``: ``(param, index of its optimizer param group)``, in the optimizer's order.
     - ``owners``: the owner rank of each parameter (most work first, to the least loaded rank).
-    - ``rows``: per parameter, every rank's row count (``torch.chunk``'s pieces, as fsdp2 shards).
+    - ``rows`` / ``owned``: per parameter, its rows over the group (``torch.chunk``'s pieces, as fsdp2
+      shards) and all on its owner: the two row layouts the step moves between.
     - ``known``: per parameter, the state layout every rank holds (``None`` before the first step).
     """
 
@@ -75,10 +72,12 @@ class ExchangePlan:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params = entries
-        self.rows = [
-            [chunk_rows(p.shape[0], self.world, r)[2] for r in range(self.world)] for p, _ in entries
+        self.owners = owners_of([p for p, _ in entries], self.world)
+        self.rows = [RowLayout.chunked(p.shape[0], self.world) for p, _ in entries]
+        self.owned = [
+            RowLayout.owned(p.shape[0], self.world, owner)
+            for (p, _), owner in zip(entries, self.owners, strict=True)
         ]
-        self.owners = assign_owners([p for p, _ in entries], self.world)
         self.known: list[tuple[Layout, dict[str, Any]] | None] = [None] * len(entries)
         self.device = entries[0][0].device  # a DTensor's device is its local tensor's
 
@@ -110,28 +109,30 @@ class ExchangePlan:
         travelling = [self._travelling(param, state) for param, _ in self.params]
         for i, tensors in enumerate(travelling):
             sends[self.owners[i]].extend(local_of(t) for t in tensors)
-            if self.owners[i] == self.rank:
-                for r in range(self.world):
-                    expect[r] += sum(padded(self.rows[i][r] * row_bytes(t)) for t in tensors)
-        received = self._all_to_all(sends, expect)
+            for piece in self._gathered(i):
+                expect[piece.peer] += sum(nbytes_of((piece.rows, *t.shape[1:]), t.dtype) for t in tensors)
+        received = exchange(sends, self.group, expect=expect, device=self.device, mismatch=DISAGREE)
         pieces: dict[int, list[list[torch.Tensor]]] = {}
-        offsets = [0] * self.world
         for i, tensors in enumerate(travelling):
             if self.owners[i] != self.rank:
                 continue
             per_tensor: list[list[torch.Tensor]] = [[] for _ in tensors]
-            for r in range(self.world):
+            for piece in self._gathered(i):
                 for t_index, tensor in enumerate(tensors):
-                    shape = (self.rows[i][r], *tensor.shape[1:])
-                    piece, offsets[r] = take(received[r], offsets[r], shape, tensor.dtype)
-                    per_tensor[t_index].append(piece)
+                    shape = (piece.rows, *tensor.shape[1:])
+                    per_tensor[t_index].append(received.take(piece.peer, shape, tensor.dtype))
             pieces[i] = per_tensor
         return pieces
+
+    def _gathered(self, i: int) -> tuple[Piece, ...]:
+        """The rows of parameter ``i`` this rank receives as its owner (none when it is not)."""
+        return routes(self.rows[i], self.owned[i], self.rank).receive
 
     def _assemble(self, i: int, pieces: list[list[torch.Tensor]], state: dict[Any, Any]) -> dict[str, Any]:
         """The whole gradient, parameter and state of parameter ``i`` on its owner."""
         param = self.params[i][0]
-        grad, whole, *states = (torch.cat(p, dim=0) for p in pieces)
+        travelling = self._travelling(param, state)
+        grad, whole, *states = (join_rows(p, t) for p, t in zip(pieces, travelling, strict=True))
         whole.grad = grad
         own = state.get(param, {})
         keys = self._sharded_keys(param, state)
@@ -177,82 +178,48 @@ class ExchangePlan:
         sends: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for i, whole in wholes.items():
             layout, _ = self.known[i]  # type: ignore[misc]
-            starts = [sum(self.rows[i][:r]) for r in range(self.world)]
-            for r in range(self.world):
-                rows = slice(starts[r], starts[r] + self.rows[i][r])
-                sends[r].append(whole["param"][rows])
+            for r in range(self.world):  # every rank: its rows (maybe none) and the whole state
+                start, stop = self.rows[i].span(r)
+                sends[r].append(whole["param"][start:stop])
                 for key, kind, _, _ in layout:
                     value = whole["state"][key]
-                    sends[r].append(value[rows] if kind == "rows" else value)
+                    sends[r].append(value[start:stop] if kind == "rows" else value)
         expect = [0] * self.world
         for i, (param, _) in enumerate(self.params):
             layout, _ = self.known[i]  # type: ignore[misc]
-            mine = self.rows[i][self.rank]
-            nbytes = padded(mine * row_bytes(param))
+            mine = self.rows[i].count(self.rank)
+            nbytes = nbytes_of((mine, *param.shape[1:]), param.dtype)
             for _, kind, shape, dtype in layout:
-                numel = mine * math.prod(shape[1:]) if kind == "rows" else math.prod(shape)
-                nbytes += padded(numel * dtype.itemsize)
+                nbytes += nbytes_of((mine, *shape[1:]) if kind == "rows" else shape, dtype)
             expect[self.owners[i]] += nbytes
-        received = self._all_to_all(sends, expect)
-        offsets = [0] * self.world
+        received = exchange(sends, self.group, expect=expect, device=self.device, mismatch=DISAGREE)
         with torch.no_grad():
             for i, (param, _) in enumerate(self.params):
                 owner = self.owners[i]
                 layout, scalars = self.known[i]  # type: ignore[misc]
-                mine = self.rows[i][self.rank]
+                mine = self.rows[i].count(self.rank)
                 local = local_of(param)  # type: ignore[arg-type]
-                piece, offsets[owner] = take(received[owner], offsets[owner], tuple(local.shape), local.dtype)
-                local.copy_(piece)
+                local.copy_(received.take(owner, tuple(local.shape), local.dtype))
                 new_state: dict[str, Any] = dict(scalars)
                 old = state.get(param, {})
                 for key, kind, shape, dtype in layout:
-                    size = (mine, *shape[1:]) if kind == "rows" else shape
-                    piece, offsets[owner] = take(received[owner], offsets[owner], size, dtype)
+                    piece = received.take(owner, (mine, *shape[1:]) if kind == "rows" else shape, dtype)
                     new_state[key] = (
                         _rows_state(param, old.get(key), piece) if kind == "rows" else piece.clone()
                     )
                 state[param] = new_state
 
-    def _all_to_all(self, sends: list[list[torch.Tensor]], expect: list[int]) -> list[torch.Tensor]:
-        return all_to_all_bytes(sends, expect, self.group, self.device)
 
-
-def assign_owners(params: list[torch.Tensor], world: int) -> list[int]:
+def owners_of(params: list[torch.Tensor], world: int) -> list[int]:
     """An owner rank per parameter: the most work first, each to the least loaded rank (ties: lowest)."""
-    load = [0] * world
-    owners = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-_work(params[i]), i)):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = owner
-        load[owner] += _work(params[i])
-    return owners
+    return owners_by_load([_work(p) for p in params], world)
 
 
-def all_to_all_bytes(
-    sends: list[list[torch.Tensor]], expect: list[int], group: dist.ProcessGroup, device: torch.device
-) -> list[torch.Tensor]:
-    """The bytes of ``sends[r]`` to every rank ``r``, and from each ``expect[r]`` bytes: one all-to-all.
-
-    The byte counts are exchanged first: where some rank sends other than what its peer expects, every
-    rank raises (after one small all-reduce), so none waits on a collective that would not match.
-    """
-    parts = [_pack(tensors, device) for tensors in sends]
-    out_bytes = [p.numel() for p in parts]
-    counts = torch.tensor(out_bytes, dtype=torch.int64, device=device)
-    theirs = torch.empty_like(counts)
-    dist.all_to_all_single(theirs, counts, group=group)
-    wrong = torch.tensor([int(theirs.tolist() != expect)], dtype=torch.int64, device=device)
-    dist.all_reduce(wrong, group=group)
-    if int(wrong.item()):
-        raise RuntimeError(
-            "whole-tensor optimizer step: the ranks of a shard group disagree on what to exchange "
-            "(a parameter has a gradient or state on some ranks only). Step the optimizer on every "
-            "rank after the same backward, and load its state on every rank."
-        )
-    source = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    output = torch.empty(sum(expect), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(output, source, expect, out_bytes, group=group)
-    return list(output.split(expect))
+def join_rows(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The rows ``pieces`` in order as one tensor (a new one; no rows: empty, shaped and typed ``like``)."""
+    if pieces:
+        return torch.cat(pieces, dim=0)
+    return torch.empty((0, *like.shape[1:]), dtype=like.dtype, device=like.device)
 
 
 def _work(param: torch.Tensor) -> int:
@@ -260,38 +227,6 @@ def _work(param: torch.Tensor) -> int:
     if param.ndim == 2:
         return int(param.numel() * min(param.shape))
     return int(param.numel())
-
-
-def row_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of one row (dim 0) of ``tensor``."""
-    return math.prod(tensor.shape[1:]) * tensor.dtype.itemsize
-
-
-def padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The bytes of ``tensors`` one after another, each padded to 8 bytes."""
-    chunks = []
-    for tensor in tensors:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        chunks.append(data)
-        pad = padded(data.numel()) - data.numel()
-        if pad:
-            chunks.append(data.new_zeros(pad))
-    if not chunks:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat(chunks)
-
-
-def take(
-    buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, int]:
-    """The tensor of ``shape`` and ``dtype`` at ``offset`` of ``buffer`` (a view), and the next offset."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    piece = buffer[offset : offset + nbytes].view(dtype).view(shape)
-    return piece, offset + padded(nbytes)
 
 
 def _layout_of(param: torch.Tensor, state: dict[str, Any]) -> tuple[Layout, dict[str, Any]]:

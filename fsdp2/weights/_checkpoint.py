@@ -21,11 +21,12 @@ from typing import Any, BinaryIO, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..base._mesh import mesh_device
+from ..comm._collectives import raise_everywhere
 from ..debug._guard import check_entry
-from ..param._param import chunk_rows
+from ..param._rows import local_box
 from ._buffers import rebuild_buffers
 
 # safetensors' names of the dtypes it stores
@@ -54,9 +55,9 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     (``get_model_state_dict(..., full_state_dict=True)`` holds the whole model at once). The file loads
     with ``safetensors.torch.load_file`` into the plain model, and with :func:`load_full_state_dict`
     into an fsdp2 model at any world size. Tied parameters are written under each of their names.
-    Issues one all-gather per sharded tensor, one broadcast (whether rank 0 could open the file) and a
-    barrier at the end (the file is complete when any rank returns). Only rank 0 touches ``path``; the
-    ``safetensors`` package is not needed to save.
+    Issues one all-gather per sharded tensor, one small object all-gather (whether rank 0 could open the
+    file) and a barrier at the end (the file is complete when any rank returns). Only rank 0 touches
+    ``path``; the ``safetensors`` package is not needed to save.
 
     Args:
         model: the fsdp2 (or plain) model; its parameters are left as they were.
@@ -82,7 +83,9 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
                 stream.write(header_bytes((k, t.dtype, t.shape) for k, t in entries.items()))
             except OSError as error:
                 problem = f"rank 0 cannot write {os.fspath(path)!r}: {error}"
-        _agree(problem, OSError)  # every rank raises, or none: no rank is left in a collective
+        # every rank raises, or none: no rank is left in a collective
+        failed = "save_full_state_dict: {}. Nothing was written."
+        raise_everywhere(problem, None, lambda text: OSError(failed.format(text)))
         for tensor in entries.values():
             full = full_tensor(tensor)  # collective: every rank, same order
             if stream is not None:
@@ -167,15 +170,6 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *, stri
 def _nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s full (unsharded) value."""
     return tensor.numel() * tensor.element_size()
-
-
-def _agree(problem: str, error: type[Exception]) -> None:
-    """Raise ``error(problem)`` on every rank if rank 0 found a problem (one broadcast)."""
-    shared = [problem]
-    if dist.is_initialized():
-        dist.broadcast_object_list(shared, src=0)
-    if shared[0]:
-        raise error(f"save_full_state_dict: {shared[0]}. Nothing was written.")
 
 
 def header_bytes(layout: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> bytes:
@@ -291,22 +285,3 @@ def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     else:  # strided shards (tensor parallel under FSDP): DTensor's own split
         local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
     tensor.to_local().copy_(local)
-
-
-def local_box(tensor: DTensor) -> tuple[slice, ...] | None:
-    """The slices of the full tensor this rank holds, or ``None`` for placements other than Shard/Replicate.
-
-    ``torch.chunk``'s split on each sharded mesh dim, as DTensor's (a dim sharded on two mesh dims is
-    split twice, outer mesh dim first). Call it only on a rank of the tensor's mesh.
-    """
-    mesh, placements = tensor.device_mesh, tensor.placements
-    if not all(type(p) in (Shard, Replicate) for p in placements):
-        return None
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "local_box on a rank outside the mesh"
-    starts, lengths = [0] * tensor.dim(), list(tensor.shape)
-    for size, index, placement in zip(mesh.shape, coordinate, placements, strict=True):
-        if isinstance(placement, Shard):
-            _, start, lengths[placement.dim] = chunk_rows(lengths[placement.dim], size, index)
-            starts[placement.dim] += start
-    return tuple(slice(s, s + n) for s, n in zip(starts, lengths, strict=True))

@@ -13,25 +13,24 @@ Each rank's part of a bucket is the same number of bytes on every rank: per para
 ``ceil(rows / W)`` rows (torch.chunk's split, the one DTensor's ``Shard(0)`` uses) of its values in
 the sync dtype, then as many one-byte mask values where the parameter goes sparse, each run rounded
 up to 8 bytes so that every run starts aligned for any dtype. A rank with fewer rows (uneven shards)
-leaves the rest of its room unwritten; the reader takes only each rank's rows.
+leaves the rest of its room unwritten; the reader takes only each rank's rows. The rows, the
+alignment and the row-shard test are the exchange floor's (``param._rows``, ``comm._exchange``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from ..param._layout import chunk_rows
+from ..comm._exchange import padded, take
+from ..param._rows import RowLayout, row_shard
 
 __all__ = ["Item", "buckets", "full_bytes", "gather_bucket", "gather_device", "row_group"]
-
-_ALIGN = 8
 
 
 @dataclass
@@ -56,19 +55,16 @@ def row_group(param: torch.Tensor) -> Any | None:
     """
     if not isinstance(param, DTensor) or param.dim() == 0:
         return None
-    sharded = [dim for dim, p in enumerate(param.placements) if type(p) is Shard and p.dim == 0]
-    rest = [p for dim, p in enumerate(param.placements) if dim not in sharded]
-    if len(sharded) != 1 or not all(isinstance(p, Replicate) for p in rest):
-        return None
-    return param.device_mesh.get_group(sharded[0])
+    mesh_dim = row_shard(param)
+    return None if mesh_dim is None else param.device_mesh.get_group(mesh_dim)
 
 
 def _room(item: Item, world: int) -> tuple[int, int]:
     """Bytes a rank's part of the bucket keeps for ``item``: its values, its mask (aligned)."""
     shape = item.param.shape
-    elems = chunk_rows(shape[0], world, 0)[0] * math.prod(shape[1:])  # the padded part
-    values = -(-elems * item.values.element_size() // _ALIGN) * _ALIGN
-    mask = -(-elems // _ALIGN) * _ALIGN if item.mask is not None else 0
+    elems = RowLayout.chunked(shape[0], world).step * shape[1:].numel()  # the padded part
+    values = padded(elems * item.values.element_size())
+    mask = padded(elems) if item.mask is not None else 0
     return values, mask
 
 
@@ -164,11 +160,6 @@ def _unpack(
 
 def _cut(parts: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype, world: int) -> torch.Tensor:
     """The full tensor of ``shape`` whose rows each rank's part holds at ``offset``."""
-    row = math.prod(shape[1:])
-    size = dtype.itemsize
-    pieces = []
-    for rank in range(world):
-        _, _, rows = chunk_rows(shape[0], world, rank)
-        raw = parts[rank, offset : offset + rows * row * size]
-        pieces.append(raw.view(dtype).view(rows, *shape[1:]))
+    layout = RowLayout.chunked(shape[0], world)
+    pieces = [take(parts[rank], offset, (layout.count(rank), *shape[1:]), dtype)[0] for rank in range(world)]
     return torch.cat(pieces)

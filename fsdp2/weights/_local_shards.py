@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..param._layout import chunk_rows
+from ..param._rows import local_box
 
 __all__ = ["LocalShard", "local_shards"]
 
@@ -67,19 +67,15 @@ def _offset(name: str, param: DTensor) -> tuple[int, ...]:
     Each ``Shard(d)`` on a mesh dim splits the block it is given as ``torch.chunk`` does, in mesh-dim
     order (DTensor's layout).
     """
-    start = [0] * param.dim()
-    size = list(param.shape)
     coordinate = param.device_mesh.get_coordinate() or [0] * param.device_mesh.ndim
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if type(placement) is not Shard:
-            raise ValueError(
-                f"WeightSync.local_shards cannot place {name!r}: its placement {placement} on mesh dim "
-                f"{mesh_dim} is not one block per rank (partial sums, or rows interleaved by tensor "
-                "parallelism). Gather it with WeightSync.updates() instead."
-            )
-        dim = placement.dim
-        _, first, size[dim] = chunk_rows(size[dim], param.device_mesh.size(mesh_dim), coordinate[mesh_dim])
-        start[dim] += first
-    return tuple(start)
+    box = local_box(param, coordinate)
+    if box is None:
+        mesh_dim, placement = next(
+            (i, p) for i, p in enumerate(param.placements) if type(p) not in (Shard, Replicate)
+        )
+        raise ValueError(
+            f"WeightSync.local_shards cannot place {name!r}: its placement {placement} on mesh dim "
+            f"{mesh_dim} is not one block per rank (partial sums, or rows interleaved by tensor "
+            "parallelism). Gather it with WeightSync.updates() instead."
+        )
+    return tuple(piece.start for piece in box)

@@ -3,9 +3,9 @@
 Owns: ``save_pretrained`` (the plain model's state dict split into ``model-0000k-of-0000n.safetensors``
 files plus ``model.safetensors.index.json``, each file written by one rank) and ``load_pretrained``
 (each rank reads only the bytes of its own shards, from such a directory or one ``.safetensors`` file).
-Does not own: the safetensors header and dtype table, the state-dict checks and the placement
-arithmetic (``_checkpoint.py``, shared with the rank-0 full-state files), or the reader (the
-``safetensors`` package, imported lazily).
+Does not own: the safetensors header and dtype table and the state-dict checks (``_checkpoint.py``,
+shared with the rank-0 full-state files), the placement arithmetic (``param._rows``), or the reader
+(the ``safetensors`` package, imported lazily).
 Invariants: the files, their tensors and their writers follow from names, shapes and dtypes alone,
 so every rank knows them without communication; a load checks every name and shape on every rank
 and all ranks agree before any parameter is written.
@@ -20,7 +20,10 @@ tensor's writer. A writer so receives the tensors of its own files only, one per
 rank sends its shard and keeps nothing. Rows come from one holder each: a dim-0 shard from the rank
 at its mesh coordinate in the writer's replica (or replica 0), a replicated or plain tensor from the
 writer itself when it holds one. Other placements (strided tensor-parallel shards) are gathered whole
-on their mesh first (``DTensor.full_tensor``) and sent by one holder.
+on their mesh first (``DTensor.full_tensor``) and sent by one holder. The rows' holders, the writers'
+choice, the exchange and its buffers and the agreement are the floor's (``param._rows``,
+``comm._exchange``, ``comm.raise_everywhere``): the writer knows what each holder sends, so no counts
+travel, and the bytes are packed unpadded (one tensor per round and pair).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..comm._collectives import raise_everywhere
+from ..comm._exchange import Scratch, exchange
 from ..debug._guard import check_entry
-from ..param._layout import chunk_rows
+from ..param._rows import RowLayout, local_box, owners_by_load, row_shard
 from ._buffers import rebuild_buffers
 from ._checkpoint import (
     SAFETENSORS_DTYPES,
@@ -46,7 +51,6 @@ from ._checkpoint import (
     comm_device,
     full_tensor,
     header_bytes,
-    local_box,
     safe_open_or_raise,
 )
 
@@ -125,7 +129,7 @@ def save_pretrained(
         problem = _open_files(directory, names, files, mine, streams)
         if rank == 0 and not problem:
             problem = _write_index(model, directory, names, files)
-        _agree(problem, OSError, "save_pretrained", "Nothing was written.")
+        raise_everywhere(problem, None, lambda text: OSError(f"save_pretrained: {text} Nothing was written."))
         queues = [
             [(i, e) for i in range(len(files)) if owners[i] == r for e in files[i]] for r in range(world)
         ]
@@ -181,7 +185,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
             problem = reader.check(groups)
         if not problem:
             problem = rebuild_buffers(model, "load_pretrained")
-        _agree(problem, ValueError, f"load_pretrained({os.fspath(path)!r})", "Nothing was loaded.")
+        what = f"load_pretrained({os.fspath(path)!r})"
+        raise_everywhere(problem, None, lambda text: ValueError(f"{what}: {text} Nothing was loaded."))
         with torch.no_grad():
             reader.read(groups)
     finally:
@@ -278,13 +283,7 @@ def _split(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
 
 def _owners(files: Sequence[Sequence[_Entry]], world: int) -> list[int]:
     """The rank writing each file: largest file first, to the rank with the fewest bytes (then lowest)."""
-    loads = [0] * world
-    owners = [0] * len(files)
-    sizes = [sum(e.nbytes for e in file) for file in files]
-    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
-        owners[i] = min(range(world), key=lambda r: (loads[r], r))
-        loads[owners[i]] += sizes[i]
-    return owners
+    return owners_by_load([sum(e.nbytes for e in file) for file in files], world)
 
 
 def _file_names(count: int) -> list[str]:
@@ -357,7 +356,7 @@ def _stream(
     device: torch.device,
 ) -> None:
     """Every round: each rank's next tensor to its writer (one all-to-all), then each writes its own."""
-    scratch = _Scratch(device)
+    scratch = Scratch(device)
     for k in range(max(map(len, queues))):
         round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
         full = _exchange(round_, rank, scratch)
@@ -365,50 +364,18 @@ def _stream(
             streams[queues[rank][k][0]].write(full.cpu().numpy().data)
 
 
-class _Scratch:
-    """A send and a receive byte buffer reused by every round (grown when a round needs more).
-
-    Fresh buffers each round would cost a page fault per page of every tensor, and leave the
-    allocator's peak above two tensors.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, kind: str, nbytes: int) -> torch.Tensor:
-        buffer = self._buffers.get(kind)
-        if buffer is None or buffer.numel() < nbytes:
-            self._buffers.pop(kind, None)  # freed before its successor is allocated
-            buffer = self._buffers[kind] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buffer[:nbytes]
-
-
-def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: _Scratch) -> torch.Tensor | None:
+def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: Scratch) -> torch.Tensor | None:
     """One all-to-all: this rank's rows of each round tensor to its writer; the bytes of its own back."""
     held = [_held(entry, owner, rank) for owner, entry in enumerate(round_)]
-    sends = [_bytes(h.to(scratch.device)) if h is not None else None for h in held]
-    send_sizes = [s.numel() if s is not None else 0 for s in sends]
+    sends = [[h.to(scratch.device)] if h is not None else [] for h in held]
     mine = round_[rank]
     senders = _senders(mine, rank) if mine is not None else []
-    recv_sizes = [0] * len(round_)
+    expect = [0] * len(round_)
     for sender, nbytes in senders:
-        recv_sizes[sender] += nbytes
-    out = scratch.take("receive", sum(recv_sizes))
-    data = [s for s in sends if s is not None and s.numel()]
-    inp = data[0] if len(data) == 1 else scratch.take("send", sum(send_sizes))
-    if len(data) > 1:
-        torch.cat(data, out=inp)
-    if dist.is_initialized():
-        dist.all_to_all_single(out, inp, recv_sizes, send_sizes)
-    else:
-        out.copy_(inp)
-    del inp, data, sends, held
-    return None if mine is None else _in_row_order(out, senders)
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
+        expect[sender] += nbytes
+    received = exchange(sends, None, expect=expect, scratch=scratch, align=1, check=False)
+    del sends, held
+    return None if mine is None else _in_row_order(received.buffer, senders)
 
 
 def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
@@ -416,7 +383,7 @@ def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
     if entry is None:
         return None
     tensor = entry.tensor
-    if isinstance(tensor, DTensor) and _shard_dim(tensor) is None and rank in _mesh_ranks(tensor):
+    if isinstance(tensor, DTensor) and row_shard(tensor) is None and rank in _mesh_ranks(tensor):
         tensor = full_tensor(tensor)  # strided shards: gathered on the mesh first
     if all(sender != rank for sender, _ in _senders(entry, owner)):
         return None
@@ -430,27 +397,19 @@ def _senders(entry: _Entry, owner: int) -> list[tuple[int, int]]:
     if not isinstance(tensor, DTensor):
         return [(owner, entry.nbytes)]
     mesh = tensor.device_mesh.mesh
-    dim = _shard_dim(tensor)
+    dim = row_shard(tensor)
     at = (mesh == owner).nonzero()
     coordinate = at[0].tolist() if len(at) else [0] * mesh.dim()  # the writer's replica, or replica 0
     if dim is None:  # replicated on the mesh, or gathered whole there
         return [(int(mesh[tuple(coordinate)]), entry.nbytes)]
     rows = tensor.shape[0]
     row_bytes = entry.nbytes // rows if rows else 0
+    layout = RowLayout.chunked(rows, mesh.size(dim))
     senders = []
-    for index in range(mesh.size(dim)):
+    for index in layout.holders(0, rows):  # the shard mesh dim's ranks that hold rows, in row order
         coordinate[dim] = index
-        senders.append((int(mesh[tuple(coordinate)]), chunk_rows(rows, mesh.size(dim), index)[2] * row_bytes))
+        senders.append((int(mesh[tuple(coordinate)]), layout.count(index) * row_bytes))
     return senders
-
-
-def _shard_dim(tensor: DTensor) -> int | None:
-    """The mesh dim sharding ``tensor``'s dim 0 when every other mesh dim replicates it, else ``None``."""
-    shards = [i for i, p in enumerate(tensor.placements) if type(p) is Shard]  # not _StridedShard
-    if len(shards) != 1 or tensor.placements[shards[0]] != Shard(0):
-        return None
-    others = (p for i, p in enumerate(tensor.placements) if i != shards[0])
-    return shards[0] if all(isinstance(p, Replicate) for p in others) else None
 
 
 def _mesh_ranks(tensor: DTensor) -> list[int]:
@@ -586,17 +545,3 @@ def _rank_and_world() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-def _agree(problem: str, error: type[Exception], what: str, outcome: str) -> None:
-    """Raise ``error`` on every rank if any rank found a problem (one all-gather of the messages)."""
-    found = [problem]
-    if dist.is_initialized():
-        found = [""] * dist.get_world_size()
-        dist.all_gather_object(found, problem)
-    reports = [f"rank {r}: {p}" if len(found) > 1 else p for r, p in enumerate(found) if p]
-    if reports:
-        # identical messages from every rank are said once
-        unique = list(dict.fromkeys(p for p in found if p))
-        text = unique[0] if len(unique) == 1 else " ".join(reports)
-        raise error(f"{what}: {text} {outcome}")

@@ -1,0 +1,203 @@
+"""The byte exchange: tensors packed into aligned bytes, one variable-size all-to-all, taken back.
+
+Owns: ``pack`` (tensors' raw bytes back to back, each padded to ``align`` bytes), ``take`` (a tensor
+viewed back out of such bytes), ``Scratch`` (send and receive buffers reused across exchanges),
+``exchange`` (each rank's tensors for every peer, one ``all_to_all_single``) and ``Received`` (what an
+exchange brought, read per peer in the order it was packed). Does not own: what goes where (the
+routes between row layouts, ``param._rows``) or what the bytes mean (the callers').
+
+[Note: Counts known and unknown]
+A receiver that can compute what each peer sends (sizes from shapes, dtypes and routes) passes
+``expect``: no counts travel. Its sizes are checked once, by one all-reduce of two integers: for each
+of two weightings ``h``, each rank adds up ``bytes sent to j * h(i, j)`` and subtracts ``bytes
+expected from j * h(j, i)`` modulo the prime ``2^31 - 1``, so the ranks' sums are zero when every
+pair agrees. One pair that disagrees always shows (the prime divides neither a nonzero weight nor a
+difference below 2 GiB); several that cancel in both sums at once are a chance of about 2^-62. Where
+some rank's sizes are wrong every rank raises, so none waits in an all-to-all that would not match.
+Without ``expect`` the counts are exchanged first (one small all-to-all) and nothing can disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ALIGN", "Received", "Scratch", "exchange", "nbytes_of", "pack", "padded", "take"]
+
+ALIGN = 8  # every piece starts aligned for any dtype
+_PRIME = 2**31 - 1
+_BASES = (48271, 69621)  # two weightings of the size check (primitive roots modulo _PRIME)
+
+
+def padded(nbytes: int, align: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``align``."""
+    return -(-nbytes // align) * align
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype, align: int = ALIGN) -> int:
+    """The packed size of a tensor of ``shape`` and ``dtype``."""
+    return padded(math.prod(shape) * dtype.itemsize, align)
+
+
+class Scratch:
+    """A send and a receive byte buffer, reused by every exchange given it (grown when one needs more).
+
+    Fresh buffers each time would cost a page fault per page of every tensor, and leave the allocator's
+    peak above what one exchange needs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, kind: str, nbytes: int) -> torch.Tensor:
+        buffer = self._buffers.get(kind)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(kind, None)  # freed before its successor is allocated
+            buffer = self._buffers[kind] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes]
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack(
+    tensors: Sequence[torch.Tensor],
+    device: torch.device,
+    align: int = ALIGN,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
+    """The bytes of ``tensors`` one after another, each padded with zeros to ``align`` bytes.
+
+    One tensor needing no padding is returned as its own bytes (no copy); otherwise the bytes go into
+    ``scratch``'s send buffer when given, else a new one.
+    """
+    chunks: list[torch.Tensor] = []
+    for tensor in tensors:
+        data = _raw(tensor)
+        if data.numel():
+            chunks.append(data)
+        pad = padded(data.numel(), align) - data.numel()
+        if pad:
+            chunks.append(data.new_zeros(pad))
+    if len(chunks) == 1:
+        return chunks[0]
+    total = sum(c.numel() for c in chunks)
+    out = scratch.take("send", total) if scratch is not None else None
+    if not chunks:
+        return torch.empty(0, dtype=torch.uint8, device=device) if out is None else out
+    return torch.cat(chunks, out=out) if out is not None else torch.cat(chunks)
+
+
+def take(
+    buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype, align: int = ALIGN
+) -> tuple[torch.Tensor, int]:
+    """The tensor of ``shape`` and ``dtype`` at ``offset`` of ``buffer``, and the next piece's offset.
+
+    A view of ``buffer``, or a copy where ``offset`` is not aligned for ``dtype`` (``align`` below it).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = buffer[offset : offset + nbytes]
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(tuple(shape)), offset + padded(nbytes, align)
+
+
+class Received:
+    """What one exchange brought: ``parts[r]`` the bytes from rank ``r``, all in ``buffer``."""
+
+    def __init__(self, buffer: torch.Tensor, sizes: Sequence[int], align: int) -> None:
+        self.buffer = buffer
+        self.parts = list(buffer.split(list(sizes)))
+        self._align = align
+        self._offsets = [0] * len(sizes)
+
+    def take(self, peer: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor ``peer`` packed (of ``shape`` and ``dtype``)."""
+        piece, self._offsets[peer] = take(self.parts[peer], self._offsets[peer], shape, dtype, self._align)
+        return piece
+
+
+def exchange(
+    sends: Sequence[Sequence[torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    *,
+    expect: Sequence[int] | None = None,
+    scratch: Scratch | None = None,
+    device: torch.device | None = None,
+    align: int = ALIGN,
+    check: bool = True,
+    mismatch: str = "the ranks disagree on the sizes of an exchange",
+) -> Received:
+    """Send the tensors ``sends[r]`` (packed, see ``pack``) to each rank ``r`` of ``group``: one all-to-all.
+
+    Args:
+        sends: per rank of ``group``, the tensors for it, in the order it takes them back.
+        group: the process group (``None``: the default one; one rank when none is initialized).
+        expect: the bytes (packed) each rank sends this one, when the caller knows them: no counts
+            travel, and with ``check`` one all-reduce checks them (see [Note: Counts known and
+            unknown]); ``None``: the counts are exchanged first.
+        scratch: buffers reused across exchanges (their device is the exchange's).
+        device: where buffers go without ``scratch`` (default: the first tensor's, else the CPU).
+        align: each tensor's bytes are padded to this.
+        check: check ``expect`` against what the ranks send (one all-reduce).
+        mismatch: the ``RuntimeError``'s message on every rank when the sizes disagree.
+    """
+    if device is None:
+        device = scratch.device if scratch is not None else _first_device(sends)
+    out_sizes = [sum(padded(t.numel() * t.element_size(), align) for t in tensors) for tensors in sends]
+    source = pack([t for tensors in sends for t in tensors], device, align, scratch)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        sizes = [source.numel()]
+        if expect is not None and check and list(expect) != sizes:
+            raise RuntimeError(mismatch)
+        out = _receive_buffer(scratch, source.numel(), device)
+        out.copy_(source)
+        return Received(out, sizes, align)
+    if expect is None:
+        counts = torch.tensor(out_sizes, dtype=torch.int64, device=device)
+        theirs = torch.empty_like(counts)
+        dist.all_to_all_single(theirs, counts, group=group)
+        sizes = theirs.tolist()
+    else:
+        sizes = list(expect)
+        if check and not _sizes_agree(out_sizes, sizes, group, device):
+            raise RuntimeError(mismatch)
+    total = sum(sizes)
+    out = _receive_buffer(scratch, total, device)
+    dist.all_to_all_single(out, source, sizes, out_sizes, group=group)
+    return Received(out, sizes, align)
+
+
+def _receive_buffer(scratch: Scratch | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    if scratch is not None:
+        return scratch.take("receive", nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _first_device(sends: Sequence[Sequence[torch.Tensor]]) -> torch.device:
+    return next((t.device for tensors in sends for t in tensors), torch.device("cpu"))
+
+
+def _weight(base: int, sender: int, receiver: int) -> int:
+    return pow(base, sender * 1_000_003 + receiver + 1, _PRIME)
+
+
+def _sizes_agree(
+    out_sizes: Sequence[int], expect: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
+) -> bool:
+    """Whether every rank sends every other what that one expects (one all-reduce; see the Note)."""
+    me = dist.get_rank(group)
+    sums = []
+    for base in _BASES:
+        mine = sum(n * _weight(base, me, peer) for peer, n in enumerate(out_sizes) if n)
+        mine -= sum(n * _weight(base, peer, me) for peer, n in enumerate(expect) if n)
+        sums.append(mine % _PRIME)
+    total = torch.tensor(sums, dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=group)
+    return all(int(value) % _PRIME == 0 for value in total.tolist())

@@ -1,0 +1,109 @@
+"""The exchange floor on threaded ranks: ``comm.exchange``, ``pack``/``take`` and ``raise_everywhere``.
+
+Tensors of several dtypes and sizes (empty ones too) reach their peers bit for bit; the counts travel
+only when the receiver does not know them; known counts are checked with one all-reduce, and a rank
+whose sizes are wrong makes every rank raise before the all-to-all; scratch buffers are reused; a
+problem on one rank is raised on all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp2.comm import Scratch, exchange, nbytes_of, raise_everywhere
+from fsdp2.testing import count_collectives
+from tests._harness import run_threaded
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float64)
+
+
+def _tensor(sender: int, receiver: int, k: int) -> torch.Tensor:
+    """The ``k``-th tensor ``sender`` sends ``receiver``: its size and dtype vary with all three."""
+    numel = (sender * 3 + receiver * 5 + k) % 7  # 0 at times: empty pieces
+    dtype = _DTYPES[(sender + receiver + k) % len(_DTYPES)]
+    values = torch.arange(numel, dtype=torch.float64) + 100 * sender + 10 * receiver + k
+    return values.to(dtype)
+
+
+def _round_trip(known: bool, check: bool) -> dict[str, Any]:
+    me, world = dist.get_rank(), dist.get_world_size()
+    sends = [[_tensor(me, peer, k) for k in range(3)] for peer in range(world)]
+    expect = None
+    if known:
+        expect = [
+            sum(nbytes_of(t.shape, t.dtype) for t in (_tensor(s, me, k) for k in range(3)))
+            for s in range(world)
+        ]
+    scratch = Scratch(torch.device("cpu"))
+    with count_collectives() as counted:
+        received = exchange(sends, None, expect=expect, scratch=scratch, check=check)
+    for sender in range(world):
+        for k in range(3):
+            want = _tensor(sender, me, k)
+            got = received.take(sender, want.shape, want.dtype)
+            assert torch.equal(got, want), (sender, k)
+    first = received.buffer.data_ptr()
+    again = exchange([[t[:1] for t in ts] for ts in sends], None, scratch=scratch)
+    return {"counts": dict(counted), "reused": again.buffer.data_ptr() == first}
+
+
+@pytest.mark.parametrize(
+    ("known", "check", "counts"),
+    [
+        (False, True, {"all_to_all": 2}),  # the counts, then the bytes
+        (True, True, {"all_to_all": 1, "all_reduce": 1}),  # the bytes, one check
+        (True, False, {"all_to_all": 1}),
+    ],
+)
+def test_exchange_moves_every_piece_and_counts_only_unknown_sizes(
+    known: bool, check: bool, counts: dict[str, int]
+) -> None:
+    for out in run_threaded(3, _round_trip, known, check):
+        assert out["counts"] == counts
+        assert out["reused"]
+
+
+def _wrong_size() -> None:
+    me, world = dist.get_rank(), dist.get_world_size()
+    sends = [[torch.ones(4)] for _ in range(world)]
+    expect = [16] * world
+    if me == 2:
+        sends[0] = [torch.ones(5)]  # rank 0 expects 16 bytes from rank 2
+    with pytest.raises(RuntimeError, match="disagree on what to move"):
+        exchange(sends, None, expect=expect, mismatch="disagree on what to move")
+
+
+def test_a_wrong_size_raises_on_every_rank() -> None:
+    run_threaded(4, _wrong_size)
+
+
+def _problems(kind: str, flag_first: bool = False) -> tuple[str, dict[str, int]]:
+    me = dist.get_rank()
+    problem = {"none": "", "one": "bad" if me == 1 else "", "two": f"bad {me}" if me in (0, 2) else ""}[kind]
+    device = torch.device("cpu") if flag_first else None
+    with count_collectives() as counted:
+        try:
+            raise_everywhere(problem, None, lambda text: ValueError(f"what: {text}"), device=device)
+        except ValueError as error:
+            return str(error), dict(counted)
+    return "", dict(counted)
+
+
+def test_raise_everywhere_raises_one_problem_on_every_rank() -> None:
+    assert [text for text, _ in run_threaded(3, _problems, "none")] == ["", "", ""]
+    assert [text for text, _ in run_threaded(3, _problems, "one")] == ["what: bad"] * 3
+    named = "what: rank 0: bad 0 rank 2: bad 2"
+    assert [text for text, _ in run_threaded(3, _problems, "two")] == [named] * 3
+    assert [text for text, _ in run_threaded(1, _problems, "one")] == [""]
+
+
+def test_raise_everywhere_with_a_device_gathers_messages_only_on_a_problem() -> None:
+    for text, counts in run_threaded(3, _problems, "none", True):
+        assert (text, counts) == ("", {"all_reduce": 1})
+    for text, counts in run_threaded(3, _problems, "one", True):
+        assert text == "what: bad"
+        assert counts["all_reduce"] == 1
