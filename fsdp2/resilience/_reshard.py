@@ -4,27 +4,28 @@ Owns: ``Reshard``, the plan of one restore, the same on every rank: leaf table, 
 size, and which new rank holds (reads and sends) each old rank's snapshot. ``outgoing`` cuts, for each
 new rank, the rows of every sharded leaf its chunk shares with the old ranks held here, plus the tree
 and the whole-held tensors of the old rank it takes them from (``source``); ``incoming`` puts a new
-rank's pieces together. Pure: tensors in, tensors out; the exchange itself is ``_restore``'s.
+rank's pieces together. Pure: tensors in, tensors out; the exchange itself is ``_restore``'s (through
+``comm.exchange``).
 
 [Note: What each new rank receives]
 From each sender, in this order: for each sharded leaf in table order, for each old rank the sender
 holds in ascending order, the rows of that old rank's chunk that fall in the new rank's chunk (both
-chunks as ``torch.chunk`` cuts the leaf's sharded dimension); then, when the sender holds the
-receiver's ``source`` (old rank ``new_rank % old_world``), that rank's tree and whole-held tensors,
-pickled. A receiver computes every piece's size from the leaf table; only the pickled part's length
-travels (the all-to-all's counts).
+chunks as ``torch.chunk`` cuts the leaf's sharded dimension: ``param.routes`` between the two
+``RowLayout``s, whichever dimension it is); then, when the sender holds the receiver's ``source`` (old
+rank ``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A receiver computes
+every piece's size from the leaf table; only the pickled part's length travels (the exchange's counts).
 """
 
 from __future__ import annotations
 
-import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..param._layout import chunk_rows
+from ..comm import take
+from ..param import Routes, RowLayout, routes
 from ._format import Leaf, RankSnapshot, local_shape
 
 
@@ -44,34 +45,32 @@ class Reshard:
     def held_by(self, new_rank: int) -> list[int]:
         return [old for old, holder in enumerate(self.holder) if holder == new_rank]
 
-    def _overlap(self, leaf: Leaf, old: int, new: int) -> tuple[int, int] | None:
-        """Rows ``[start, stop)`` of ``leaf``'s sharded dimension in both chunks, in global numbering."""
+    def _routes(self, leaf: Leaf, rank: int) -> Routes:
+        """``rank``'s rows of ``leaf``'s sharded dimension going from the old chunks to the new ones.
+
+        ``send``: to new ranks, ``rank`` as an old rank; ``receive``: from old ranks, ``rank`` as a new one.
+        """
         assert leaf.dim is not None
         size = leaf.shape[leaf.dim]
-        old_start, old_stop = _span(size, self.old_world, old)
-        new_start, new_stop = _span(size, self.new_world, new)
-        start, stop = max(old_start, new_start), min(old_stop, new_stop)
-        return (start, stop) if start < stop else None
+        return routes(RowLayout.chunked(size, self.old_world), RowLayout.chunked(size, self.new_world), rank)
 
     def outgoing(self, me: int, held: dict[int, RankSnapshot]) -> list[torch.Tensor]:
         """What ``me`` sends each new rank (uint8, flat), from the old snapshots it holds."""
         mine = self.held_by(me)
-        out = []
+        parts: list[list[torch.Tensor]] = [[] for _ in range(self.new_world)]
+        for index, leaf in enumerate(self.leaves):
+            if leaf.dim is None:
+                continue
+            for old in mine:
+                local = held[old].local(index)
+                start = RowLayout.chunked(leaf.shape[leaf.dim], self.old_world).span(old)[0]
+                for piece in self._routes(leaf, old).send:
+                    rows = local.narrow(leaf.dim, piece.start - start, piece.rows)
+                    parts[piece.peer].append(rows.contiguous().view(-1).view(torch.uint8))
         for receiver in range(self.new_world):
-            parts: list[torch.Tensor] = []
-            for index, leaf in enumerate(self.leaves):
-                if leaf.dim is None:
-                    continue
-                for old in mine:
-                    span = self._overlap(leaf, old, receiver)
-                    if span is not None:
-                        start = _span(leaf.shape[leaf.dim], self.old_world, old)[0]
-                        piece = held[old].local(index).narrow(leaf.dim, span[0] - start, span[1] - span[0])
-                        parts.append(piece.contiguous().view(-1).view(torch.uint8))
             if self.source(receiver) in mine:
-                parts.append(_pickled_rest(held[self.source(receiver)]))
-            out.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
-        return out
+                parts[receiver].append(_pickled_rest(held[self.source(receiver)]))
+        return [torch.cat(part) if part else torch.empty(0, dtype=torch.uint8) for part in parts]
 
     def incoming(self, me: int, received: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
         """``me``'s tree and its local value of every leaf, from what each sender sent it."""
@@ -80,21 +79,14 @@ class Reshard:
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
                 continue
-            for old in range(self.old_world):  # ascending: each sender's pieces come in this order too
-                span = self._overlap(leaf, old, me)
-                if span is None:
-                    continue
-                sender = self.holder[old]
+            for piece in self._routes(leaf, me).receive:  # ascending old ranks: each sender's order too
+                sender = self.holder[piece.peer]
                 shape = list(leaf.shape)
-                shape[leaf.dim] = span[1] - span[0]
-                nbytes = math.prod(shape) * leaf.dtype.itemsize
-                raw = received[sender][cursors[sender] : cursors[sender] + nbytes]
-                cursors[sender] += nbytes
-                if raw.storage_offset() % leaf.dtype.itemsize:  # viewed in its dtype, it must be aligned
-                    raw = raw.clone()
-                pieces.setdefault(index, []).append(raw.view(leaf.dtype).view(shape))
-        rest = received[self.holder[self.source(me)]][cursors[self.holder[self.source(me)]] :]
-        tree, whole = pickle.loads(rest.numpy().tobytes())
+                shape[leaf.dim] = piece.rows
+                value, cursors[sender] = take(received[sender], cursors[sender], shape, leaf.dtype, align=1)
+                pieces.setdefault(index, []).append(value)
+        sender = self.holder[self.source(me)]
+        tree, whole = pickle.loads(received[sender][cursors[sender] :].numpy().tobytes())
         values: list[torch.Tensor] = []
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
@@ -111,9 +103,3 @@ def _pickled_rest(snapshot: RankSnapshot) -> torch.Tensor:
     whole = {i: snapshot.local(i).clone() for i, leaf in enumerate(snapshot.leaves) if leaf.dim is None}
     data = pickle.dumps((snapshot.tree, whole), protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _span(size: int, world: int, rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``rank``'s ``torch.chunk`` piece of ``size`` rows."""
-    _, start, count = chunk_rows(size, world, rank)
-    return start, start + count

@@ -2,9 +2,9 @@
 
 Owns: ``choose`` (from every new rank's listing of its node's files: the newest step whose every old
 rank has a whole copy somewhere, and which new rank reads each; or why there is none, naming the
-damaged copies apart from the lost ones), ``exchange`` (each reader checks the bytes it read; a damaged
-copy is dropped and the choice made again; then one all-to-all moves every row to its new rank, see
-``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
+damaged copies apart from the lost ones), ``reshard_newest`` (each reader checks the bytes it read; a
+damaged copy is dropped and the choice made again; then one ``comm.exchange`` moves every row to its
+new rank, see ``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
 objects, through torch.distributed.checkpoint's state-dict functions, as a DCP load does). No file
 outside the node's snapshot directory is read.
 """
@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from ..comm import exchange
 from ._format import Leaf, RankSnapshot, fill
 from ._reshard import Reshard
 from ._store import Damaged, Listed, NodeStore
@@ -67,7 +68,7 @@ def choose(
             continue
         load = [0] * len(listings)
         holder = []
-        for old in range(world):
+        for old in range(world):  # in rank order, among its own listers: not param.owners_by_load's heap
             pick = old if old in listers[old] else min(listers[old], key=lambda r: (load[r], r))
             load[pick] += 1
             holder.append(pick)
@@ -101,7 +102,7 @@ def _lines(groups: Iterable[list[str]], shown: int = 2) -> str:
 
 @dataclass(frozen=True)
 class Exchanged:
-    """What ``exchange`` gives this rank: the choice, the leaf table, its tree and local leaf values.
+    """What ``reshard_newest`` gives this rank: the choice, the leaf table, its tree and local leaf values.
 
     ``skipped`` has a line for each damaged copy that was passed over, on any node.
     """
@@ -113,7 +114,7 @@ class Exchanged:
     skipped: list[str]
 
 
-def exchange(
+def reshard_newest(
     store: NodeStore, listing: list[Listed], damaged: list[Damaged], group: dist.ProcessGroup
 ) -> Exchanged | str | None:
     """Choose, read, check and reshard onto this job's ranks.
@@ -148,7 +149,8 @@ def exchange(
     table: list[Any] = [held[0].leaves if 0 in held else None]
     dist.broadcast_object_list(table, src=dist.get_global_rank(group, choice.holder[0]), group=group)
     plan = Reshard(tuple(table[0]), choice.old_world, world, choice.holder)
-    tree, values = _all_to_all(plan, me, held, group)
+    received = exchange([[part] for part in plan.outgoing(me, held)], group, align=1)  # counts travel
+    tree, values = plan.incoming(me, received.parts)
     skipped = [line for lines in broken.values() for line in lines]
     return Exchanged(choice, plan.leaves, tree, values, skipped)
 
@@ -164,20 +166,6 @@ def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, Ran
         except (OSError, ValueError, EOFError) as error:
             damaged.append(store.damaged(choice.step, old, error))
     return held, damaged
-
-
-def _all_to_all(
-    plan: Reshard, me: int, held: dict[int, RankSnapshot], group: dist.ProcessGroup
-) -> tuple[Any, list[torch.Tensor]]:
-    sends = plan.outgoing(me, held)
-    counts = torch.tensor([part.numel() for part in sends], dtype=torch.int64)
-    theirs = torch.empty_like(counts)
-    dist.all_to_all_single(theirs, counts, group=group)
-    expect = theirs.tolist()
-    output = torch.empty(sum(expect), dtype=torch.uint8)
-    source = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
-    dist.all_to_all_single(output, source, expect, counts.tolist(), group=group)
-    return plan.incoming(me, list(output.split(expect)))
 
 
 def apply(

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from ..base._warn import warn_user
 from ._format import RankSnapshot, capture, check_layouts, encode_header, host_bytes
 from ._nodes import check_restartable, check_separate_storage, warn_other_jobs
-from ._restore import apply, exchange
+from ._restore import apply, reshard_newest
 from ._ring import Ring
 from ._store import ENV_DIR, NodeStore, default_root, job_identity
 
@@ -272,7 +272,7 @@ class Snapshots:
         self.wait()  # a copy in flight uses the same group
         start = time.perf_counter()
         listing, damaged = self.store.listing()
-        result = exchange(
+        result = reshard_newest(
             self.store,
             [entry for entry in listing if entry.step > newer_than],
             [entry for entry in damaged if entry.step > newer_than],
