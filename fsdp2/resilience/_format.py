@@ -9,14 +9,15 @@ Does not own where files live (``_store``) or how shards move between ranks (``_
 ``MAGIC``, the header's length (8 bytes, little-endian), the header (a pickled dict: step, world size,
 rank, the leaf table, the tree with every tensor replaced by ``LeafRef(i)``, each leaf's byte offset,
 the payload's length and CRC-32), then the payload: each leaf's local values, in table order, each
-starting at a multiple of 64 bytes so it can be viewed in its dtype where it lies. A file is written
-under a temporary name and renamed into place, so a file with its final name is whole (a write that
-fails removes its temporary file); its CRC tells bytes damaged after that.
+starting at a multiple of 64 bytes so it can be viewed in its dtype where it lies (``comm.padded`` and
+``comm.take`` at 64 bytes; the leaves are copied one by one into the host buffer rather than through
+``comm.pack``, which would concatenate them where they lie: a second copy of the shards on the GPU). A
+file is written under a temporary name and renamed into place, so a file with its final name is whole
+(a write that fails removes its temporary file); its CRC tells bytes damaged after that.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import struct
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..param._layout import chunk_rows
+from ..comm import padded, take
+from ..param import RowLayout, row_shard
 
 MAGIC = b"FSDP2SNP"
 _PREFIX = len(MAGIC) + 8  # the magic, then the header's length
@@ -78,16 +80,14 @@ class RankSnapshot:
         """Leaf ``index``'s local values, a view of the payload in the leaf's dtype and local shape."""
         leaf = self.leaves[index]
         shape = local_shape(leaf, self.world, self.rank)
-        nbytes = math.prod(shape) * leaf.dtype.itemsize
-        start = self.offsets[index]
-        return self.payload[start : start + nbytes].view(leaf.dtype).view(shape)
+        return take(self.payload, self.offsets[index], shape, leaf.dtype, _ALIGN)[0]
 
 
 def local_shape(leaf: Leaf, world: int, rank: int) -> tuple[int, ...]:
     if leaf.dim is None:
         return leaf.shape
     shape = list(leaf.shape)
-    shape[leaf.dim] = chunk_rows(shape[leaf.dim], world, rank)[2]
+    shape[leaf.dim] = RowLayout.chunked(shape[leaf.dim], world).count(rank)
     return tuple(shape)
 
 
@@ -115,7 +115,7 @@ def capture(tree: Any, step: int, world: int, rank: int) -> RankSnapshot:
     offsets, total = [], 0
     for local in locals_:
         offsets.append(total)
-        total += _padded(local.numel() * local.element_size())
+        total += padded(local.numel() * local.element_size(), _ALIGN)
     payload = torch.empty(total, dtype=torch.uint8)
     for offset, local in zip(offsets, locals_, strict=True):
         nbytes = local.numel() * local.element_size()
@@ -148,27 +148,28 @@ def _map(
 
 
 def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> Leaf:
+    """``tensor``'s leaf; a DTensor must be ``torch.chunk``'s rows on a 1-D mesh (``param.row_shard``).
+
+    A ``_StridedShard`` (tensor parallelism's) is not: its rows interleave, so it is refused like TP.
+    """
     if not isinstance(tensor, DTensor):
         return Leaf(path, tensor.dtype, tuple(tensor.shape), None)
     placements = tuple(tensor.placements)
-    if tensor.device_mesh.ndim != 1 or not isinstance(placements[0], Shard):
+    shard = placements[0] if tensor.device_mesh.ndim == 1 else None
+    if not isinstance(shard, Shard) or row_shard(tensor, shard.dim) != 0:
         name = "/".join(str(key) for key in path)
         raise ValueError(
             f"fsdp2 snapshots reshard tensors sharded on one dimension of a 1-D mesh (FSDP); {name} has "
             f"placements {placements} on a {tensor.device_mesh.ndim}-D mesh. Save this layout (HSDP, tensor "
             "parallelism) with torch.distributed.checkpoint instead."
         )
-    return Leaf(path, tensor.dtype, tuple(tensor.shape), placements[0].dim)
+    return Leaf(path, tensor.dtype, tuple(tensor.shape), shard.dim)
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
     """A uint8 host tensor's bytes, without a copy."""
     array: Any = tensor.numpy()  # numpy arrays are buffers; its type stubs do not say so
     return memoryview(array).cast("B")
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 # -- the file --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``fsdp2.Snapshots`` refuses what it cannot keep, before it creates its process group: a cadence
 that is not a positive int, a name that is not a folder name, state objects without
-``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension), a job
+``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension) or
+rows that are not ``torch.chunk``'s (a ``_StridedShard``, a replicated DTensor) on a 1-D mesh, a job
 without an identity (a restore could take another job's snapshots), and a torchrun launch that may
 restart the job on a store shared between its rounds (the restart would fail to connect).
 A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
@@ -19,9 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp2
-from fsdp2.resilience._format import capture
+from fsdp2.resilience._format import capture, check_layouts
 from tests._harness import run_threaded
 
 
@@ -57,6 +60,20 @@ def test_an_hsdp_model_is_refused_with_the_way_out() -> None:
             fsdp2.Snapshots(_model(mesh), every=1)
 
     run_threaded(4, body)
+
+
+def test_only_torch_chunks_rows_on_a_1d_mesh_are_taken() -> None:
+    def body() -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.ones(2, 3)
+        taken = [DTensor.from_local(local, mesh, [p], run_check=False) for p in (Shard(0), Shard(1))]
+        assert [leaf.dim for leaf in capture({"w": taken}, 1, 2, dist.get_rank()).leaves] == [0, 1]
+        for placement in (_StridedShard(0, split_factor=2), Replicate()):  # interleaved rows; no rows
+            tensor = DTensor.from_local(local, mesh, [placement], run_check=False)
+            with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
+                check_layouts({"w": tensor})
+
+    run_threaded(2, body)
 
 
 def _captured(step: int) -> None:
