@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..base._warn import warn_user
+from ..comm import raise_everywhere
 from ._ring import Ring
 from ._store import NodeStore
 
@@ -49,7 +50,8 @@ def check_separate_storage(
     """Raise on every rank when a node cannot write its directory or sees another node's in its own.
 
     Each node's first rank leaves a marker (named by a token of this call) in its job directory; after
-    every node has, a node that finds another node's marker shares its storage with it.
+    every node has (the first ``raise_everywhere`` gathers from every rank), a node that finds another
+    node's marker shares its storage with it. Each check raises the lowest rank's problem.
     """
     token: list[Any] = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
@@ -65,27 +67,30 @@ def check_separate_storage(
                 f"fsdp2.Snapshots cannot write in its snapshot directory on {keys[rank]}: {error}. Set "
                 "FSDP2_SNAPSHOT_DIR (or directory=) to a writable node-local directory."
             )
-    dist.barrier(group=group)
-    seen: list[int] = []
-    if leader and not problem:
-        names = [path.name for path in store.directory.glob(f".node-{token[0]}-*")]
-        seen = sorted(int(name.rsplit("-", 1)[1]) for name in names if name != marker.name)
-    reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (problem, node, seen), group=group)
-    if leader:
-        marker.unlink(missing_ok=True)
-    for problem, node, seen in reports:
-        if problem:
-            raise RuntimeError(problem)
+    try:
+        raise_everywhere(problem, group, RuntimeError, combine=_first)
+        seen: list[int] = []
+        if leader:
+            names = [path.name for path in store.directory.glob(f".node-{token[0]}-*")]
+            seen = sorted(int(name.rsplit("-", 1)[1]) for name in names if name != marker.name)
+        shared = ""
         if seen:
             first = {ring.node_of[r]: keys[r] for r in reversed(range(len(keys)))}
-            raise ValueError(
+            shared = (
                 f"fsdp2.Snapshots: nodes {first[node]} and {first[seen[0]]} keep their snapshots in one "
                 f"storage ({store.directory} is the same directory on both: a network file system?), so a "
                 "rank's copy on its buddy node would replace its own file and one copy would be kept where "
                 "two are counted. Give each node a directory in its own memory: FSDP2_SNAPSHOT_DIR (or "
                 "directory=) on a node-local file system such as /dev/shm."
             )
+        raise_everywhere(shared, group, ValueError, combine=_first)
+    finally:
+        if leader and not problem:  # only a marker put down (unlinking under a file would raise anew)
+            marker.unlink(missing_ok=True)  # after every rank has looked (the second gather), or raised
+
+
+def _first(problems: list[str]) -> str:
+    return next(problem for problem in problems if problem)
 
 
 def warn_other_jobs(store: NodeStore) -> None:

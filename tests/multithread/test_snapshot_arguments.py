@@ -3,7 +3,8 @@ that is not a positive int, a name that is not a folder name, state objects with
 ``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension) or
 rows that are not ``torch.chunk``'s (a ``_StridedShard``, a replicated DTensor) on a 1-D mesh, a job
 without an identity (a restore could take another job's snapshots), and a torchrun launch that may
-restart the job on a store shared between its rounds (the restart would fail to connect).
+restart the job on a store shared between its rounds (the restart would fail to connect); a node that
+cannot write its directory is refused on every rank.
 A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
 optimizer state (the bytes the restore moves; the restore itself runs in spawned gloo processes, in
 tests/multiprocess/test_snapshots_gloo.py).
@@ -12,6 +13,7 @@ tests/multiprocess/test_snapshots_gloo.py).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp2
 from fsdp2.resilience._format import capture, check_layouts
+from fsdp2.resilience._nodes import check_separate_storage
+from fsdp2.resilience._ring import Ring
+from fsdp2.resilience._store import NodeStore
 from tests._harness import run_threaded
 
 
@@ -135,3 +140,18 @@ def test_a_restartable_torchrun_job_on_a_shared_store_is_refused_with_the_settin
             fsdp2.Snapshots(_model(), every=1)
 
     run_threaded(2, body)
+
+
+def test_a_node_that_cannot_write_its_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+
+    def body() -> None:
+        rank = dist.get_rank()
+        root = tmp_path / ("node0" if rank == 0 else "a-file")  # node 1's directory is under a file
+        store = NodeStore(root, "train", "job")
+        keys = [f"host{r}:{NodeStore(tmp_path / f'n{r}', 'train', 'job').directory}" for r in range(2)]
+        with pytest.raises(RuntimeError, match=r"cannot write in its snapshot directory on host1:"):
+            check_separate_storage(store, Ring.of(keys), keys, rank, dist.group.WORLD)
+
+    run_threaded(2, body)
+    assert [p.name for p in (tmp_path / "node0").rglob("*") if p.is_file()] == []  # no marker left behind
