@@ -24,7 +24,7 @@ LINT_PATHS = ["fsdp2", "tests", "examples", "benchmarks"]
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit, property and multithread tests: no spawned processes, no GPU."""
+    """Single-process and thread-rank tests: no spawned processes, no GPU."""
     _install(session, "test")
     session.run("pytest", "-m", "not multiprocess and not gpu", *session.posargs)
 

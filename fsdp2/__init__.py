@@ -45,7 +45,7 @@ from .weights._pretrained import load_pretrained, save_pretrained
 from .weights._weight_sync import WeightSync
 
 # What importing fsdp2 installs: the package's only import-time registrations, here and nowhere else
-# (tests/unit/test_layering.py refuses a module-level call in any other module).
+# (tests/house/test_layering.py refuses a module-level call in any other module).
 install_pickling()  # torch.save of a sharded state dict: DTensors over packed shards (param/_dtensor.py)
 install_deepcopy()  # copy.deepcopy(model.state_dict()): DTensors over packed shards (param/_dtensor.py)
 set_deepcopy_impl(deepcopy_fsdp)  # copy.deepcopy(model) of fully_shard modules (weights/_copy.py)

@@ -12,7 +12,7 @@ is a fork of it. A spawned rank imported all that itself, about 5 s of CPU each 
 processes with their own gloo process group; each starts in the caller's working directory and
 environment, as a spawned one would. One difference: forked ranks share the server's string-hash
 seed, while spawned ranks (and torchrun's) each drew their own; the torchrun tests in
-``tests/multiprocess/test_examples.py`` still start separate interpreters.
+``tests/end_to_end/test_examples.py`` still start separate interpreters.
 """
 
 from __future__ import annotations

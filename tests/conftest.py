@@ -3,12 +3,14 @@
 Owns: the Hypothesis profiles ("ci" when the CI environment variable is set, else "dev"), the
 ``impl`` fixture that runs a behaviour test against both ``fsdp2`` and torch's ``fully_shard``
 (ids ``fsdp2`` / ``torch``), and a default ``pytest.mark.timeout`` for tests that set none
-(hangs are the failure mode of multi-rank tests; every test under ``tests/multiprocess`` gets the
-``multiprocess`` marker and its longer limit), and the ``slow`` marker that keeps the quick loop
-(``-m "not slow"``) within minutes: spawned processes, the torch side of differential tests, worlds
-of 4 and more (``_quick_loop_leaves_out``), all but the first quick case of a test marked
-``first_case_in_quick_loop`` (its cases are combinations of settings), plus tests marked ``slow``.
-Markers are declared in pyproject.toml.
+(hangs are the failure mode of multi-rank tests; a module that spawns processes says so with
+``pytestmark = pytest.mark.multiprocess`` and gets their longer limit), and the ``slow`` marker that
+keeps the quick loop (``-m "not slow"``) within minutes: spawned processes, the torch side of
+differential tests, thread-rank worlds of 4 and more (``_quick_loop_leaves_out``), all but the first
+quick case of a test marked ``first_case_in_quick_loop`` (its cases are combinations of settings), plus
+tests marked ``slow``. Markers are declared in pyproject.toml. Tests live by room (``tests/<room>/``
+mirrors ``fsdp2/<room>/``; ``house`` checks the package's shape, ``end_to_end`` runs the README, the
+docs and real clients); cost is in the markers, not the folders.
 Does not own: process groups (``_harness.py``) or the implementations (``_impls.py``).
 """
 
@@ -48,7 +50,13 @@ def _quick_loop_leaves_out(item: pytest.Item) -> bool:
     if "torch" in values.values():  # impl, impl_name, name: the torch side
         return True
     worlds = [values[name] for name in ("world_size", "world") if isinstance(values.get(name), int)]
-    return "multithread" in item.path.parent.parts and any(world >= 4 for world in worlds)
+    return _runs_thread_ranks(item) and any(world >= 4 for world in worlds)
+
+
+def _runs_thread_ranks(item: pytest.Item) -> bool:
+    """Whether ``item``'s module runs threads as ranks (it uses the harness's rank runners)."""
+    names = vars(getattr(item, "module", None) or object)
+    return "run_threaded" in names or "run_ranks" in names
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,9 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.slow)
             else:
                 sampled.add(function)
-        # every test under tests/multiprocess spawns processes, marked or not: give it their limit
-        if "multiprocess" in item.path.parent.parts and item.get_closest_marker("multiprocess") is None:
-            item.add_marker(pytest.mark.multiprocess)
         if item.get_closest_marker("multiprocess") is not None or _quick_loop_leaves_out(item):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("timeout") is None:

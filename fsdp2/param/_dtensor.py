@@ -8,7 +8,7 @@ a DTensor at new local storage, and ``copy.deepcopy`` of a DTensor whose local t
 storage offset (torch 2.13's fails; installed at import, see ``install_deepcopy``), and pickling
 (``torch.save``) of a DTensor whose local tensor is a part of a larger storage: just the part is
 saved (torch 2.13 fails where the part starts at an offset; see ``install_pickling``).
-``tests/unit/test_dtensor.py`` checks them against the public API.
+``tests/param/test_dtensor.py`` checks them against the public API.
 Invariants: the spec passed in describes the local tensor (global shape, stride, dtype, placements).
 """
 

@@ -63,12 +63,24 @@ class quiet_registrations:  # noqa: N801 - used like a function: `with quiet_reg
         _local.quiet = False
 
 
+class _Notes(list):  # type: ignore[type-arg]
+    """One thread's noted registrations; a thread that ends with some unchecked stops counting them.
+
+    (Threads as ranks end after their job: their notes must not make every later forward check.)
+    """
+
+    def __del__(self) -> None:
+        if self:
+            with LATE.lock:
+                LATE.pending -= len(self)
+
+
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
     if value is None or not module.__dict__.get(_MANAGED, False) or getattr(_local, "quiet", False):
         return
     pending = getattr(_local, "pending", None)
     if pending is None:
-        pending = _local.pending = []
+        pending = _local.pending = _Notes()
     pending.append((weakref.ref(module), name))
     with LATE.lock:
         LATE.pending += 1

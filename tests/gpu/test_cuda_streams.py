@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from tests._harness import assert_sharded_parity, broadcast_module_, run_threaded
 from tests.models import ModelArgs, Transformer, make_tokens
-from tests.multithread.test_conditional_compute import (
+from tests.shared.moe import (
     RS_NAME,
     Sizes,
     check_left_out,

@@ -1,0 +1,157 @@
+"""``fsdp2.Snapshots`` refuses what it cannot keep, before it creates its process group: a cadence
+that is not a positive int, a name that is not a folder name, state objects without
+``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension) or
+rows that are not ``torch.chunk``'s (a ``_StridedShard``, a replicated DTensor) on a 1-D mesh, a job
+without an identity (a restore could take another job's snapshots), and a torchrun launch that may
+restart the job on a store shared between its rounds (the restart would fail to connect); a node that
+cannot write its directory is refused on every rank.
+A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
+optimizer state (the bytes the restore moves; the restore itself runs in spawned gloo processes, in
+tests/resilience/test_snapshots_gloo.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fsdp2
+from fsdp2.resilience._format import capture, check_layouts
+from fsdp2.resilience._nodes import check_separate_storage
+from fsdp2.resilience._ring import Ring
+from fsdp2.resilience._store import NodeStore
+from tests._harness import run_threaded
+
+
+def _model(mesh: Any = None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    for layer in model:
+        fsdp2.fully_shard(layer, mesh=mesh)
+    return fsdp2.fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every": 0}, ValueError, "every=.*positive int"),
+        ({"every": True}, ValueError, "every=.*positive int"),
+        ({"every": 2, "name": "a/b"}, ValueError, "plain folder name"),
+        ({"every": 2, "state": {"step": 3}}, TypeError, "int has no state_dict"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    def body() -> None:
+        with pytest.raises(error, match=match):
+            fsdp2.Snapshots(_model(), **kwargs)
+
+    run_threaded(2, body)
+
+
+def test_an_hsdp_model_is_refused_with_the_way_out() -> None:
+    def body() -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
+            fsdp2.Snapshots(_model(mesh), every=1)
+
+    run_threaded(4, body)
+
+
+def test_only_torch_chunks_rows_on_a_1d_mesh_are_taken() -> None:
+    def body() -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.ones(2, 3)
+        taken = [DTensor.from_local(local, mesh, [p], run_check=False) for p in (Shard(0), Shard(1))]
+        assert [leaf.dim for leaf in capture({"w": taken}, 1, 2, dist.get_rank()).leaves] == [0, 1]
+        for placement in (_StridedShard(0, split_factor=2), Replicate()):  # interleaved rows; no rows
+            tensor = DTensor.from_local(local, mesh, [placement], run_check=False)
+            with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
+                check_layouts({"w": tensor})
+
+    run_threaded(2, body)
+
+
+def _captured(step: int) -> None:
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(step):
+        model(torch.ones(4, 3)).sum().backward()
+        optim.step()
+    tree = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    snapshot = capture(tree, step, dist.get_world_size(), dist.get_rank())
+    names = [leaf.name for leaf in snapshot.leaves]
+    assert names[:4] == ["model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"]
+    for index, (name, param) in enumerate(model.named_parameters()):
+        assert torch.equal(snapshot.local(index), param.to_local()), name
+        assert snapshot.leaves[index].shape == tuple(param.shape), name  # the global shape
+        assert snapshot.leaves[index].dim == 0, name
+        state = optim.state[param]
+        mine = names.index(f"optim/state/{name}/exp_avg")
+        assert torch.equal(snapshot.local(mine), state["exp_avg"].to_local()), name
+    assert snapshot.leaves[names.index("optim/state/1.bias/step")].dim is None
+
+
+def test_a_capture_holds_each_ranks_shards_of_parameters_and_optimizer_state() -> None:
+    run_threaded(2, functools.partial(_captured, 2))
+
+
+@pytest.mark.parametrize(
+    ("environ", "job", "match"),
+    [
+        ({}, None, "identity for the job.*not launched by torchrun: launch it with torchrun.*_JOB"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None, r"id is 'none'\): pass torchrun --rdzv-id <job id>"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, " ", "job=.*non-empty string"),
+    ],
+)
+def test_a_job_without_an_identity_is_refused(
+    environ: dict[str, str], job: str | None, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FSDP2_SNAPSHOT_JOB", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+
+    def body() -> None:
+        with pytest.raises(ValueError, match=match):
+            fsdp2.Snapshots(_model(), every=1, job=job)
+
+    run_threaded(2, body)
+
+
+def test_a_restartable_torchrun_job_on_a_shared_store_is_refused_with_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "demo")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+
+    def body() -> None:
+        with pytest.raises(RuntimeError, match=r"--max-restarts 3.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            fsdp2.Snapshots(_model(), every=1)
+
+    run_threaded(2, body)
+
+
+def test_a_node_that_cannot_write_its_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+
+    def body() -> None:
+        rank = dist.get_rank()
+        root = tmp_path / ("node0" if rank == 0 else "a-file")  # node 1's directory is under a file
+        store = NodeStore(root, "train", "job")
+        keys = [f"host{r}:{NodeStore(tmp_path / f'n{r}', 'train', 'job').directory}" for r in range(2)]
+        with pytest.raises(RuntimeError, match=r"cannot write in its snapshot directory on host1:"):
+            check_separate_storage(store, Ring.of(keys), keys, rank, dist.group.WORLD)
+
+    run_threaded(2, body)
+    assert [p.name for p in (tmp_path / "node0").rglob("*") if p.is_file()] == []  # no marker left behind
