@@ -80,9 +80,7 @@ def _deepcopy(impl: Impl) -> None:
             with pytest.raises((AssertionError, RuntimeError)):
                 copy.deepcopy(target)
             continue
-        twin = copy.deepcopy(
-            target
-        )  # fsdp2: an independent sharded copy (tests/weights/test_deepcopy.py)
+        twin = copy.deepcopy(target)  # fsdp2: an independent sharded copy (tests/weights/test_deepcopy.py)
         torch.testing.assert_close(twin(x), target(x), rtol=0, atol=0)
 
 

@@ -290,7 +290,7 @@ def _full_on_cpu() -> None:
     else:
         assert full == {}
     # Without cpu_offload every rank gets the full tensors, and set_model_state_dict loads them.
-    # (Loading rank 0's dict alone, broadcast_from_rank0=True, needs gloo processes: tests marked multiprocess.)
+    # (Loading rank 0's dict alone, broadcast_from_rank0=True, needs gloo processes.)
     everywhere = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.testing.assert_close(everywhere, ref.state_dict(), **EXACT)
     fresh = _shard(_perturbed())
