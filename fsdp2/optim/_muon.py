@@ -15,10 +15,9 @@ and each rank applies weight decay and the update to its rows. The same operatio
 values as the unsharded model: fp32 parameters are bit-identical. bf16 parameters may differ by a
 bf16 ulp where the CPU's vectorised add rounds an element differently than on the whole matrix (which
 elements fall in a vector's body or its tail depends on the row count); at one rank they are
-bit-identical. into each rank per step flow
-2 N M (W - 1) / W^2 bytes for N matrices of M bytes (an update's rows there, the result's back),
-against 5 N M (W - 1) / W^2 for the general owner step and N M (W - 1) / W for an all-gather of every
-update on every rank. The momentum stays a DTensor sharded like its parameter.
+bit-identical. Per step, each rank receives 2 N M (W - 1) / W^2 bytes for N matrices of M bytes (an
+update's rows on the way to its owner, the result's rows on the way back), against 5 N M (W - 1) / W^2
+for the general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The momentum stays a DTensor sharded like its parameter.
 """
 
 from __future__ import annotations
