@@ -35,12 +35,11 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.tensor import DTensor
 
-from ..comm._comms import ForwardingComm
+from ..comm import ForwardingComm
 from ..frontend import _engine as engine
-from ..param._dtensor import local_of
-from ..runtime._optimizer_hooks import take_part
-from ..runtime._step_guard import sharded_params
-from ..trace._debug import debug_enabled, guard_timeout, replica_check_every
+from ..param import local_of
+from ..runtime import sharded_params, take_part
+from ..trace import debug_enabled, guard_timeout, replica_check_every
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._replicas import check_replicas
 from ._straggler_watch import StragglerWatch

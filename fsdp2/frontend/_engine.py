@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base._autograd import in_backward_task_id
-from ..group._param_group import FSDPParamGroup
-from ..runtime._state import FSDPState, busy, get_state, states_under
+from ..base import in_backward_task_id
+from ..group import FSDPParamGroup
+from ..runtime import FSDPState, busy, get_state, states_under
 from ._composable import pop_torch_state, restore_torch_state
 from ._module import original_class
 

@@ -7,10 +7,24 @@ side of bucketing. A group holds what it works with (the root's streams and even
 by ``attach``), never its root, its schedule or a sibling: ``runtime``'s schedule calls it.
 Imports the floors below.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._param_group import FSDPParamGroup
+from ._param_group import FSDPParamGroup, build_group, split_group
 from ._pending import PendingReduceScatter, pack_gradients, reduce_scatter_key
+from ._reduce import ReducePart, reduce_shared
+from ._skip import Skip, UseTracker
 
-__all__ = ["FSDPParamGroup", "PendingReduceScatter", "pack_gradients", "reduce_scatter_key"]
+__all__ = [
+    "FSDPParamGroup",
+    "PendingReduceScatter",
+    "ReducePart",
+    "Skip",
+    "UseTracker",
+    "build_group",
+    "pack_gradients",
+    "reduce_scatter_key",
+    "reduce_shared",
+    "split_group",
+]

@@ -8,7 +8,8 @@ Adafactor, declared classes; ``declare_optimizer``), gradient clipping over shar
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
 ``frontend._engine``; imports the floors below.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._accumulate import Accumulation, accumulate

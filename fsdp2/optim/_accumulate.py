@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import nn
 
-from ..comm._comms import ForwardingComm
+from ..comm import ForwardingComm
 from ..frontend import _engine as engine
-from ..runtime._step_guard import mark_partial_grads
+from ..runtime import mark_partial_grads
 
 __all__ = ["Accumulation", "accumulate"]
 

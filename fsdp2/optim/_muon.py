@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm._exchange import exchange, nbytes_of
-from ..param._dtensor import local_of
-from ..param._rows import RowLayout, routes
+from ..comm import exchange, nbytes_of
+from ..param import RowLayout, local_of, routes
 from ._owner_exchange import DISAGREE, join_rows, owners_of, sharded_like
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit

@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..frontend import _engine as engine
-from ..param._dtensor import local_of
-from ..runtime._optimizer_hooks import take_part
+from ..param import local_of
+from ..runtime import take_part
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
 PHASES = ("init", "forward", "backward", "optimizer")

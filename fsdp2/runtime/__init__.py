@@ -8,11 +8,45 @@ state names, and the process-wide optimizer-step hooks (the step guard with the 
 check, local-shard steps).
 Imports the floors below.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
+from ._autocap import BucketCaps, CapMB, CapMBOrUnset, CollectiveFit, choose_caps, fit_collective, read_caps
+from ._bucket import MIB
+from ._keep_frozen import keep_frozen_gathered
+from ._optimizer_hooks import take_part
 from ._root import RootContext
 from ._schedule import Schedule
-from ._state import FSDPState
+from ._state import FSDPState, busy, get_state, states_under
+from ._step_guard import (
+    drop_held_gradients,
+    mark_partial_grads,
+    mark_replaced,
+    sharded_params,
+    watch_optimizer_steps,
+)
 
-__all__ = ["FSDPState", "RootContext", "Schedule"]
+__all__ = [
+    "MIB",
+    "BucketCaps",
+    "CapMB",
+    "CapMBOrUnset",
+    "CollectiveFit",
+    "FSDPState",
+    "RootContext",
+    "Schedule",
+    "busy",
+    "choose_caps",
+    "drop_held_gradients",
+    "fit_collective",
+    "get_state",
+    "keep_frozen_gathered",
+    "mark_partial_grads",
+    "mark_replaced",
+    "read_caps",
+    "sharded_params",
+    "states_under",
+    "take_part",
+    "watch_optimizer_steps",
+]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm._comms import ForwardingComm
+from ..comm import ForwardingComm
 from ..frontend import _engine as engine
 
 

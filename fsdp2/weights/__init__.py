@@ -8,7 +8,8 @@ rank's shards with their places, ``LocalShard``) and ``copy.deepcopy`` of ``full
 Reads the engine through ``frontend._engine``; imports the floors below (``debug``: every rank agrees
 to enter an export or import in debug mode).
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._checkpoint import load_full_state_dict, save_full_state_dict

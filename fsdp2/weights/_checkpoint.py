@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..base._mesh import mesh_device
-from ..comm._collectives import raise_everywhere
-from ..debug._guard import check_entry
-from ..param._rows import local_box
+from ..base import mesh_device
+from ..comm import raise_everywhere
+from ..debug import check_entry
+from ..param import local_box
 from ._buffers import rebuild_buffers
 
 # safetensors' names of the dtypes it stores

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from ..frontend import _engine as engine
-from ..frontend._fully_shard import fully_shard
+from ..frontend import fully_shard
 
 
 def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:

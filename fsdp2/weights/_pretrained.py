@@ -40,10 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..comm._collectives import raise_everywhere
-from ..comm._exchange import Scratch, exchange
-from ..debug._guard import check_entry
-from ..param._rows import RowLayout, local_box, owners_by_load, row_shard
+from ..comm import Scratch, exchange, raise_everywhere
+from ..debug import check_entry
+from ..param import RowLayout, local_box, owners_by_load, row_shard
 from ._buffers import rebuild_buffers
 from ._checkpoint import (
     SAFETENSORS_DTYPES,
