@@ -12,8 +12,8 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 (``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._copy import deepcopy_fsdp
+from ._full_state import load_full_state_dict, save_full_state_dict
 from ._local_shards import LocalShard
 from ._pretrained import load_pretrained, save_pretrained
 from ._weight_sync import WeightSync
