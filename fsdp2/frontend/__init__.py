@@ -8,8 +8,15 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 (``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
+from ._detach import detached
 from ._fully_shard import fully_shard
 from ._module import FSDPModule, describe
 from ._patch import patch_torch_fsdp
 
-__all__ = ["FSDPModule", "describe", "fully_shard", "patch_torch_fsdp"]
+__all__ = [
+    "FSDPModule",
+    "describe",
+    "detached",
+    "fully_shard",
+    "patch_torch_fsdp",
+]

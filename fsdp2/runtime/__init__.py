@@ -16,6 +16,18 @@ from ._autocap import BucketCaps, CapMB, CapMBOrUnset, CollectiveFit, choose_cap
 from ._bucket import MIB
 from ._keep_frozen import keep_frozen_gathered
 from ._optimizer_hooks import take_part
+from ._queries import (
+    GroupFacts,
+    copy_prefetch_and_caps,
+    copy_state_into,
+    data_parallel_groups,
+    extension_params,
+    groups_under,
+    reshard,
+    sharding_calls,
+    unsharded_tensors,
+    wrap_comms,
+)
 from ._root import RootContext
 from ._schedule import Schedule
 from ._state import FSDPState, busy, get_state, states_under
@@ -34,19 +46,29 @@ __all__ = [
     "CapMBOrUnset",
     "CollectiveFit",
     "FSDPState",
+    "GroupFacts",
     "RootContext",
     "Schedule",
     "busy",
     "choose_caps",
+    "copy_prefetch_and_caps",
+    "copy_state_into",
+    "data_parallel_groups",
     "drop_held_gradients",
+    "extension_params",
     "fit_collective",
     "get_state",
+    "groups_under",
     "keep_frozen_gathered",
     "mark_partial_grads",
     "mark_replaced",
     "read_caps",
+    "reshard",
     "sharded_params",
+    "sharding_calls",
     "states_under",
     "take_part",
+    "unsharded_tensors",
     "watch_optimizer_steps",
+    "wrap_comms",
 ]

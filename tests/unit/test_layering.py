@@ -23,8 +23,8 @@ def _module_name(path: Path) -> str:
 def _internal_imports(path: Path, package: Path = PACKAGE) -> set[str]:
     """Names of the ``fsdp2`` modules and subpackages that ``path`` imports (``runtime._state``, ...).
 
-    ``from ..base._api import X`` counts as ``base._api``; ``from ..frontend import _engine`` as both
-    ``frontend`` (its ``__init__`` runs) and ``frontend._engine``; ``graph`` keeps the names that exist.
+    ``from ..base._api import X`` counts as ``base._api``; ``from ..trace import _events`` as both
+    ``trace`` (its ``__init__`` runs) and ``trace._events``; ``graph`` keeps the names that exist.
     A subpackage's ``__init__`` stands for the subpackage (``testing``); the top-level ``__init__`` is
     ``__init__``. Relative imports are resolved from ``path``'s own package.
     """
@@ -107,7 +107,7 @@ FLOORS = {
     "compile": 4,
     "runtime": 5,
     "frontend": 6,
-    # rooms above the engine, each named for what it does; they read the engine via frontend._engine
+    # rooms above the engine, each named for what it does; they read it through runtime's and group's queries
     "optim": 7,
     "debug": 7,
     "plan": 7,
@@ -155,12 +155,6 @@ PRIVATE_CROSSINGS = {
     ("resilience._nodes", "base._warn.warn_user"),
     ("resilience._reshard", "param._layout.chunk_rows"),
     ("resilience._snapshots", "base._warn.warn_user"),
-    # the engine's queries (moving to the faces of the rooms that own the data)
-    ("debug._guard", "frontend._engine"),
-    ("optim._accumulate", "frontend._engine"),
-    ("plan._memory", "frontend._engine"),
-    ("testing._recording", "frontend._engine"),
-    ("weights._copy", "frontend._engine"),
 }
 
 
@@ -297,7 +291,8 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
                 assert not name.startswith("torch.distributed.fsdp"), f"{path.name} imports {name}"
 
 
-# The engine's stateful classes: the rooms above reach them only through ``frontend._engine``.
+# The engine's stateful classes: the rooms above reach them only through the queries on the faces of
+# ``runtime`` (``runtime/_queries.py``) and ``group`` (``group/_queries.py``).
 ENGINE_INTERNALS = {
     "runtime._state",
     "group._param_group",
@@ -314,22 +309,22 @@ TOOLS = [
     "debug/_guard",
     "testing/_recording",
 ]
-# Fields of states, groups and parameters that only the engine (and ``_engine``) may read.
+# Fields of states, groups and parameters that only the engine (and its queries) may read.
 ENGINE_FIELDS = {"groups", "fsdp_params", "hook_handles", "shard_args", "controls", "unreduced_grads"}
 
 
 @pytest.mark.parametrize("tool", TOOLS)
-def test_tools_reach_the_engine_through_its_interface(tool: str) -> None:
+def test_tools_reach_the_engine_through_the_faces(tool: str) -> None:
     path = PACKAGE / f"{tool}.py"
     internals = _internal_imports(path) & ENGINE_INTERNALS
-    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use _engine instead"
-    assert "frontend._engine" in _internal_imports(path)
+    assert not internals, f"{tool} imports the engine's internals {sorted(internals)}: use runtime's queries"
+    assert "runtime" in _internal_imports(path), f"{tool} does not read the engine through runtime's face"
     reads = {
         node.attr
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute) and node.attr in ENGINE_FIELDS
     }
-    assert not reads, f"{tool} reads engine fields {sorted(reads)}: add what it needs to _engine instead"
+    assert not reads, f"{tool} reads engine fields {sorted(reads)}: add a query to runtime or group"
 
 
 def test_the_communication_report_reads_recordings_only() -> None:
