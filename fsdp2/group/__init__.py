@@ -4,8 +4,9 @@ One ``fully_shard`` group over its own parameters: the packed shards (all-gather
 pending all-gather, the unsharded buffer and its registrations, the gradient reduction (ordered,
 skipping unused parameters, the usage rows, the one reduce path that buckets share) and the group's
 side of bucketing. A group holds what it works with (the root's streams and event scope, handed over
-by ``attach``), never its root, its schedule or a sibling: ``runtime``'s schedule calls it.
-Imports the floors below.
+by ``attach``), never its root, its schedule or a sibling: ``runtime``'s schedule calls it. One
+group's queries for the rooms above (``_queries.py``: gradient sync, gradient bytes). Imports the
+floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
 (``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.

@@ -5,8 +5,8 @@ context (lazy init and its checks, iteration boundaries, recovery, every list of
 (the one caller of a step's gathers and reductions: execution orders, bucket plans, the
 reduce-scatter queue), the usage agreement, automatic bucket caps, state-dict hooks, torch's private
 state names, and the process-wide optimizer-step hooks (the step guard with the replaced-parameter
-check, local-shard steps).
-Imports the floors below.
+check, local-shard steps), and the engine's queries for the rooms above (``_queries.py``: they read
+no field of a state or a group themselves). Imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
 (``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
