@@ -38,8 +38,8 @@ from .trace._events import Event, Span, record_events, save_chrome_trace
 from .trace._report import CommunicationReport, CommunicationRow, communication_report
 from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
-from .weights._checkpoint import load_full_state_dict, save_full_state_dict
 from .weights._copy import deepcopy_fsdp
+from .weights._full_state import load_full_state_dict, save_full_state_dict
 from .weights._local_shards import LocalShard
 from .weights._pretrained import load_pretrained, save_pretrained
 from .weights._weight_sync import WeightSync

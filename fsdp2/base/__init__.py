@@ -5,24 +5,66 @@ controls, mesh facts, the training-state table and its one transition function, 
 fsdp2 hooks backward with, casting, and warnings that point at the user's line. Imports no other
 subpackage.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
+from ._autograd import (
+    eager,
+    in_backward_task_id,
+    outside_functorch,
+    preserve_version_counter,
+    queue_end_of_backward_callback,
+    register_post_backward,
+    register_pre_backward,
+    route_untracked_outputs,
+)
+from ._buffers import KeptBuffers, unset_buffers
+from ._cast import cast_floating, move_to_device
 from ._config import GroupConfig, GroupControls, ParamSpec
-from ._lifecycle import ShardedState, TrainingState, transition
-from ._mesh import MeshInfo
+from ._lifecycle import ALLOWED, ShardedState, TrainingState, stepped_before_backward, transition
+from ._mesh import (
+    MeshInfo,
+    SpmdDims,
+    data_and_tensor_parallel_mesh,
+    default_mesh,
+    mesh_device,
+    post_forward_mesh_info,
+)
+from ._warn import warn_user
 
 __all__ = [
+    "ALLOWED",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "GroupConfig",
     "GroupControls",
+    "KeptBuffers",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParamSpec",
     "ShardedState",
+    "SpmdDims",
     "TrainingState",
+    "as_fsdp2_policy",
+    "cast_floating",
+    "data_and_tensor_parallel_mesh",
+    "default_mesh",
+    "eager",
+    "in_backward_task_id",
+    "mesh_device",
+    "move_to_device",
+    "outside_functorch",
+    "post_forward_mesh_info",
+    "preserve_version_counter",
+    "queue_end_of_backward_callback",
+    "register_post_backward",
+    "register_pre_backward",
+    "route_untracked_outputs",
+    "stepped_before_backward",
     "transition",
+    "unset_buffers",
+    "warn_user",
 ]

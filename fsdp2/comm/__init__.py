@@ -6,29 +6,86 @@ side streams and the stream protocols of the all-gathers and reduce-scatters), a
 every room moving rows between ranks uses (aligned ``pack``/``take``, one ``exchange``) with the "raise on
 every rank, or none" agreement (``raise_everywhere``). Imports ``base``.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._collectives import all_ranks_true, raise_everywhere
-from ._comm_context import CommContext
-from ._comms import AllGather, Comm, ForwardingComm, GroupComms, ReduceScatter
+from ._collectives import (
+    AllGatherResult,
+    CopyIn,
+    DivideFactors,
+    all_gather_copy_in,
+    all_ranks_true,
+    contiguous_strides,
+    copy_out_2d,
+    divide_factors,
+    issue_all_gather,
+    packed_all_gather_copy_in,
+    raise_everywhere,
+    reduce_scatter,
+    reduce_scatter_copy_in,
+    run_all_reduce_hook,
+    view_out_shards,
+    wait_all_gather,
+)
+from ._comm_context import CommContext, serves_on_streams
+from ._comms import (
+    AllGather,
+    Comm,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ForwardingComm,
+    GroupComms,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    ReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+    check_comm,
+    check_symmetric_memory,
+    comm_type,
+)
 from ._exchange import ALIGN, Received, Scratch, exchange, nbytes_of, pack, padded, take
 
 __all__ = [
     "ALIGN",
     "AllGather",
+    "AllGatherResult",
     "Comm",
     "CommContext",
+    "CopyIn",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+    "DivideFactors",
     "ForwardingComm",
     "GroupComms",
+    "ProcessGroupAllocAllGather",
+    "ProcessGroupAllocReduceScatter",
     "Received",
     "ReduceScatter",
     "Scratch",
+    "SymmMemAllGather",
+    "SymmMemReduceScatter",
+    "all_gather_copy_in",
     "all_ranks_true",
+    "check_comm",
+    "check_symmetric_memory",
+    "comm_type",
+    "contiguous_strides",
+    "copy_out_2d",
+    "divide_factors",
     "exchange",
+    "issue_all_gather",
     "nbytes_of",
     "pack",
+    "packed_all_gather_copy_in",
     "padded",
     "raise_everywhere",
+    "reduce_scatter",
+    "reduce_scatter_copy_in",
+    "run_all_reduce_hook",
+    "serves_on_streams",
     "take",
+    "view_out_shards",
+    "wait_all_gather",
 ]

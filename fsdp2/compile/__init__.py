@@ -4,9 +4,10 @@ The traced path: the hooks a top-level module takes when dynamo traces it (colle
 graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler. Imports ``base``,
 ``param`` and ``group`` (what it reads of a group).
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._compiled import traced_post_forward, traced_pre_forward, untraceable
+from ._compiled import TRACING, recover, traced_post_forward, traced_pre_forward, untraceable
 
-__all__ = ["traced_post_forward", "traced_pre_forward", "untraceable"]
+__all__ = ["TRACING", "recover", "traced_post_forward", "traced_pre_forward", "untraceable"]

@@ -52,9 +52,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
-from ..base._api import CPUOffloadPolicy
-from ..base._lifecycle import ShardedState
-from ..group._param_group import FSDPParamGroup
+from ..base import CPUOffloadPolicy, ShardedState
+from ..group import FSDPParamGroup
 
 __all__ = ["TRACING", "recover", "torch_too_old", "traced_post_forward", "traced_pre_forward", "untraceable"]
 

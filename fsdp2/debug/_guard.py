@@ -4,7 +4,7 @@ Owns: ``DivergenceError``; the agreement (``Agreement``: each rank writes a shor
 collective it is about to issue into the job's c10d store under the process group's next sequence
 number, reads every other rank's, and every rank raises the same error if they differ, or if a rank
 has not arrived after the debug timeout); the comm wrappers that run it, installed through
-``_engine.wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
+``runtime``'s ``wrap_comms`` at a root's lazy init while debug mode is on; and the check at the entry of the
 full-weight export and import; and the count of optimizer steps over each guarded root's parameters
 (a participant in the optimizer post-step hook, ``runtime._optimizer_hooks``), which every
 description carries, so the collectives of two different steps never pair up; each agreement's wait
@@ -35,12 +35,10 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.tensor import DTensor
 
-from ..comm._comms import ForwardingComm
-from ..frontend import _engine as engine
-from ..param._dtensor import local_of
-from ..runtime._optimizer_hooks import take_part
-from ..runtime._step_guard import sharded_params
-from ..trace._debug import debug_enabled, guard_timeout, replica_check_every
+from ..comm import ForwardingComm
+from ..param import local_of
+from ..runtime import GroupFacts, data_parallel_groups, groups_under, sharded_params, take_part, wrap_comms
+from ..trace import debug_enabled, guard_timeout, replica_check_every
 from ._board import Board, Outcome, board_key, digest, open_board
 from ._replicas import check_replicas
 from ._straggler_watch import StragglerWatch
@@ -417,7 +415,7 @@ _NAMES: dict[tuple[str, int], list[str]] = {}
 class Guarded(ForwardingComm):
     """A group's collective, issued only after its process group's ranks agree on it."""
 
-    def __init__(self, wrapped: Any, kind: str, facts: engine.GroupFacts, steps: _Steps) -> None:
+    def __init__(self, wrapped: Any, kind: str, facts: GroupFacts, steps: _Steps) -> None:
         super().__init__(wrapped)
         self._kind, self._facts, self._steps = kind, facts, steps
 
@@ -461,14 +459,14 @@ class _Steps:
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
         self.watch = StragglerWatch()  # the waits at this root's agreements: a straggler is named
-        self.facts: engine.GroupFacts | None = None  # one group's, to read the root's iteration
+        self.facts: GroupFacts | None = None  # one group's, to read the root's iteration
         self.count = 0
         self.mark = 0
 
     def tensor_ids(self) -> set[int]:
         """Ids of the sharded parameters and of their local tensors (what ``local_step`` swaps in)."""
         root = self._root()
-        groups = engine.groups_under(root) if root is not None else []
+        groups = groups_under(root) if root is not None else []
         params = [p for group in groups for p in sharded_params(group)]
         return {id(p) for p in params} | {id(local_of(p)) for p in params if isinstance(p, DTensor)}
 
@@ -543,14 +541,14 @@ def install_guard(root: nn.Module, states: list[Any]) -> None:
     _guarded_roots.add(root)
     steps = _Steps(root)
 
-    def wrap(kind: str, comm: Any, facts: engine.GroupFacts) -> Any:
+    def wrap(kind: str, comm: Any, facts: GroupFacts) -> Any:
         trainable = facts.trainable()
         _NAMES[(facts(), len(trainable))] = [name for name, _ in trainable]
         if steps.facts is None:
             steps.facts = facts
         return comm if isinstance(comm, Guarded) else Guarded(comm, kind, facts, steps)
 
-    engine.wrap_comms(states, wrap)
+    wrap_comms(states, wrap)
     _watch_steps(steps)
 
 
@@ -559,5 +557,5 @@ def check_entry(model: nn.Module, what: str) -> None:
     if not debug_enabled() or not dist.is_initialized():
         return
     point = Point(what, "", 0, "idle", torch.is_grad_enabled(), True, -1, "", "")
-    for group in engine.data_parallel_groups(model):
+    for group in data_parallel_groups(model):
         agree(point, group)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..comm._collectives import raise_everywhere
+from ..comm import raise_everywhere
 
 __all__ = ["check_replicas"]
 

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..trace._debug import straggler_check_steps, straggler_fraction
-from ..trace._straggler import attribute
+from ..trace import attribute, straggler_check_steps, straggler_fraction
 
 _Wait = tuple[str, str, float]  # (collective, module, seconds blocked)
 _MAX_WAITS = 1 << 16  # per process group between two checks

@@ -2,13 +2,22 @@
 
 What a user calls to shard: ``fully_shard`` (validation, then the state and groups),
 ``FSDPModule`` (the methods mixed into the module's class), recognition by torch's composable
-registry, and ``patch_torch_fsdp``. Imports the floors below.
+registry, ``patch_torch_fsdp``, and ``detached`` (a sharded tree as plain modules while deep copy
+copies it). Imports the floors below.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
+from ._detach import detached
 from ._fully_shard import fully_shard
-from ._module import FSDPModule
+from ._module import FSDPModule, describe
 from ._patch import patch_torch_fsdp
 
-__all__ = ["FSDPModule", "fully_shard", "patch_torch_fsdp"]
+__all__ = [
+    "FSDPModule",
+    "describe",
+    "detached",
+    "fully_shard",
+    "patch_torch_fsdp",
+]

@@ -19,21 +19,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import TypedDict, Unpack
 
-from ..base._api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, as_fsdp2_policy
-from ..base._config import GroupConfig, ParamSpec
-from ..base._mesh import (
+from ..base import (
+    DataParallelMeshDims,
+    GroupConfig,
     MeshInfo,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ParamSpec,
     SpmdDims,
+    as_fsdp2_policy,
     data_and_tensor_parallel_mesh,
     default_mesh,
     mesh_device,
     post_forward_mesh_info,
 )
-from ..group._param_group import FSDPParamGroup, build_group
-from ..param._late_params import watch_registrations
-from ..param._shard import check_subclass_shardable
-from ..runtime._state import FSDPState, get_state
-from ..runtime._step_guard import mark_replaced, watch_optimizer_steps
+from ..group import FSDPParamGroup, build_group
+from ..param import check_subclass_shardable, watch_registrations
+from ..runtime import FSDPState, get_state, mark_replaced, watch_optimizer_steps
 from ._composable import register_fully_shard, registered_apis, torch_state
 from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
 

@@ -23,10 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from ..base._autograd import eager
-from ..base._buffers import KeptBuffers
-from ..base._lifecycle import TrainingState
-from ..comm._comms import (
+from ..base import KeptBuffers, TrainingState, eager
+from ..comm import (
     AllGather,
     DefaultAllGather,
     DefaultReduceScatter,
@@ -38,10 +36,17 @@ from ..comm._comms import (
     check_comm,
     check_symmetric_memory,
 )
-from ..group._param_group import FSDPParamGroup
-from ..runtime._autocap import BucketCaps, CapMB, CapMBOrUnset, choose_caps, read_caps
-from ..runtime._state import FSDPState, get_state
-from ..runtime._step_guard import drop_held_gradients
+from ..group import FSDPParamGroup
+from ..runtime import (
+    BucketCaps,
+    CapMB,
+    CapMBOrUnset,
+    FSDPState,
+    choose_caps,
+    drop_held_gradients,
+    get_state,
+    read_caps,
+)
 
 
 def describe(value: Any) -> str:

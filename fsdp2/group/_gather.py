@@ -27,26 +27,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..base._lifecycle import TrainingState
-from ..comm._collectives import (
+from ..base import TrainingState
+from ..comm import (
     AllGatherResult,
     CopyIn,
     all_gather_copy_in,
     all_ranks_true,
+    comm_type,
     issue_all_gather,
     packed_all_gather_copy_in,
+    serves_on_streams,
     wait_all_gather,
 )
-from ..comm._comm_context import serves_on_streams
-from ..comm._comms import comm_type
-from ..param._extension import has_extension, padded_rule_error
-from ..trace._events import GpuTiming
+from ..param import has_extension, padded_rule_error
+from ..trace import GpuTiming
 
 if TYPE_CHECKING:
-    from ..base._config import ParamSpec
-    from ..base._mesh import MeshInfo
-    from ..comm._comm_context import CommContext
-    from ..param._param import FSDPParam
+    from ..base import MeshInfo, ParamSpec
+    from ..comm import CommContext
+    from ..param import FSDPParam
 
 __all__ = ["AllGatherer", "PackedShards", "slots_of", "zeroed_shards"]
 

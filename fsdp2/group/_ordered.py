@@ -35,10 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..base._config import GroupControls
-from ..base._mesh import MeshInfo
-from ..comm._collectives import run_all_reduce_hook
-from ..comm._comms import GroupComms
+from ..base import GroupControls, MeshInfo
+from ..comm import GroupComms, run_all_reduce_hook
 
 __all__ = ["OrderedReduction", "divide_and_hook", "ordered_reduce", "rank_order"]
 

@@ -26,26 +26,38 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..base._api import CPUOffloadPolicy
-from ..base._autograd import in_backward_task_id, outside_functorch
-from ..base._config import GroupConfig, GroupControls, ParamSpec
-from ..base._lifecycle import ALLOWED, ShardedState, TrainingState, stepped_before_backward, transition
-from ..base._mesh import MeshInfo
-from ..comm._comms import GroupComms
-from ..param._dtensor import local_of
-from ..param._init import check_materialized, warn_if_repeated_shards
-from ..param._param import FSDPParam, can_pin, padded_shard_numel
-from ..trace import _events
-from ..trace._debug import DEBUG, NOT_WATCHED, watch_collective
-from ..trace._events import RECORDING
+from ..base import (
+    ALLOWED,
+    CPUOffloadPolicy,
+    GroupConfig,
+    GroupControls,
+    MeshInfo,
+    ParamSpec,
+    ShardedState,
+    TrainingState,
+    in_backward_task_id,
+    outside_functorch,
+    stepped_before_backward,
+    transition,
+)
+from ..comm import GroupComms
+from ..param import (
+    FSDPParam,
+    can_pin,
+    check_materialized,
+    local_of,
+    padded_shard_numel,
+    warn_if_repeated_shards,
+)
+from ..trace import DEBUG, NOT_WATCHED, RECORDING, record, span_end, span_start, wait_end, watch_collective
 from ._gather import AllGatherer, PackedShards, zeroed_shards
 from ._reduce import GradientReducer
 from ._skip import Skip, UseTracker
 from ._unshard_buffer import UnshardedBuffer
 
 if TYPE_CHECKING:
-    from ..comm._comm_context import CommContext
-    from ..trace._events import EventScope
+    from ..comm import CommContext
+    from ..trace import EventScope
 
 _IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD
@@ -210,15 +222,15 @@ class FSDPParamGroup:
         scope = self.event_scope
         start = None
         if RECORDING.on:
-            start = _events.span_start(scope)  # the thread blocks from here until the issue returns
-            _events.record("unshard", self.module_fqn, state, scope)
+            start = span_start(scope)  # the thread blocks from here until the issue returns
+            record("unshard", self.module_fqn, state, scope)
         self.gatherer.span = (start, state)
         info = self.post_forward_mesh_info if post_forward else self.mesh_info
         assert info is not None, "post-forward state without a post-forward mesh"
         with self._watch("all-gather", state):
             self.gatherer.issue(self.packed, info, self.comms.all_gather, self.comm_ctx, async_op, state)
         if start is not None:
-            _events.wait_end(start, "all-gather", self.module_fqn, state, scope)
+            wait_end(start, "all-gather", self.module_fqn, state, scope)
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -229,7 +241,7 @@ class FSDPParamGroup:
                 self._register_unsharded()  # the kept copy is current: no collective
                 self.sharded_state = _UNSHARDED
             return
-        waited = _events.span_start(self.event_scope) if RECORDING.on else None  # blocked until copied out
+        waited = span_start(self.event_scope) if RECORDING.on else None  # blocked until copied out
         with self._watch("all-gather wait", self.training_state):
             result = gatherer.wait()
         assert result is not None, "an all-gather vanished while waiting for it"
@@ -245,7 +257,7 @@ class FSDPParamGroup:
         start, issued_in = gatherer.span
         if start is not None:
             gpu = gatherer.gpu  # CUDA, recorded: the collective's time on its stream, compute's stall
-            _events.span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
+            span_end(start, "all-gather", self.module_fqn, issued_in, self.event_scope, waited, gpu)
         ctx = self.comm_ctx
         if ctx is not None and ctx.use_streams:
             ctx.defer_all_gather_buffers(
@@ -274,13 +286,13 @@ class FSDPParamGroup:
                         event = torch.cuda.current_stream(self.device).record_event()
                         self.gatherer.post_forward_event = event
                     if RECORDING.on:
-                        _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+                        record("reshard", self.module_fqn, self.training_state, self.event_scope)
                 return
         if self.sharded_state is not ShardedState.SHARDED:
             self.buffer.register_sharded(self.fsdp_params, self.sharded_state is _UNSHARDED)  # and frees
             self.sharded_state = ShardedState.SHARDED
             if RECORDING.on:
-                _events.record("reshard", self.module_fqn, self.training_state, self.event_scope)
+                record("reshard", self.module_fqn, self.training_state, self.event_scope)
 
     def release(self) -> None:
         """A full reshard that also frees a kept copy (``model.reshard()``, loads, conversions)."""
@@ -367,11 +379,11 @@ class FSDPParamGroup:
     def reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         """Reduce-scatter this group's gradients with its own collective and assign the shards."""
         scope = self.event_scope
-        start = _events.span_start(scope) if RECORDING.on else None
+        start = span_start(scope) if RECORDING.on else None
         with self._watch("reduce-scatter", self.training_state):
             self.reducer.reduce(params, grads, self.comm_ctx, self.controls, self.comms)
         if start is not None:
-            _events.span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
+            span_end(start, "reduce-scatter", self.module_fqn, self.training_state, scope, start)
 
     def reduce_held_grads(self) -> bool:
         """Reduce the gradients no-sync backwards kept, now (outside backward); whether there were any.

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base._config import GroupControls
-from ..base._lifecycle import TrainingState
-from ..comm._comms import GroupComms
-from ..param._param import FSDPParam
-from ..trace import _events
-from ..trace._events import EventScope
+from ..base import GroupControls, TrainingState
+from ..comm import GroupComms
+from ..param import FSDPParam
+from ..trace import EventScope, span_start
 from ._param_group import FSDPParamGroup
 from ._reduce import GradientReducer, bucket_key
 
@@ -56,7 +54,7 @@ def pack_gradients(
 ) -> PendingReduceScatter:
     """Pack ``group``'s gradients into one input for a shared reduce-scatter (empties ``grads``)."""
     controls, comms, scope = group.controls, group.comms, group.event_scope
-    start = _events.span_start(scope)
+    start = span_start(scope)
     # One reduce dtype (the key says so): exactly one packed buffer. Empties grads.
     ((dtype, reduced, buffer),) = group.reducer.pack(
         params, grads, group.comm_ctx, controls, comms.reduce_scatter

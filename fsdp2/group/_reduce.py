@@ -19,19 +19,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..base._config import GroupControls
-from ..base._mesh import MeshInfo
-from ..comm._collectives import (
+from ..base import GroupControls, MeshInfo
+from ..comm import (
+    CommContext,
     DivideFactors,
+    GroupComms,
+    comm_type,
     divide_factors,
     reduce_scatter,
     reduce_scatter_copy_in,
     run_all_reduce_hook,
     view_out_shards,
 )
-from ..comm._comm_context import CommContext
-from ..comm._comms import GroupComms, comm_type
-from ..param._param import FSDPParam
+from ..param import FSDPParam
 from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
 from ._skip import Skip
 from ._usage import UsageTail

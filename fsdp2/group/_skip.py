@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..param._param import FSDPParam
+from ..param import FSDPParam
 
 __all__ = ["IdleSignal", "Skip", "UseTracker"]
 

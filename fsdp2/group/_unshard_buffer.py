@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..comm._collectives import AllGatherResult, copy_out_2d
+from ..comm import AllGatherResult, copy_out_2d
 from ._gather import slots_of
 
 if TYPE_CHECKING:
-    from ..param._param import FSDPParam
+    from ..param import FSDPParam
 
 __all__ = ["UnshardedBuffer"]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..param._param import FSDPParam
+from ..param import FSDPParam
 from ._skip import IdleSignal, Skip
 
 __all__ = ["UsageTail"]

@@ -6,9 +6,10 @@ steps on owner ranks for optimizers that need each whole parameter (``whole_tens
 Adafactor, declared classes; ``declare_optimizer``), gradient clipping over shards
 (``clip_grad_norm_``) and gradient accumulation within a memory budget (``accumulate``). Does not
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
-``frontend._engine``; imports the floors below.
+``runtime``'s and ``group``'s queries; imports the floors below.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._accumulate import Accumulation, accumulate

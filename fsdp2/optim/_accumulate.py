@@ -2,9 +2,9 @@
 
 Owns: ``accumulate`` (the context manager), the choice of the groups whose gradients are kept
 unreduced across micro-batches, and ``Accumulation`` (what was chosen and what it cost). It works
-through the engine's interface for the rooms above it (``frontend/_engine.py``): the same no-sync mechanism as
-``set_requires_gradient_sync(False)``, switched per group, and one reduction of what was kept when
-the context exits.
+through the engine's queries for the rooms above it (``runtime/_queries.py``, ``group/_queries.py``):
+the same no-sync mechanism as ``set_requires_gradient_sync(False)``, switched per group, and one
+reduction of what was kept when the context exits.
 Does not own: the reductions themselves (the groups), the optimizer.
 
 [Note: Which groups to keep]
@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import nn
 
-from ..comm._comms import ForwardingComm
-from ..frontend import _engine as engine
-from ..runtime._step_guard import mark_partial_grads
+from ..comm import ForwardingComm
+from ..group import group_name, kept_grad_bytes, set_gradient_sync
+from ..runtime import groups_under, mark_partial_grads, states_under, wrap_comms
 
 __all__ = ["Accumulation", "accumulate"]
 
@@ -55,17 +55,17 @@ class Accumulation:
     @property
     def kept(self) -> list[str]:
         """Modules whose gradients were kept unreduced until the end (``""``: the root)."""
-        return [engine.group_name(g) for g in self._kept]
+        return [group_name(g) for g in self._kept]
 
     @property
     def reduced_each_micro_batch(self) -> list[str]:
         """Modules whose gradients were reduce-scattered in every micro-batch."""
-        return [engine.group_name(g) for g in self._reduced]
+        return [group_name(g) for g in self._reduced]
 
 
 def _choose(groups: list[Any], budget: int | None) -> tuple[list[Any], list[Any], int]:
     """``(kept, reduced, kept_bytes)``; see [Note: Which groups to keep]."""
-    sizes = [engine.kept_grad_bytes(g) for g in groups]
+    sizes = [kept_grad_bytes(g) for g in groups]
     trainable = [i for i, size in enumerate(sizes) if size > 0]
     if budget is None:
         chosen = set(trainable)
@@ -116,7 +116,7 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
         raise TypeError(f"accumulate: budget_bytes must be an int number of bytes or None, got {value!r}.")
     if isinstance(value, int) and value < 0:
         raise ValueError(f"accumulate: budget_bytes must be >= 0 (0 keeps no group), got {value}.")
-    groups = engine.groups_under(model)
+    groups = groups_under(model)
     if not groups:
         raise ValueError(
             f"accumulate: {type(model).__name__} has no fully_shard module in its tree; pass the sharded "
@@ -124,10 +124,8 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
         )
     kept, reduced, kept_bytes = _choose(groups, budget_bytes)
     report = Accumulation(budget_bytes, kept_bytes, 0, kept, reduced)
-    previous = [engine.set_gradient_sync(g, g not in kept) for g in groups]
-    restore = engine.wrap_comms(
-        engine.states_under(model), lambda kind, comm, _: _Counter(comm, kind, report)
-    )
+    previous = [set_gradient_sync(g, g not in kept) for g in groups]
+    restore = wrap_comms(states_under(model), lambda kind, comm, _: _Counter(comm, kind, report))
     try:
         yield report
     except BaseException:
@@ -141,7 +139,7 @@ def accumulate(model: nn.Module, *, budget_bytes: int | None = None) -> Iterator
     finally:
         restore()
         for group, sync in zip(groups, previous, strict=True):
-            engine.set_gradient_sync(group, sync)
+            set_gradient_sync(group, sync)
 
 
 def _partial_message(report: Accumulation) -> str:

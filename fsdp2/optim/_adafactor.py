@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..param._dtensor import local_of
+from ..param import local_of
 from ._owner_exchange import sharded_like
 
 __all__ = ["factored_step"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ..param._dtensor import local_of
+from ..param import local_of
 
 
 def clip_grad_norm_(

@@ -24,10 +24,9 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..base._autograd import eager
-from ..param._dtensor import local_of, locals_of, make_spec, spec_of, specs_of, wrap_local
-from ..param._param import is_managed
-from ..runtime._optimizer_hooks import take_part
+from ..base import eager
+from ..param import is_managed, local_of, locals_of, make_spec, spec_of, specs_of, wrap_local
+from ..runtime import take_part
 
 _GRAD = attrgetter("grad")
 _PATCHED = "_fsdp2_local_step"

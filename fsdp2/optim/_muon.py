@@ -17,7 +17,8 @@ bf16 ulp where the CPU's vectorised add rounds an element differently than on th
 elements fall in a vector's body or its tail depends on the row count); at one rank they are
 bit-identical. Per step, each rank receives 2 N M (W - 1) / W^2 bytes for N matrices of M bytes (an
 update's rows on the way to its owner, the result's rows on the way back), against 5 N M (W - 1) / W^2
-for the general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The momentum stays a DTensor sharded like its parameter.
+for the general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The
+momentum stays a DTensor sharded like its parameter.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm._exchange import exchange, nbytes_of
-from ..param._dtensor import local_of
-from ..param._rows import RowLayout, routes
+from ..comm import exchange, nbytes_of
+from ..param import RowLayout, local_of, routes
 from ._owner_exchange import DISAGREE, join_rows, owners_of, sharded_like
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm._exchange import exchange, nbytes_of
-from ..param._dtensor import local_of, make_spec, wrap_local
-from ..param._rows import Piece, RowLayout, owners_by_load, routes, row_shard
+from ..comm import exchange, nbytes_of
+from ..param import Piece, RowLayout, local_of, make_spec, owners_by_load, routes, row_shard, wrap_local
 
 __all__ = ["DISAGREE", "ExchangePlan", "join_rows", "owners_of", "shard_group_of", "sharded_like"]
 

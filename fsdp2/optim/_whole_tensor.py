@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..base._warn import warn_user
-from ..param._param import is_managed
+from ..base import warn_user
+from ..param import is_managed
 from ._adafactor import factored_step
 from ._local_optim import decide_others_with, declare_elementwise, is_elementwise, mark_decided
 from ._muon import ROWS_AVAILABLE, rows_step

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base._autograd import preserve_version_counter
-from ..base._mesh import MeshInfo
-from ..comm._collectives import contiguous_strides
+from ..base import MeshInfo, preserve_version_counter
+from ..comm import contiguous_strides
 from ._extension import (
     ExtensionRecord,
     call_post_all_gather,

@@ -47,9 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..base._api import CPUOffloadPolicy, OffloadPolicy
-from ..base._config import ParamSpec
-from ..base._mesh import MeshInfo
+from ..base import CPUOffloadPolicy, MeshInfo, OffloadPolicy, ParamSpec
 from ._dtensor import local_of, spec_of, wrap_local
 from ._extension import check_hooks_unchanged, defines_hooks, may_gain_hooks
 from ._extension_gather import ExtensionGather, redetect

@@ -29,8 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..base._config import ParamSpec
-from ..base._mesh import MeshInfo, SpmdDims
+from ..base import MeshInfo, ParamSpec, SpmdDims
 from ._dtensor import DTensorSpec, local_in_placements, make_spec, strided_shard, wrap_local
 
 __all__ = ["TPLayout", "sharded_spec"]

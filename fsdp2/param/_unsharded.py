@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..base._mesh import MeshInfo
-from ..comm._collectives import contiguous_strides
+from ..base import MeshInfo
+from ..comm import contiguous_strides
 from ._dtensor import make_spec, wrap_local
 from ._layout import ShardLayout, chunk_rows
 from ._shard import PaddedShard

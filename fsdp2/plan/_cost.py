@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm._comms import DefaultAllGather, DefaultReduceScatter
-from ..runtime._autocap import CollectiveFit, fit_collective
+from ..comm import DefaultAllGather, DefaultReduceScatter
+from ..runtime import CollectiveFit, fit_collective
 
 __all__ = ["CostModel", "GroupBytes", "Setting", "measure_network"]
 

@@ -32,9 +32,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..frontend import _engine as engine
-from ..param._dtensor import local_of
-from ..runtime._optimizer_hooks import take_part
+from ..param import local_of
+from ..runtime import states_under, take_part, unsharded_tensors
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
 PHASES = ("init", "forward", "backward", "optimizer")
@@ -297,8 +296,8 @@ class MemoryTracker(TorchDispatchMode):
                 for value in state.values():
                     _add(sets["optimizer_states"], value)
         for module in self.modules:
-            for state in engine.states_under(module):
-                for tensor in engine.unsharded_tensors(state):
+            for state in states_under(module):
+                for tensor in unsharded_tensors(state):
                     _add(sets["unsharded_parameters"], tensor)
         return sets
 

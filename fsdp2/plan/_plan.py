@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..base._api import CPUOffloadPolicy
-from ..frontend._fully_shard import fully_shard
-from ..runtime._keep_frozen import keep_frozen_gathered
+from ..base import CPUOffloadPolicy
+from ..frontend import fully_shard
+from ..runtime import keep_frozen_gathered
 from ._cost import Setting
 from ._memory import MemoryReport, MemoryTracker, run_tracked, simulated_world
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..runtime._bucket import MIB
+from ..runtime import MIB
 from ._cost import NOMINAL_FITS, CostModel, GroupBytes, Setting, calibrate, measure_network
 from ._memory import simulated_world
 from ._plan import (

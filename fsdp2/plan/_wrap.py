@@ -14,9 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from ..frontend._fully_shard import fully_shard
-from ..frontend._module import FSDPModule, describe
-from ..runtime._state import get_state
+from ..frontend import FSDPModule, describe, fully_shard
+from ..runtime import get_state
 
 
 def apply_fully_shard(

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..group._param_group import FSDPParamGroup
-from ..group._skip import Skip, UseTracker
+from ..group import FSDPParamGroup, Skip, UseTracker
 
 __all__ = ["UseAgreement"]
 

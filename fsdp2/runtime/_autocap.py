@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..group._param_group import FSDPParamGroup
+from ..group import FSDPParamGroup
 from ._bucket import MIB, cap_bytes
 
 __all__ = [

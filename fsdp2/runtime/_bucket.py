@@ -36,14 +36,17 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
-from ..base._lifecycle import ShardedState, TrainingState
-from ..comm._collectives import AllGatherResult, CopyIn, all_gather_copy_in, issue_all_gather
-from ..comm._comm_context import CommContext, serves_on_streams
-from ..group._param_group import FSDPParamGroup
-from ..group._pending import PendingReduceScatter
-from ..group._reduce import ReducePart, reduce_shared
-from ..trace import _events
-from ..trace._debug import watch_collective
+from ..base import ShardedState, TrainingState
+from ..comm import (
+    AllGatherResult,
+    CommContext,
+    CopyIn,
+    all_gather_copy_in,
+    issue_all_gather,
+    serves_on_streams,
+)
+from ..group import FSDPParamGroup, PendingReduceScatter, ReducePart, reduce_shared
+from ..trace import record, span_end, span_start, wait_end, watch_collective
 
 MIB = 1024 * 1024
 
@@ -168,7 +171,7 @@ class ReduceScatterQueue:
         self.pending = []
         self._key = None
         self._nbytes = 0
-        waited = _events.span_start(pending[0].scope)  # the thread blocks on the reduction from here
+        waited = span_start(pending[0].scope)  # the thread blocks on the reduction from here
         if len(pending) == 1:
             entry = pending[0]
             with watch_collective("reduce-scatter", entry.module_fqn, entry.state):
@@ -192,7 +195,7 @@ class ReduceScatterQueue:
 
 def _finish_entry(entry: PendingReduceScatter, waited: float | None) -> None:
     entry.reducer.assign_empty(entry.params)
-    _events.span_end(entry.start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope, waited)
+    span_end(entry.start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope, waited)
 
 
 def _finish_bucket(pending: list[PendingReduceScatter], waited: float | None, sizes: list[int]) -> None:
@@ -204,7 +207,7 @@ def _finish_bucket(pending: list[PendingReduceScatter], waited: float | None, si
     end = time.perf_counter() * 1e6 if waited is not None else 0.0
     for entry in pending:
         entry.reducer.assign_empty(entry.params)
-        _events.span_end(entry.start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope)
+        span_end(entry.start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope)
     if waited is None:
         return
     total, offset = sum(sizes) or 1, 0
@@ -212,7 +215,7 @@ def _finish_bucket(pending: list[PendingReduceScatter], waited: float | None, si
         piece_start = waited + (end - waited) * offset / total
         offset += size
         piece_end = waited + (end - waited) * offset / total
-        _events.wait_end(piece_start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope, piece_end)
+        wait_end(piece_start, "reduce-scatter", entry.module_fqn, entry.state, entry.scope, piece_end)
 
 
 def _reduce_bucket(pending: list[PendingReduceScatter], comm_ctx: CommContext | None) -> None:
@@ -276,8 +279,8 @@ def joins_bucket(group: FSDPParamGroup, state: TrainingState, key: Hashable) -> 
 def bucket_inputs(group: FSDPParamGroup, state: TrainingState) -> list[torch.Tensor]:
     """``group``'s all-gather inputs for a bucket issued for ``state`` (records its unshard)."""
     scope = group.event_scope
-    _events.record("unshard", group.module_fqn, state, scope)
-    group.gatherer.span = (_events.span_start(scope), state)
+    record("unshard", group.module_fqn, state, scope)
+    group.gatherer.span = (span_start(scope), state)
     return group.gatherer.inputs(False)
 
 

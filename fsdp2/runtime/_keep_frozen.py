@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from ..group._param_group import FSDPParamGroup
-from ..param._param import FSDPParam
+from ..group import FSDPParamGroup
+from ..param import FSDPParam
 from ._root import RootContext
 from ._state import FSDPState, busy, get_state, states_under
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..base._autograd import eager
+from ..base import eager
 
 Participant = Callable[[torch.optim.Optimizer, Any, Any], None]  # (optimizer, args, kwargs), as torch's
 

@@ -21,15 +21,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base._autograd import in_backward_task_id, queue_end_of_backward_callback
-from ..base._lifecycle import TrainingState
-from ..base._mesh import MeshInfo
-from ..comm._comm_context import CommContext
-from ..group._param_group import FSDPParamGroup, split_group
-from ..param._late_params import LATE, check_late_parameters
-from ..trace import _events
-from ..trace._debug import debug_enabled, run_root_init_hooks
-from ..trace._events import RECORDING, EventScope
+from ..base import MeshInfo, TrainingState, in_backward_task_id, queue_end_of_backward_callback
+from ..comm import CommContext
+from ..group import FSDPParamGroup, split_group
+from ..param import LATE, check_late_parameters
+from ..trace import RECORDING, EventScope, debug_enabled, record, run_root_init_hooks
 from ._agreement import UseAgreement
 from ._root_init import TreeState, state_device, validate_tree
 from ._schedule import Schedule
@@ -233,7 +229,7 @@ class RootContext:
         if taken is not None:
             self.schedule.reduce(group, *taken)
         if RECORDING.on:
-            _events.record("post_backward", group.module_fqn, group.training_state, group.event_scope)
+            record("post_backward", group.module_fqn, group.training_state, group.event_scope)
 
     def finish_backward(self) -> None:
         """End of backward: post-backward for groups autograd never reached, then end the iteration."""

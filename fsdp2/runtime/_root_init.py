@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..group._param_group import FSDPParamGroup
-from ..trace._debug import check_environment, check_same_model, debug_enabled
+from ..group import FSDPParamGroup
+from ..trace import check_environment, check_same_model, debug_enabled
 
 __all__ = ["STATE_ATTR", "TreeState", "state_device", "state_of", "validate_tree"]
 

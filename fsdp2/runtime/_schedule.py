@@ -20,11 +20,9 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
-from ..base._lifecycle import ShardedState, TrainingState
-from ..group import pack_gradients, reduce_scatter_key
-from ..group._param_group import FSDPParamGroup
-from ..trace import _events
-from ..trace._debug import watch_collective
+from ..base import ShardedState, TrainingState
+from ..group import FSDPParamGroup, pack_gradients, reduce_scatter_key
+from ..trace import wait_end, watch_collective
 from ._bucket import (
     Bucketing,
     all_gather_bucket,
@@ -35,7 +33,7 @@ from ._bucket import (
 )
 
 if TYPE_CHECKING:
-    from ..param._param import FSDPParam
+    from ..param import FSDPParam
 
 __all__ = ["Schedule"]
 
@@ -141,9 +139,7 @@ class Schedule(Generic[_State]):
             state = group.training_state if as_state is None else as_state
             if self.gather(group, state):
                 # Its wait (from its span's start, see ``bucket_inputs``) is this group's.
-                _events.wait_end(
-                    group.gatherer.span[0], "all-gather", group.module_fqn, state, group.event_scope
-                )
+                wait_end(group.gatherer.span[0], "all-gather", group.module_fqn, state, group.event_scope)
                 return
         group.unshard(async_op, as_state)
 

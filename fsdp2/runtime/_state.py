@@ -51,20 +51,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base._api import MixedPrecisionPolicy
-from ..base._autograd import (
+from ..base import (
+    ALLOWED,
+    MixedPrecisionPolicy,
+    ShardedState,
+    TrainingState,
+    cast_floating,
     eager,
     in_backward_task_id,
+    move_to_device,
     register_post_backward,
     register_pre_backward,
     route_untracked_outputs,
+    transition,
+    warn_user,
 )
-from ..base._cast import cast_floating, move_to_device
-from ..base._lifecycle import ALLOWED, ShardedState, TrainingState, transition
-from ..base._warn import warn_user
-from ..comm._comm_context import CommContext
-from ..compile._compiled import TRACING, recover, traced_post_forward, traced_pre_forward
-from ..group._param_group import FSDPParamGroup
+from ..comm import CommContext
+from ..compile import TRACING, recover, traced_post_forward, traced_pre_forward
+from ..group import FSDPParamGroup
 from ._root import RootContext
 from ._root_init import STATE_ATTR
 from ._state_dict import register_state_dict_hooks

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..group._param_group import FSDPParamGroup
+from ..group import FSDPParamGroup
 
 StateOf = Callable[[nn.Module], Any]  # module -> its FSDPState (or None); passed in, no import cycle
 

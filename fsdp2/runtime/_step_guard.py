@@ -42,9 +42,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base._autograd import eager
-from ..base._lifecycle import ShardedState, TrainingState
-from ..group._param_group import FSDPParamGroup
+from ..base import ShardedState, TrainingState, eager
+from ..group import FSDPParamGroup
 from ._optimizer_hooks import take_part
 
 _roots: list[weakref.ref[Any]] = []  # the watched RootContexts, in the order they were adopted

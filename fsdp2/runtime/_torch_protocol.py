@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..comm._comm_context import CommContext
+from ..comm import CommContext
 
 if TYPE_CHECKING:
-    from ..group._param_group import FSDPParamGroup
+    from ..group import FSDPParamGroup
 
 
 class _State(Protocol):

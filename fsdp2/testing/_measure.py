@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..plan._memory import MemoryReport, MemoryTracker, current_tracker, process_hooks, run_tracked
+from ..plan import MemoryReport, MemoryTracker, current_tracker, process_hooks, run_tracked
 from ._counting import count_collectives
 from ._threads import run_ranks
 

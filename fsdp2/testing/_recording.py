@@ -4,7 +4,7 @@ Owns: ``CollectiveCall`` (one collective: kind, group, dtype, buffer sizes and t
 sends), ``CollectiveLog`` (the calls, also a count by kind) and the recording comms it injects. The
 recorder wraps the collectives of every ``fully_shard`` group under the model (all-gather,
 reduce-scatter, HSDP all-reduce) through the engine's interface for the rooms above it
-(``frontend/_engine.py``) and puts the originals back on exit. Wrapped collectives behave exactly as
+(``runtime``'s ``wrap_comms``) and puts the originals back on exit. Wrapped collectives behave exactly as
 the originals: bucketing, buffer reuse and stream use
 are unchanged, and the wrappers do not count as custom collectives. Unlike ``count_collectives`` it
 patches no backend, so it works the same on the threaded test backend, gloo and NCCL, counts only the
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm._comms import ForwardingComm
-from ..frontend import _engine as engine
+from ..comm import ForwardingComm
+from ..runtime import states_under, wrap_comms
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def record_collectives(model: nn.Module) -> Iterator[CollectiveLog]:
     Raises:
         ValueError: ``model`` has no ``fully_shard`` module in its tree.
     """
-    states = engine.states_under(model)
+    states = states_under(model)
     if not states:
         raise ValueError(
             f"record_collectives: {type(model).__name__} has no fully_shard module in its tree; pass the "
@@ -126,7 +126,7 @@ def record_collectives(model: nn.Module) -> Iterator[CollectiveLog]:
     def wrap(kind: str, comm: Any, module_fqn: Callable[[], str]) -> Any:
         return Recording(comm, kind, module_fqn, log)
 
-    restore = engine.wrap_comms(states, wrap)
+    restore = wrap_comms(states, wrap)
     try:
         yield log
     finally:

@@ -23,8 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..base._autograd import in_backward_task_id
-from ..base._lifecycle import TrainingState
+from ..base import TrainingState, in_backward_task_id
 
 EventKind = Literal["unshard", "reshard", "post_backward"]
 

@@ -5,14 +5,15 @@ gathered or scattered one group at a time), Hugging Face checkpoints (``save_pre
 ``load_pretrained``: sharded safetensors files, each written or read in parts by every rank), weight
 sync to an inference engine (``WeightSync``: each call only what changed, gathered in buckets; or each
 rank's shards with their places, ``LocalShard``) and ``copy.deepcopy`` of ``fully_shard`` modules.
-Reads the engine through ``frontend._engine``; imports the floors below (``debug``: every rank agrees
-to enter an export or import in debug mode).
+Reads the engine through its queries (``runtime``, ``group``); imports the floors below (``debug``:
+every rank agrees to enter an export or import in debug mode).
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
-from ._checkpoint import load_full_state_dict, save_full_state_dict
 from ._copy import deepcopy_fsdp
+from ._full_state import load_full_state_dict, save_full_state_dict
 from ._local_shards import LocalShard
 from ._pretrained import load_pretrained, save_pretrained
 from ._weight_sync import WeightSync

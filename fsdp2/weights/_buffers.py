@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..base._buffers import unset_buffers
+from ..base import unset_buffers
 
 __all__ = ["rebuild_buffers"]
 

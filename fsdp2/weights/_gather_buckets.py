@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm._exchange import padded, take
-from ..param._rows import RowLayout, row_shard
+from ..comm import padded, take
+from ..param import RowLayout, row_shard
 
 __all__ = ["Item", "buckets", "full_bytes", "gather_bucket", "gather_device", "row_group"]
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..param._rows import local_box
+from ..param import local_box
 
 __all__ = ["LocalShard", "local_shards"]
 

@@ -3,9 +3,9 @@
 Owns: ``save_pretrained`` (the plain model's state dict split into ``model-0000k-of-0000n.safetensors``
 files plus ``model.safetensors.index.json``, each file written by one rank) and ``load_pretrained``
 (each rank reads only the bytes of its own shards, from such a directory or one ``.safetensors`` file).
-Does not own: the safetensors header and dtype table and the state-dict checks (``_checkpoint.py``,
-shared with the rank-0 full-state files), the placement arithmetic (``param._rows``), or the reader
-(the ``safetensors`` package, imported lazily).
+Does not own: the safetensors header and dtype table and the state-dict checks (``_safetensors.py``,
+shared with the rank-0 full-state files of ``_full_state.py``), the placement arithmetic (``param``'s
+rows), or the reader (the ``safetensors`` package, imported lazily).
 Invariants: the files, their tensors and their writers follow from names, shapes and dtypes alone,
 so every rank knows them without communication; a load checks every name and shape on every rank
 and all ranks agree before any parameter is written.
@@ -40,12 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..comm._collectives import raise_everywhere
-from ..comm._exchange import Scratch, exchange
-from ..debug._guard import check_entry
-from ..param._rows import RowLayout, local_box, owners_by_load, row_shard
+from ..comm import Scratch, exchange, raise_everywhere
+from ..debug import check_entry
+from ..param import RowLayout, local_box, owners_by_load, row_shard
 from ._buffers import rebuild_buffers
-from ._checkpoint import (
+from ._safetensors import (
     SAFETENSORS_DTYPES,
     checked_state_dict,
     comm_device,
@@ -246,6 +245,12 @@ def _tie_groups(model: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[
         ordered = sorted(names, key=lambda n: n in targets)  # stable: kept names first
         groups.append((ordered, state[ordered[0]]))
     return groups
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _limit(max_shard_size: int | str | None, entries: Sequence[_Entry], world: int) -> int:
@@ -539,9 +544,3 @@ def _problems(
             f"{list(meta)} are on the meta device: call model.to_empty(device=...) before loading."
         )
     return " ".join(problems)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..param._dtensor import local_in_placements
+from ..param import local_in_placements
 from ._gather_buckets import Item, buckets, gather_bucket, gather_device, row_group
 from ._local_shards import LocalShard, local_shards
 

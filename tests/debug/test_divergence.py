@@ -420,7 +420,7 @@ def test_training_is_unchanged(debug: None, layout: str, transport: str) -> None
             opt.step()
             opt.zero_grad()
         if fsdp2.trace._debug.debug_enabled():  # the ranks met where the transport says
-            groups = fsdp2.frontend._engine.data_parallel_groups(model)
+            groups = fsdp2.runtime.data_parallel_groups(model)
             boards = [fsdp2_guard._channel(g).board for g in groups]
             want = fsdp2_board.Board if transport == "board" else bool
             assert all(isinstance(b, want) for b in boards), boards

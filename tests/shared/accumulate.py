@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2.frontend import _engine as engine
+from fsdp2.group import held_grad_bytes
+from fsdp2.runtime import groups_under
 from tests._training import average_grads, fill_deterministic_
 
 MICRO = 3
@@ -35,7 +36,7 @@ def _batch(step: int, micro: int) -> torch.Tensor:
 
 
 def _held(model: nn.Module) -> int:
-    return sum(engine.held_grad_bytes(g) for g in engine.groups_under(model))
+    return sum(held_grad_bytes(g) for g in groups_under(model))
 
 
 def _run(budget: int | None, options: dict[str, Any], steps: int = 2) -> dict[str, Any]:

@@ -1,68 +1,47 @@
-"""The engine's interface for the rooms built on it: deep copy, memory, accumulation, debug mode.
+"""The engine's queries for the rooms above it, state by state: what they read and change of it.
 
-Owns nothing. It is the one place above the engine's own classes that knows their fields: the rooms
-above ``frontend`` (``weights/_copy``, ``plan/_memory``, ``optim/_accumulate``, ``debug/_guard``,
-``testing/_recording``) call these functions and never read a state's or a group's fields
-themselves, so the engine's layout can change without touching them.
+Owns: the functions through which ``weights``, ``plan``, ``optim``, ``debug`` and ``testing`` see the
+states and groups of a module tree (they read no field of a state or a group themselves, so the
+engine's layout can change without touching them), by use:
 
-The interface, by room:
-
-- every room: ``states_under(root)`` (the states of a module tree, in the order ``fully_shard`` was
-  applied) and ``state_of(module)``;
-- deep copy: ``busy`` (a forward or backward is running), ``extension_params``, ``reshard``,
-  ``detached`` (the tree as plain modules while it is copied), ``sharding_calls`` (what to call
+- deep copy (``weights/_copy.py``): ``extension_params``, ``reshard``, ``sharding_calls`` (what to call
   ``fully_shard`` with again), ``copy_state_into`` (shards, controls and settings onto the copy's
-  state) and ``copy_prefetch_and_caps``;
-- the memory tracker: ``unsharded_tensors(state)``;
-- the collective recorder (``fsdp2.testing.record_collectives``): ``wrap_comms``;
-- the divergence guard of debug mode (``_guard``): ``wrap_comms``, whose ``GroupFacts`` also tell
-  the phase of the step, the group's gradient sync, trainable parameters and the root's iteration, and
-  ``data_parallel_groups`` (where an export or import agrees);
-- gradient accumulation (``fsdp2.accumulate``): ``groups_under``, ``group_name``,
-  ``kept_grad_bytes``, ``held_grad_bytes`` and ``set_gradient_sync``, each on one group
-  (``wrap_comms`` counts its collectives); the operation itself is the group's
-  (``FSDPParamGroup.reduce_held_grads``).
+  state) and ``copy_prefetch_and_caps``; with ``busy`` and ``states_under`` (``_state.py``) and
+  ``frontend``'s ``detached``;
+- the memory tracker (``plan/_memory.py``): ``unsharded_tensors(state)``;
+- the collective recorder (``testing/_recording.py``), gradient accumulation and debug mode's
+  divergence guard: ``wrap_comms``, whose ``GroupFacts`` also tell the phase of the step, the group's
+  gradient sync, trainable parameters and the root's iteration; ``groups_under`` and
+  ``data_parallel_groups`` (where an export or import agrees).
+
+Does not own: the states (``_state.py``), the queries of one group (``group/_queries.py``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..base._autograd import in_backward_task_id
-from ..group._param_group import FSDPParamGroup
-from ..runtime._state import FSDPState, busy, get_state, states_under
-from ._composable import pop_torch_state, restore_torch_state
-from ._module import original_class
+from ..base import in_backward_task_id
+from ..group import FSDPParamGroup
+from ._state import FSDPState, states_under
 
 __all__ = [
     "GroupFacts",
-    "busy",
     "copy_prefetch_and_caps",
     "copy_state_into",
     "data_parallel_groups",
-    "detached",
     "extension_params",
-    "group_name",
     "groups_under",
-    "held_grad_bytes",
-    "kept_grad_bytes",
     "reshard",
-    "set_gradient_sync",
     "sharding_calls",
-    "state_of",
-    "states_under",
     "unsharded_tensors",
     "wrap_comms",
 ]
-
-state_of = get_state
-# states_under (every room) and busy (deep copy) are the runtime's: ``runtime/_state.py``.
 
 
 # ---- deep copy -----------------------------------------------------------------------------------
@@ -78,57 +57,6 @@ def reshard(states: list[FSDPState]) -> None:
     for state in states:
         for group in state.groups:
             group.release()
-
-
-@contextmanager
-def detached(states: list[FSDPState]) -> Iterator[None]:
-    """The states' modules as plain modules for the duration, everything restored on exit.
-
-    Plain: original classes, no fsdp2 hooks or state, each sharded parameter replaced by a meta
-    placeholder of its full shape (what a copy rebuilds with ``fully_shard``).
-    """
-    undo: list[Callable[[], None]] = []
-    hook_dicts: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
-    try:
-        for state in states:
-            for handle in state.hook_handles:
-                for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
-                    hooks = ref()
-                    if hooks is not None and handle.id in hooks:
-                        hook_dicts.setdefault(id(hooks), (hooks, list(hooks.items())))
-                        del hooks[handle.id]
-            for module in state.modules:
-                undo.append(_restorer(module, "__class__", module.__class__))
-                module.__class__ = original_class(module.__class__)  # FSDP<Name> -> <Name>
-                undo.append(_restorer(module, "state", module.__dict__.pop("_fsdp2_state")))
-                undo.append(_restorer(module, "torch_state", pop_torch_state(module)))
-            for group in state.groups:
-                for fsdp_param in group.fsdp_params:
-                    placeholder = fsdp_param.placeholder()
-                    for owner, attr in fsdp_param.owners:
-                        undo.append(_restorer(owner, f"param:{attr}", owner._parameters[attr]))  # noqa: SLF001
-                        owner._parameters[attr] = placeholder  # noqa: SLF001 - swapped back on exit
-        yield
-    finally:
-        for restore in reversed(undo):
-            restore()
-        for hooks, items in hook_dicts.values():
-            hooks.clear()
-            hooks.update(items)
-
-
-def _restorer(module: nn.Module, what: str, value: Any) -> Callable[[], None]:
-    def restore() -> None:
-        if what == "__class__":
-            module.__class__ = value
-        elif what == "state":
-            module.__dict__["_fsdp2_state"] = value
-        elif what == "torch_state":
-            restore_torch_state(module, value)
-        else:
-            module._parameters[what[len("param:") :]] = value  # noqa: SLF001 - restoring
-
-    return restore
 
 
 def sharding_calls(states: list[FSDPState]) -> list[tuple[list[nn.Module], dict[str, Any]]]:
@@ -182,7 +110,7 @@ def unsharded_tensors(state: FSDPState) -> list[torch.Tensor]:
     return tensors
 
 
-# ---- the collective recorder ---------------------------------------------------------------------
+# ---- the collective wrappers -------------------------------------------------------------------
 
 # (GroupComms attribute, the kind of collective it issues)
 _COMM_KINDS = (
@@ -267,42 +195,6 @@ def wrap_comms(states: list[FSDPState], wrap: Callable[[str, Any, GroupFacts], A
     return undo
 
 
-# ---- gradient accumulation -----------------------------------------------------------------------
-
-
 def groups_under(root: nn.Module) -> list[FSDPParamGroup]:
     """The groups of ``root``'s tree, in the order ``fully_shard`` was applied (deepest first)."""
     return [group for state in states_under(root) for group in state.groups]
-
-
-def group_name(group: FSDPParamGroup) -> str:
-    """The group's module name (``""``: the root; known from the root's first forward on)."""
-    return group.module_fqn
-
-
-def kept_grad_bytes(group: FSDPParamGroup) -> int:
-    """Bytes of the unsharded gradients ``group`` holds when it skips a reduction.
-
-    Kept in ``reduce_dtype`` where the policy sets one, else in the compute dtype; only trainable
-    parameters count.
-    """
-    policy = group.config.mp_policy
-    total = 0
-    for fsdp_param in group.fsdp_params:
-        if not fsdp_param.sharded_param.requires_grad:
-            continue
-        dtype = policy.reduce_dtype or policy.param_dtype or fsdp_param.orig_dtype
-        total += fsdp_param.layout.orig_size.numel() * dtype.itemsize
-    return total
-
-
-def held_grad_bytes(group: FSDPParamGroup) -> int:
-    """Bytes of the unsharded gradients ``group`` holds now (waiting for a reduction)."""
-    return sum(t.numel() * t.element_size() for p in group.fsdp_params for t in p.unsharded.held_grads())
-
-
-def set_gradient_sync(group: FSDPParamGroup, enabled: bool) -> bool:
-    """Reduce ``group``'s gradients in each backward (``True``) or keep them; returns the old value."""
-    previous = group.controls.reduce_grads
-    group.controls.update(reduce_grads=enabled)
-    return previous

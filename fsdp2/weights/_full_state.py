@@ -1,49 +1,30 @@
-"""Full-weight export and import in the safetensors format, one tensor in flight at a time.
+"""Full-state files: one safetensors file, written and read by rank 0, one tensor in flight at a time.
 
 Owns: ``save_full_state_dict`` (every rank gathers each state-dict entry in turn, rank 0 streams it
 into a safetensors file whose header it wrote first) and ``load_full_state_dict`` (rank 0 reads one
 entry at a time, broadcasts it, every rank copies its own shard into the existing parameter in place).
-Does not own: the sharded state dict itself (``_state_dict.py`` hooks, used through ``state_dict()``) or
-the safetensors reader (the ``safetensors`` package, imported lazily).
+Does not own: the sharded state dict itself (``runtime/_state_dict.py`` hooks, used through
+``state_dict()``), the safetensors pieces both exports share (``_safetensors.py``: header, dtype table,
+checked state dict, comm device, gathering, the lazily imported reader).
 Invariants: no rank holds more than one full (unsharded) tensor beyond its shards; a load either
 finds every key with its full shape or raises on every rank before any parameter is written.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..base._mesh import mesh_device
-from ..comm._collectives import raise_everywhere
-from ..debug._guard import check_entry
-from ..param._rows import local_box
+from ..comm import raise_everywhere
+from ..debug import check_entry
+from ..param import local_box
 from ._buffers import rebuild_buffers
-
-# safetensors' names of the dtypes it stores
-SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+from ._safetensors import checked_state_dict, comm_device, full_tensor, header_bytes, safe_open_or_raise
 
 
 def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None:
@@ -172,39 +153,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def header_bytes(layout: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> bytes:
-    """The start of a safetensors file whose tensors ``(name, dtype, shape)`` follow back to back.
-
-    The 8-byte little-endian length, then the JSON header padded with spaces to a multiple of 8 bytes
-    (so a tensor's offset stays a multiple of its element size when larger elements come first).
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape in layout:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded
-
-
-def safe_open_or_raise(what: str) -> Any:
-    """``safetensors.safe_open``, or an ImportError saying ``what`` needs the package."""
-    try:
-        from safetensors import safe_open
-    except ImportError as error:
-        raise ImportError(
-            f"{what} needs the safetensors package: pip install safetensors "
-            "(or pip install 'fsdp2[checkpoint]')."
-        ) from error
-    return safe_open
-
-
 def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` checked for safetensors, largest element size first (aligned offsets)."""
     state = checked_state_dict(model)
@@ -212,46 +160,6 @@ def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
     # of its tensor's element size, so readers can view the bytes without copying.
     order = sorted(state, key=lambda k: -state[k].element_size())
     return {key: state[key] for key in order}
-
-
-def checked_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` (state-dict order), every entry a tensor of a dtype safetensors stores.
-
-    Raises:
-        TypeError: ``model`` is not a module, or an entry is not a tensor or has such a dtype.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(model).__name__}.")
-    state = model.state_dict()
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"state_dict entry {key} is a {type(value).__name__}, not a tensor; safetensors stores "
-                "tensors only."
-            )
-        if value.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(
-                f"state_dict entry {key} has dtype {value.dtype}, which safetensors cannot store: expected "
-                f"one of {sorted(map(str, SAFETENSORS_DTYPES))}."
-            )
-    return state
-
-
-def comm_device(tensors: Any) -> torch.device:
-    """The device collectives run on: the first DTensor's mesh device (CPU for a model without any)."""
-    for tensor in tensors:
-        if isinstance(tensor, DTensor):
-            return mesh_device(tensor.device_mesh)
-    return torch.device("cpu")
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if not isinstance(tensor, DTensor):
-        return tensor
-    device = mesh_device(tensor.device_mesh)
-    dtensor = tensor if tensor.device == device else cast(DTensor, tensor.to(device))  # offloaded shards
-    full: torch.Tensor = dtensor.full_tensor()
-    return full
 
 
 def _check_file(handle: Any, entries: dict[str, torch.Tensor], strict: bool) -> tuple[str, list[str]]:
