@@ -7,7 +7,7 @@ every room moving rows between ranks uses (aligned ``pack``/``take``, one ``exch
 every rank, or none" agreement (``raise_everywhere``). Imports ``base``.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._collectives import (

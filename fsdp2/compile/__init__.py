@@ -5,7 +5,7 @@ graph), what it cannot trace (named), and fsdp2's fixes of torch 2.13's compiler
 ``param`` and ``group`` (what it reads of a group).
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._compiled import TRACING, recover, traced_post_forward, traced_pre_forward, untraceable

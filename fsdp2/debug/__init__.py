@@ -8,7 +8,7 @@ watchdog and the straggler report over recordings are ``trace``'s (``trace/_debu
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._guard import DivergenceError, check_entry

@@ -6,7 +6,7 @@ registry, ``patch_torch_fsdp``, and ``detached`` (a sharded tree as plain module
 copies it). Imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._detach import detached

@@ -9,7 +9,7 @@ group's queries for the rooms above (``_queries.py``: gradient sync, gradient by
 floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._param_group import FSDPParamGroup, build_group, split_group

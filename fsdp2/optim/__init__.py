@@ -9,7 +9,7 @@ own: the one pre- and post-step hook and the step guard (``runtime``). Reads the
 ``runtime``'s and ``group``'s queries; imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._accumulate import Accumulation, accumulate

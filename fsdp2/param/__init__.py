@@ -8,7 +8,7 @@ helpers, initialisation like the unsharded model, and the check for parameters a
 deep-copyable (``fsdp2/__init__.py`` runs them).
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._dtensor import (

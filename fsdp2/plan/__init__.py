@@ -7,7 +7,7 @@ bucket caps, frozen residency and offload, by memory or by measured time) and ``
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._memory import MemoryReport, MemoryTracker, current_tracker, estimate_memory, process_hooks, run_tracked

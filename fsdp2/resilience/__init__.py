@@ -7,7 +7,8 @@ and the restore's plan. Calls torch.distributed.checkpoint's state-dict function
 the sharded model through its ``state_dict`` hooks; the engine knows nothing of it. See
 docs/resilience.md.
 
-Internal: fsdp2's public names are in ``fsdp2``; this face is for reading the architecture.
+The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._snapshots import Restored, Snapshots, SnapshotStats

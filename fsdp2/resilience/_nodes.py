@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..base._warn import warn_user
+from ..base import warn_user
 from ..comm import raise_everywhere
 from ._ring import Ring
 from ._store import NodeStore

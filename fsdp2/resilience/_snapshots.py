@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from ..base._warn import warn_user
+from ..base import warn_user
 from ._format import RankSnapshot, capture, check_layouts, encode_header, host_bytes
 from ._nodes import check_restartable, check_separate_storage, warn_other_jobs
 from ._restore import apply, reshard_newest

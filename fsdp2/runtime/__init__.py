@@ -9,7 +9,7 @@ check, local-shard steps), and the engine's queries for the rooms above (``_quer
 no field of a state or a group themselves). Imports the floors below.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._autocap import BucketCaps, CapMB, CapMBOrUnset, CollectiveFit, choose_caps, fit_collective, read_caps

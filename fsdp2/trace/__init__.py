@@ -4,7 +4,7 @@ What a step leaves to read: the event recorder, timelines, the communication rep
 report, and the debug-mode settings and collective watchdog. Imports ``base``.
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._debug import (

@@ -9,7 +9,7 @@ Reads the engine through its queries (``runtime``, ``group``); imports the floor
 every rank agrees to enter an export or import in debug mode).
 
 The face: ``__all__`` is what the rooms above may use, and they import nothing else of this room
-(``tests/unit/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
+(``tests/house/test_layering.py`` checks). fsdp2's public names are in ``fsdp2``.
 """
 
 from ._copy import deepcopy_fsdp

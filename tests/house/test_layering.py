@@ -149,13 +149,7 @@ def test_subpackages_import_only_lower_floors() -> None:
 # Rooms import one another only through faces: ``from ..comm import X``, ``X`` in ``fsdp2/comm/__init__.py``'s
 # ``__all__``. The crossings that do not, as (importing module, imported module.name). Only shrinks: a
 # new crossing fails, and so does a listed one that is gone (remove it here).
-PRIVATE_CROSSINGS = {
-    # resilience/ is being reworked on another branch; it moves to the faces when that lands
-    ("resilience._format", "param._layout.chunk_rows"),
-    ("resilience._nodes", "base._warn.warn_user"),
-    ("resilience._reshard", "param._layout.chunk_rows"),
-    ("resilience._snapshots", "base._warn.warn_user"),
-}
+PRIVATE_CROSSINGS: set[tuple[str, str]] = set()  # none left: a new one must go through a face
 
 
 def _face(room: Path) -> set[str]:
