@@ -15,6 +15,18 @@ Layouts (W ranks, parameter i contributes ``n_i`` elements per rank, ``B = sum n
   gradient, flattened, in parameter order. Row ``j`` is what rank ``j`` receives.
 Several groups sharing one collective (``_bucket``) place their blocks side by side within each row;
 an ``AllGatherResult`` then names its group's columns.
+
+[Note: Ring summation order]
+gloo's reduce-scatter is a ring all-reduce of the whole ``(W, S)`` buffer. The ring cuts the buffer's
+``N = W * S`` elements into ``k * W`` segments of ``ceil(N / (k * W))`` elements (``k = 2``, more for
+buffers over ``2W`` MiB: no segment above 1 MiB) and chunk ``c`` (``k`` segments) is summed in the order
+``((x[c-1] + x[c-2]) + ...) + x[c]`` of the ranks' inputs (indices mod ``W``), then divided for AVG.
+So an element's sum depends on which chunk holds it, and with ``S`` not a multiple of ``k`` chunks
+straddle rows. Measured on torch 2.13's gloo, bit for bit, for 3 and 4 ranks and 4 to 8M elements;
+pinned by tests/group/test_sums_gloo.py. Two buffers sum column ``c < S`` of row ``j`` alike iff that
+element falls in the same chunk in both: a usage row (``group/_usage.py``) lengthens rows to ``S + P``
+and would move the first elements of ranks 1.. into the previous chunk, unless padded
+(``same_order_tail``: at most a few zeros).
 """
 
 from __future__ import annotations
@@ -168,6 +180,51 @@ def reduce_scatter_copy_in(
     # One fused pad-chunk-concatenate-cast kernel instead of a Python loop over gradients.
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=buffer.view(world_size, -1))  # noqa: SLF001
     return buffer
+
+
+def same_order_tail(world_size: int, width: int, tail: int, element_size: int) -> int:
+    """Columns to give a ``tail`` of ``tail`` elements after rows of ``width``: ``tail`` or a few more.
+
+    Rows of ``width + result`` elements (of ``element_size`` bytes) reduce their first ``width``
+    columns in the summation order rows of ``width`` alone get (see [Note: Ring summation order]), so
+    a reduce-scatter that carries a tail (the usage row) sums the gradients exactly as torch's, which
+    has none. Rows narrower than the ring's misalignment (``width`` odd and below ``world_size - 2``,
+    on small buffers) have no such tail: ``tail`` is returned.
+    """
+    if tail == 0 or width == 0 or world_size <= 2:
+        return tail  # nothing to keep, or two ranks (a + b == b + a: no order to keep)
+    want = _ring_chunks(world_size, width, width, element_size)
+    per_rank = _ring_segments(world_size, width + tail, element_size) // world_size
+    for extra in range(tail, tail + 2 * (per_rank + world_size) + 2):
+        if _ring_chunks(world_size, width + extra, width, element_size) == want:
+            return extra
+    return tail
+
+
+# gloo's ring all-reduce (behind its reduce-scatter) cuts its buffer into segments of at most 1 MiB
+_RING_SEGMENT_BYTES = 1 << 20
+
+
+def _ring_segments(world_size: int, row: int, element_size: int) -> int:
+    """Segments of a ``(world_size, row)`` buffer in gloo's ring: a multiple of ``world_size``, >= 2W."""
+    max_elements = max(1, _RING_SEGMENT_BYTES // element_size)
+    segments = max(-(-world_size * row // max_elements), 2 * world_size)
+    return -(-segments // world_size) * world_size
+
+
+def _ring_chunks(world_size: int, row: int, columns: int, element_size: int) -> list[tuple[int, ...]]:
+    """Where gloo's ring chunks cut each rank's row of ``row`` elements, within its first ``columns``.
+
+    Per rank: the chunk of its column 0, then the first column of every later chunk.
+    """
+    segments = _ring_segments(world_size, row, element_size)
+    chunk = segments // world_size * -(-world_size * row // segments)
+    rows = []
+    for rank in range(world_size):
+        start = rank * row
+        first, last = start // chunk, (start + columns - 1) // chunk
+        rows.append((first, *(k * chunk - start for k in range(first + 1, last + 1))))
+    return rows
 
 
 def _padded_shard_numel(tensor: torch.Tensor, world_size: int) -> int:

@@ -29,6 +29,7 @@ from ..comm import (
     reduce_scatter,
     reduce_scatter_copy_in,
     run_all_reduce_hook,
+    same_order_tail,
     view_out_shards,
 )
 from ..param import FSDPParam
@@ -189,8 +190,12 @@ class GradientReducer:
             world = self.mesh_info.shard_size
             if self._fill_unused:  # each row ends with the usage row ([Note: Unused parameters])
                 first = bucket_grads[0]  # the copy-in casts every input (one dtype) to packed_dtype
+                tail = self.tail_width(bucket_params, dtype)
+                pad = tail - self.usage.width(bucket_params)
+                if pad:  # zeros before the usage row keep torch's summation order (same_order_tail)
+                    bucket_grads.append(torch.zeros(world, pad, dtype=first.dtype, device=first.device))
                 bucket_grads.append(self.usage.row(bucket_params, first.dtype, first.device, world))
-                shard_numel += self.usage.width(bucket_params)
+                shard_numel += tail
             buffer = reduce_scatter_copy_in(bucket_grads, world, packed_dtype, shard_numel, comm)
             bucket_grads.clear()
             packed.append((dtype, bucket_params, buffer))
@@ -263,9 +268,21 @@ class GradientReducer:
             if info.replicate_size > 1:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
-            grad_part = _without_usage_row(output, self.usage.width(params) if self._fill_unused else 0)
+            grad_part = _without_usage_row(
+                output, self.tail_width(params, output.dtype) if self._fill_unused else 0
+            )
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
+
+    def tail_width(self, params: list[FSDPParam], dtype: torch.dtype) -> int:
+        """Columns after ``params``' gradients in each row of a reduction: zeros, then the usage row.
+
+        The zeros (none or one for buffers up to 2W MiB) keep every gradient element in the summation
+        order torch's reduce-scatter, which has no usage row, gives it: see [Note: Ring summation
+        order] in ``comm/_collectives.py``. ``dtype``: the reduce dtype (sized as in the buffer).
+        """
+        width = sum(p.layout.padded_shard_numel for p in params)
+        return same_order_tail(self.mesh_info.shard_size, width, self.usage.width(params), dtype.itemsize)
 
     def wire(self) -> torch.dtype | None:
         """The dtype the gradients being reduced travel in: ``wire_dtype``, unless they are sums.
@@ -292,7 +309,9 @@ class GradientReducer:
         all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
         """
         info = self.mesh_info
-        grad_part = _without_usage_row(total, self.usage.width(params) if self._fill_unused else 0)
+        grad_part = _without_usage_row(
+            total, self.tail_width(params, total.dtype) if self._fill_unused else 0
+        )
         divide_and_hook(total, grad_part, controls, info.shard_size * info.replicate_size)
         self._assign_views(total, params, controls)
 

@@ -22,8 +22,11 @@ the zero-filled ones. The reduction sums (or averages) them like the gradients, 
 in its output's last ``P`` elements a positive value exactly for the parameters some rank used. Only a
 rank that zero-filled a parameter needs to read it, at the end of backward after the reductions
 finished; a parameter whose row stayed 0 in every reduction since its sharded gradient was ``None``
-gets ``None`` back. Cost: ``W * P`` extra elements per reduce-scatter, and a wait for the reduction's
-result on the host only on ranks that zero-filled a parameter in that step.
+gets ``None`` back. Zeros go before the usage row where the longer rows would change the summation
+order of the gradients on gloo (``comm._collectives.same_order_tail``: at most one zero for buffers up
+to 2W MiB), so the sums stay torch's. Cost: ``W * P`` extra elements (and those zeros) per
+reduce-scatter, and a wait for the reduction's result on the host only on ranks that zero-filled a
+parameter in that step.
 With ``set_reduce_scatter_unused_params(True)`` the zeros are kept, as torch does.
 """
 

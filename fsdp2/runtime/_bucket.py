@@ -22,7 +22,8 @@ W ranks; groups ``A, B, ...`` of one bucket contribute ``a, b, ...`` elements pe
   (what rank ``j`` receives) is ``[A's chunk j | B's chunk j | ...]``, so this rank's output is
   ``[A's shards | B's shards | ...]`` and every element is reduced over the same ranks with the same
   op and divisions as in A's or B's own collective (bit-identical results unless the backend's
-  summation order depends on an element's position in the buffer, as gloo's does beyond 2 ranks).
+  summation order depends on an element's position in the buffer, as gloo's does beyond 2 ranks:
+  [Note: Ring summation order] in ``comm/_collectives.py``; a group alone keeps torch's order).
 Sizes compared with a cap are a collective's full buffer: ``W *`` the per-rank bytes (the all-gather
 output, the reduce-scatter input).
 """

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fsdp2.comm import _collectives
 from fsdp2.comm._collectives import (
     AllGatherResult,
     all_gather_copy_in,
     foreach_all_gather_copy_out,
     reduce_scatter_copy_in,
+    same_order_tail,
     view_out_shards,
 )
 from fsdp2.param._param import chunk_rows
@@ -116,3 +118,32 @@ def test_view_out_shards_empty_rank() -> None:
     # Rank 1 of a (1, 4) parameter over W=2 owns no rows: an empty (0, 4) view.
     views = view_out_shards(torch.arange(4, dtype=torch.float32), [4], [torch.Size((0, 4))])
     assert views[0].shape == (0, 4)
+
+
+def _ring_chunk(world: int, row: int, rank: int, column: int, element_size: int) -> int:
+    """The ring chunk holding ``(rank, column)`` of a ``(world, row)`` gloo buffer, element by element."""
+    segments = _collectives._ring_segments(world, row, element_size)
+    chunk = segments // world * -(-world * row // segments)
+    return (rank * row + column) // chunk
+
+
+@pytest.mark.parametrize("segment_bytes", [1 << 20, 64])  # 64: many segments per chunk, small rows
+def test_same_order_tail_keeps_every_gradient_in_its_chunk(
+    monkeypatch: pytest.MonkeyPatch, segment_bytes: int
+) -> None:
+    """[Note: Ring summation order]: with ``same_order_tail``'s columns every gradient element of every
+    row stays in the chunk it has without a tail (torch's order), at most a segment's worth of zeros
+    added; only rows narrower than the misalignment (odd and under ``W - 2``) have none."""
+    monkeypatch.setattr(_collectives, "_RING_SEGMENT_BYTES", segment_bytes)
+    for world in range(3, 9):
+        for width in range(1, 120):
+            for usage in (1, 2, 5):
+                tail = same_order_tail(world, width, usage, 4)
+                same = all(
+                    _ring_chunk(world, width, j, c, 4) == _ring_chunk(world, width + tail, j, c, 4)
+                    for j in range(world)
+                    for c in range(width)
+                )
+                assert same or (width % 2 == 1 and width < world - 2 and tail == usage), (world, width)
+                assert usage <= tail <= usage + segment_bytes // 4
+    assert same_order_tail(2, 7, 3, 4) == 3  # two ranks: a + b == b + a, nothing to keep
