@@ -25,6 +25,7 @@ from ._collectives import (
     reduce_scatter,
     reduce_scatter_copy_in,
     run_all_reduce_hook,
+    same_order_tail,
     view_out_shards,
     wait_all_gather,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_copy_in",
     "run_all_reduce_hook",
+    "same_order_tail",
     "serves_on_streams",
     "take",
     "view_out_shards",
