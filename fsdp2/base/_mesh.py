@@ -11,8 +11,9 @@ number of data-parallel ranks.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,6 +30,11 @@ class MeshInfo:
     ``replicate_only``: no shard dim at all (``DataParallelMeshDims(replicate=...)``, data parallel like
     DDP): ``shard_mesh_dim`` is ``None``, ``shard_size`` 1, and ``shard_group`` is the replicate group,
     over which nothing is ever gathered or scattered (a single shard rank needs no collective).
+
+    ``outer_data_parallel``: how many ranks of the parameters' own mesh (an expert-parallel ``ep``
+    mesh, see ``with_outer_data_parallel``) are data-parallel ranks too, this one included. They hold
+    different gradients of the same loss that no collective of this mesh info sums, so the default
+    average divides by them as well (1 for every other mesh info).
     """
 
     mesh: DeviceMesh
@@ -40,6 +46,7 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     replicate_only: bool = False
+    outer_data_parallel: int = 1
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -78,26 +85,76 @@ class MeshInfo:
         group = mesh.get_group(0)
         return cls(mesh, None, 0, group, 1, 0, group, mesh.size(0), replicate_only=True)
 
+    def with_outer_data_parallel(self, ranks: int) -> MeshInfo:
+        """This info (same process groups) averaging gradients over ``ranks`` more data-parallel ranks."""
+        values = {f.name: getattr(self, f.name) for f in fields(MeshInfo)}
+        values["outer_data_parallel"] = ranks
+        return MeshInfo(**values)
+
+    @property
+    def average_over(self) -> int:
+        """The default gradient divisor: every data-parallel rank (shard x replicate x outer)."""
+        return self.shard_size * self.replicate_size * self.outer_data_parallel
+
     @property
     def is_hsdp(self) -> bool:
         """Sharded and replicated (torch's ``HSDPMeshInfo``); not for replicas only."""
         return self.replicate_mesh_dim is not None and not self.replicate_only
 
 
-def FSDPMeshInfo(mesh: DeviceMesh, shard_mesh_dim: int = 0) -> MeshInfo:  # noqa: N802 - torch's name
-    """A mesh info that shards over ``mesh``'s dim ``shard_mesh_dim`` (for ``ShardPlacementResult``)."""
-    _check_dims(mesh, (shard_mesh_dim,))
-    return MeshInfo.build(mesh, shard_mesh_dim, None)
+class _MeshInfoKind(type):
+    """Metaclass of :class:`FSDPMeshInfo` and :class:`HSDPMeshInfo`: what ``isinstance`` accepts.
+
+    fsdp2's ``MeshInfo`` of that kind and torch's own mesh-info objects of the same name, as torch's
+    ``isinstance`` checks do (torchtitan asserts ``isinstance(info, FSDPMeshInfo)``).
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        if super().__instancecheck__(obj):
+            return True
+        if isinstance(obj, MeshInfo):
+            return obj.is_hsdp if cls.__name__ == "HSDPMeshInfo" else not obj.replicate_only
+        torch_class = _torch_mesh_info_class(cls.__name__)
+        return torch_class is not None and isinstance(obj, torch_class)
 
 
-def HSDPMeshInfo(  # noqa: N802 - torch's name
-    mesh: DeviceMesh, shard_mesh_dim: int = 1, replicate_mesh_dim: int = 0
-) -> MeshInfo:
-    """A mesh info that shards over one dim of ``mesh`` and replicates over another (HSDP)."""
-    _check_dims(mesh, (shard_mesh_dim, replicate_mesh_dim))
-    if shard_mesh_dim == replicate_mesh_dim:
-        raise ValueError(f"HSDPMeshInfo needs two different dims, got {shard_mesh_dim} for both.")
-    return MeshInfo.build(mesh, shard_mesh_dim, replicate_mesh_dim)
+# Where torch defines its mesh-info classes; looked up in sys.modules only (an object of one of them
+# means the user already imported it), so fsdp2 itself never imports torch's FSDP package.
+_TORCH_MESH_INFO_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_common"
+
+
+def _torch_mesh_info_class(name: str) -> type | None:
+    found = getattr(sys.modules.get(_TORCH_MESH_INFO_MODULE), name, None)
+    return found if isinstance(found, type) else None
+
+
+class FSDPMeshInfo(MeshInfo, metaclass=_MeshInfoKind):
+    """A mesh info that shards over ``mesh``'s dim ``shard_mesh_dim`` (for ``ShardPlacementResult``).
+
+    ``isinstance(x, FSDPMeshInfo)`` holds for every fsdp2 mesh info that shards (HSDP ones too) and for
+    torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` objects.
+    """
+
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int = 0) -> None:
+        _check_dims(mesh, (shard_mesh_dim,))
+        super().__init__(*_fields(MeshInfo.build(mesh, shard_mesh_dim, None)))
+
+
+class HSDPMeshInfo(FSDPMeshInfo):
+    """A mesh info that shards over one dim of ``mesh`` and replicates over another (HSDP).
+
+    ``isinstance(x, HSDPMeshInfo)`` holds for every fsdp2 HSDP mesh info and torch's ``HSDPMeshInfo``.
+    """
+
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int = 1, replicate_mesh_dim: int = 0) -> None:
+        _check_dims(mesh, (shard_mesh_dim, replicate_mesh_dim))
+        if shard_mesh_dim == replicate_mesh_dim:
+            raise ValueError(f"HSDPMeshInfo needs two different dims, got {shard_mesh_dim} for both.")
+        MeshInfo.__init__(self, *_fields(MeshInfo.build(mesh, shard_mesh_dim, replicate_mesh_dim)))
+
+
+def _fields(info: MeshInfo) -> tuple[Any, ...]:
+    return tuple(getattr(info, f.name) for f in fields(MeshInfo))
 
 
 def _check_dims(mesh: object, dims: tuple[object, ...]) -> None:
