@@ -171,9 +171,10 @@ class ShardPlacementResult:
 
     Attributes:
         placement: ``Shard(d)`` or ``None`` (``Shard(0)``).
-        mesh_info: from :func:`FSDPMeshInfo` or :func:`HSDPMeshInfo`. Parameters of one ``fully_shard``
-            call form one group per distinct mesh info; those sharing process groups must share the
-            same mesh-info object.
+        mesh_info: from :class:`FSDPMeshInfo` or :class:`HSDPMeshInfo` (or torch's objects of those
+            names). Parameters of one ``fully_shard`` call form one group per distinct mesh info; those
+            sharing process groups must share the same mesh-info object. A DTensor parameter (experts
+            on an ``ep`` mesh) is sharded over this mesh info's mesh, combined with its own.
     """
 
     placement: Any
@@ -238,19 +239,21 @@ def data_and_tensor_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, para
     """
     fix = (
         'Build one mesh, e.g. mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp")), '
-        'parallelize the module over mesh["tp"] and pass mesh["dp"] to fully_shard.'
+        'parallelize the module over mesh["tp"] and pass mesh["dp"] to fully_shard (for experts: '
+        'mesh_dim_names=("efsdp", "ep"), the experts on mesh["ep"], FSDPMeshInfo(mesh["efsdp"])).'
     )
     if dp_mesh.device_type != tp_mesh.device_type:
         raise ValueError(
-            f"Parameter {param_name} is a DTensor on a {tp_mesh.device_type!r} mesh, but fully_shard got a "
-            f"{dp_mesh.device_type!r} mesh. {fix}"
+            f"Parameter {param_name} is a DTensor on a {tp_mesh.device_type!r} mesh, but its data-parallel "
+            f"mesh is a {dp_mesh.device_type!r} mesh. {fix}"
         )
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     same_root = dp_mesh._get_root_mesh() == tp_mesh._get_root_mesh()  # noqa: SLF001 - no public accessor
     if not same_root or dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
         raise ValueError(
             f"Parameter {param_name} is a DTensor on mesh {tp_mesh}, which is not a slice of the same root "
-            f"mesh as fully_shard's mesh {dp_mesh} with different dim names (tensor parallelism needs "
+            f"mesh as its data-parallel mesh {dp_mesh} (fully_shard's, or the mesh info shard_placement_fn "
+            f"gave it) with different dim names (tensor and expert parallelism need "
             f"disjoint dims of one mesh). If fully_shard was applied to a child after its parent, apply it "
             f"bottom-up instead. {fix}"
         )

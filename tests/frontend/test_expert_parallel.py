@@ -259,3 +259,27 @@ def _mesh_info_classes() -> None:
 
 def test_mesh_info_classes_recognise_fsdp2_and_torch_objects() -> None:
     run_threaded(4, _mesh_info_classes)
+
+
+def _errors() -> None:
+    mesh = init_device_mesh("cpu", (2, EP), mesh_dim_names=("efsdp", "ep"))
+    other = init_device_mesh("cpu", (2, EP), mesh_dim_names=("a", "b"))  # another root mesh
+    dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = fill_deterministic_(Net(4), scale=0.5)
+    _place_experts(model, mesh)
+    layer = model.layers[0]
+    before = {name: p for name, p in layer.named_parameters()}
+    info = fsdp2.FSDPMeshInfo(other["a"])
+    experts = set(layer.experts.parameters())
+    with pytest.raises(ValueError, match=r"not a slice of the same root mesh as its data-parallel mesh"):
+        fsdp2.fully_shard(
+            layer,
+            mesh=dense,
+            shard_placement_fn=lambda p: fsdp2.ShardPlacementResult(Shard(0), info) if p in experts else None,
+        )
+    assert not isinstance(layer, fsdp2.FSDPModule)  # nothing changed
+    assert all(p is before[name] for name, p in layer.named_parameters())
+
+
+def test_expert_mesh_errors() -> None:
+    run_threaded(4, _errors)
