@@ -7,14 +7,16 @@ data-parallel mesh (all 4 ranks) for the rest. Each rank routes its own tokens; 
 ``ep`` rank compute on the tokens of every ``ep`` rank (gathered over ``ep``, their outputs summed
 back), so ``ep`` ranks are data-parallel ranks of the dense parameters.
 
-Checked on 4 thread ranks (efsdp 2 x ep 2), with Shard(0) and Shard(1) of the local expert stack
-and with a stack of one local expert over 2 efsdp ranks (an empty shard on one of them):
+Checked on 4 thread ranks (efsdp 2 x ep 2; and HSDP: rep 2 x efsdp 1 x ep 2 for the experts, rep 2 x
+dp 2 for the rest), with Shard(0) and Shard(1) of the local expert stack and with a stack of one local
+expert over 2 efsdp ranks (an empty shard on one of them):
 - default division: losses, gradients and parameters over 3 AdamW steps equal the single-process
   reference on the global batch (gradients averaged over all ranks); torch's ``fully_shard`` gives
   the same dense gradients and expert gradients ``ep`` times as large;
 - torchtitan's settings (division off, loss summed over tokens and divided by the global token
   count): fsdp2's gradients equal torch's and the reference's (no double scaling);
-- the placements, the collectives (expert all-gathers over 2 ranks) and the mesh-info classes.
+- the placements (torch's), each block's two groups (the experts' collectives over efsdp, their
+  average over ep too) and the mesh-info classes.
 """
 
 from __future__ import annotations
@@ -111,18 +113,22 @@ def _place_experts(model: Net, mesh: DeviceMesh) -> None:
         layer.ep_group = mesh["ep"].get_group()
 
 
-def _shard(impl_name: str, model: Net, mesh: DeviceMesh, dense: DeviceMesh, placement: Shard) -> None:
+def _info(mesh: DeviceMesh) -> Any:
+    return fsdp2.HSDPMeshInfo(mesh) if mesh.ndim == 2 else fsdp2.FSDPMeshInfo(mesh)
+
+
+def _shard(impl_name: str, model: Net, expert_mesh: DeviceMesh, dense: DeviceMesh, placement: Shard) -> None:
     impl = get_impl(impl_name)
     if impl_name == "fsdp2":
-        efsdp_info: Any = fsdp2.FSDPMeshInfo(mesh["efsdp"])
-        dense_info: Any = fsdp2.FSDPMeshInfo(dense)
+        efsdp_info: Any = _info(expert_mesh)
+        dense_info: Any = _info(dense)
         result: Any = fsdp2.ShardPlacementResult
     else:  # torch's private objects, as torchtitan builds them
         from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
         efsdp_info, dense_info, result = (
-            _get_mesh_info(mesh["efsdp"]),
+            _get_mesh_info(expert_mesh),
             _get_mesh_info(dense),
             ShardPlacementResult,
         )
@@ -138,15 +144,29 @@ def _shard(impl_name: str, model: Net, mesh: DeviceMesh, dense: DeviceMesh, plac
     impl.fully_shard(model, mesh=dense)
 
 
-def _run(experts: int, placement: Shard, titan: bool) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // EP, EP), mesh_dim_names=("efsdp", "ep"))
-    dense = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+def _meshes(hsdp: bool) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """The sparse mesh (its ``ep`` dim places the experts), the experts' data-parallel mesh, the dense mesh.
+
+    ``hsdp``: as torchtitan with ``dp_replicate`` 2: sparse (rep 2, efsdp 1, ep 2), the experts over
+    (rep, efsdp), the dense parameters over (rep 2, dp 2).
+    """
+    world = dist.get_world_size()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 1, EP), mesh_dim_names=("rep", "efsdp", "ep"))
+        dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "dp"))
+        return mesh, mesh["rep", "efsdp"], dense
+    mesh = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("efsdp", "ep"))
+    return mesh, mesh["efsdp"], init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def _run(experts: int, placement: Shard, titan: bool, hsdp: bool = False) -> dict[str, Any]:
+    mesh, expert_mesh, dense = _meshes(hsdp)
     ref = fill_deterministic_(Net(experts), scale=0.5)
     models = {}
     for impl_name in ("fsdp2", "torch"):
         model = copy.deepcopy(ref)
         _place_experts(model, mesh)
-        _shard(impl_name, model, mesh, dense, placement)
+        _shard(impl_name, model, expert_mesh, dense, placement)
         if titan:  # torchtitan's disable_fsdp_gradient_division (gloo and threads lack PREMUL_SUM)
             for module in model.modules():
                 if isinstance(module, get_impl(impl_name).FSDPModule):
@@ -164,6 +184,11 @@ def _run(experts: int, placement: Shard, titan: bool) -> dict[str, Any]:
         ),
         "local_shape": tuple(w1.to_local().shape),
         "torch_local_shape": tuple(torch_w1.to_local().shape),
+        # (shard ranks, replicate ranks, outer data-parallel ranks) of each group of a block
+        "groups": sorted(
+            (g.mesh_info.shard_size, g.mesh_info.replicate_size, g.mesh_info.outer_data_parallel)
+            for g in ours.layers[0]._get_fsdp_state().groups
+        ),
     }
     rank = dist.get_rank()
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -216,6 +241,7 @@ def test_experts_on_ep_mesh_train_like_the_reference(experts: int, placement: Sh
         assert result["placements"] == result["torch_placements"]
         assert result["local_shape"] == result["torch_local_shape"]
     assert results[0]["placements"][0] == ("efsdp", "ep")
+    assert results[0]["groups"] == [(2, 1, EP), (4, 1, 1)]  # experts: over efsdp, averaged over ep too
     if placement.dim == 0:  # FSDP's rows of each ep rank's stack (a strided shard of the global dim 0)
         rows = [r["local_shape"][0] for r in results]
         assert sorted(rows) == sorted([-(-local_experts // 2), local_experts // 2] * 2)
@@ -225,6 +251,20 @@ def test_experts_on_ep_mesh_train_like_the_reference(experts: int, placement: Sh
     for result in results:
         for name, ratio in result["ratios"].items():
             # torch divides the expert gradients by efsdp only; with division off both are sums.
+            expected = EP if "experts" in name and not titan else 1.0
+            assert ratio == pytest.approx(expected, rel=1e-5), (name, ratio)
+
+
+@pytest.mark.parametrize("titan", [False, True], ids=["default-division", "torchtitan-division-off"])
+def test_experts_on_ep_mesh_with_hsdp_train_like_the_reference(titan: bool) -> None:
+    """Dense parameters HSDP over (rep 2, dp 2), experts over (rep 2, efsdp 1) and ep 2."""
+    results = run_threaded(4, _run, 4, Shard(0), titan, True)
+    for result in results:
+        assert result["placements"] == result["torch_placements"]
+        assert result["placements"][0] == ("rep", "efsdp", "ep")
+        assert result["groups"] == [(1, 2, EP), (2, 2, 1)]
+        assert result["local_shape"] == (2, HIDDEN, DIM)
+        for name, ratio in result["ratios"].items():
             expected = EP if "experts" in name and not titan else 1.0
             assert ratio == pytest.approx(expected, rel=1e-5), (name, ratio)
 
