@@ -269,6 +269,16 @@ def test_experts_on_ep_mesh_with_hsdp_train_like_the_reference(titan: bool) -> N
             assert ratio == pytest.approx(expected, rel=1e-5), (name, ratio)
 
 
+def test_experts_on_ep_mesh_with_one_efsdp_rank_train_like_the_reference() -> None:
+    """World 2 = efsdp 1 x ep 2: nothing to gather or scatter for the experts, only the ep average."""
+    results = run_threaded(2, _run, 4, Shard(0), False)
+    for result in results:
+        assert result["placements"] == result["torch_placements"]
+        assert result["groups"] == [(1, 1, EP), (2, 1, 1)]
+        for name, ratio in result["ratios"].items():
+            assert ratio == pytest.approx(EP if "experts" in name else 1.0, rel=1e-5), (name, ratio)
+
+
 def _mesh_info_classes() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_common
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
