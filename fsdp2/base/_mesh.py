@@ -11,8 +11,9 @@ number of data-parallel ranks.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,6 +30,11 @@ class MeshInfo:
     ``replicate_only``: no shard dim at all (``DataParallelMeshDims(replicate=...)``, data parallel like
     DDP): ``shard_mesh_dim`` is ``None``, ``shard_size`` 1, and ``shard_group`` is the replicate group,
     over which nothing is ever gathered or scattered (a single shard rank needs no collective).
+
+    ``outer_data_parallel``: how many ranks of the parameters' own mesh (an expert-parallel ``ep``
+    mesh, see ``with_outer_data_parallel``) are data-parallel ranks too, this one included. They hold
+    different gradients of the same loss that no collective of this mesh info sums, so the default
+    average divides by them as well (1 for every other mesh info).
     """
 
     mesh: DeviceMesh
@@ -40,6 +46,7 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     replicate_only: bool = False
+    outer_data_parallel: int = 1
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -78,26 +85,76 @@ class MeshInfo:
         group = mesh.get_group(0)
         return cls(mesh, None, 0, group, 1, 0, group, mesh.size(0), replicate_only=True)
 
+    def with_outer_data_parallel(self, ranks: int) -> MeshInfo:
+        """This info (same process groups) averaging gradients over ``ranks`` more data-parallel ranks."""
+        values = {f.name: getattr(self, f.name) for f in fields(MeshInfo)}
+        values["outer_data_parallel"] = ranks
+        return MeshInfo(**values)
+
+    @property
+    def average_over(self) -> int:
+        """The default gradient divisor: every data-parallel rank (shard x replicate x outer)."""
+        return self.shard_size * self.replicate_size * self.outer_data_parallel
+
     @property
     def is_hsdp(self) -> bool:
         """Sharded and replicated (torch's ``HSDPMeshInfo``); not for replicas only."""
         return self.replicate_mesh_dim is not None and not self.replicate_only
 
 
-def FSDPMeshInfo(mesh: DeviceMesh, shard_mesh_dim: int = 0) -> MeshInfo:  # noqa: N802 - torch's name
-    """A mesh info that shards over ``mesh``'s dim ``shard_mesh_dim`` (for ``ShardPlacementResult``)."""
-    _check_dims(mesh, (shard_mesh_dim,))
-    return MeshInfo.build(mesh, shard_mesh_dim, None)
+class _MeshInfoKind(type):
+    """Metaclass of :class:`FSDPMeshInfo` and :class:`HSDPMeshInfo`: what ``isinstance`` accepts.
+
+    fsdp2's ``MeshInfo`` of that kind and torch's own mesh-info objects of the same name, as torch's
+    ``isinstance`` checks do (torchtitan asserts ``isinstance(info, FSDPMeshInfo)``).
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        if super().__instancecheck__(obj):
+            return True
+        if isinstance(obj, MeshInfo):
+            return obj.is_hsdp if cls.__name__ == "HSDPMeshInfo" else not obj.replicate_only
+        torch_class = _torch_mesh_info_class(cls.__name__)
+        return torch_class is not None and isinstance(obj, torch_class)
 
 
-def HSDPMeshInfo(  # noqa: N802 - torch's name
-    mesh: DeviceMesh, shard_mesh_dim: int = 1, replicate_mesh_dim: int = 0
-) -> MeshInfo:
-    """A mesh info that shards over one dim of ``mesh`` and replicates over another (HSDP)."""
-    _check_dims(mesh, (shard_mesh_dim, replicate_mesh_dim))
-    if shard_mesh_dim == replicate_mesh_dim:
-        raise ValueError(f"HSDPMeshInfo needs two different dims, got {shard_mesh_dim} for both.")
-    return MeshInfo.build(mesh, shard_mesh_dim, replicate_mesh_dim)
+# Where torch defines its mesh-info classes; looked up in sys.modules only (an object of one of them
+# means the user already imported it), so fsdp2 itself never imports torch's FSDP package.
+_TORCH_MESH_INFO_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_common"
+
+
+def _torch_mesh_info_class(name: str) -> type | None:
+    found = getattr(sys.modules.get(_TORCH_MESH_INFO_MODULE), name, None)
+    return found if isinstance(found, type) else None
+
+
+class FSDPMeshInfo(MeshInfo, metaclass=_MeshInfoKind):
+    """A mesh info that shards over ``mesh``'s dim ``shard_mesh_dim`` (for ``ShardPlacementResult``).
+
+    ``isinstance(x, FSDPMeshInfo)`` holds for every fsdp2 mesh info that shards (HSDP ones too) and for
+    torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` objects.
+    """
+
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int = 0) -> None:
+        _check_dims(mesh, (shard_mesh_dim,))
+        super().__init__(*_fields(MeshInfo.build(mesh, shard_mesh_dim, None)))
+
+
+class HSDPMeshInfo(FSDPMeshInfo):
+    """A mesh info that shards over one dim of ``mesh`` and replicates over another (HSDP).
+
+    ``isinstance(x, HSDPMeshInfo)`` holds for every fsdp2 HSDP mesh info and torch's ``HSDPMeshInfo``.
+    """
+
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int = 1, replicate_mesh_dim: int = 0) -> None:
+        _check_dims(mesh, (shard_mesh_dim, replicate_mesh_dim))
+        if shard_mesh_dim == replicate_mesh_dim:
+            raise ValueError(f"HSDPMeshInfo needs two different dims, got {shard_mesh_dim} for both.")
+        MeshInfo.__init__(self, *_fields(MeshInfo.build(mesh, shard_mesh_dim, replicate_mesh_dim)))
+
+
+def _fields(info: MeshInfo) -> tuple[Any, ...]:
+    return tuple(getattr(info, f.name) for f in fields(MeshInfo))
 
 
 def _check_dims(mesh: object, dims: tuple[object, ...]) -> None:
@@ -114,9 +171,10 @@ class ShardPlacementResult:
 
     Attributes:
         placement: ``Shard(d)`` or ``None`` (``Shard(0)``).
-        mesh_info: from :func:`FSDPMeshInfo` or :func:`HSDPMeshInfo`. Parameters of one ``fully_shard``
-            call form one group per distinct mesh info; those sharing process groups must share the
-            same mesh-info object.
+        mesh_info: from :class:`FSDPMeshInfo` or :class:`HSDPMeshInfo` (or torch's objects of those
+            names). Parameters of one ``fully_shard`` call form one group per distinct mesh info; those
+            sharing process groups must share the same mesh-info object. A DTensor parameter (experts
+            on an ``ep`` mesh) is sharded over this mesh info's mesh, combined with its own.
     """
 
     placement: Any
@@ -181,19 +239,21 @@ def data_and_tensor_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, para
     """
     fix = (
         'Build one mesh, e.g. mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp")), '
-        'parallelize the module over mesh["tp"] and pass mesh["dp"] to fully_shard.'
+        'parallelize the module over mesh["tp"] and pass mesh["dp"] to fully_shard (for experts: '
+        'mesh_dim_names=("efsdp", "ep"), the experts on mesh["ep"], FSDPMeshInfo(mesh["efsdp"])).'
     )
     if dp_mesh.device_type != tp_mesh.device_type:
         raise ValueError(
-            f"Parameter {param_name} is a DTensor on a {tp_mesh.device_type!r} mesh, but fully_shard got a "
-            f"{dp_mesh.device_type!r} mesh. {fix}"
+            f"Parameter {param_name} is a DTensor on a {tp_mesh.device_type!r} mesh, but its data-parallel "
+            f"mesh is a {dp_mesh.device_type!r} mesh. {fix}"
         )
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     same_root = dp_mesh._get_root_mesh() == tp_mesh._get_root_mesh()  # noqa: SLF001 - no public accessor
     if not same_root or dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
         raise ValueError(
             f"Parameter {param_name} is a DTensor on mesh {tp_mesh}, which is not a slice of the same root "
-            f"mesh as fully_shard's mesh {dp_mesh} with different dim names (tensor parallelism needs "
+            f"mesh as its data-parallel mesh {dp_mesh} (fully_shard's, or the mesh info shard_placement_fn "
+            f"gave it) with different dim names (tensor and expert parallelism need "
             f"disjoint dims of one mesh). If fully_shard was applied to a child after its parent, apply it "
             f"bottom-up instead. {fix}"
         )

@@ -141,6 +141,7 @@ def fully_shard(
     spmd_meshes: dict[int, DeviceMesh] = {}
     infos: dict[int, MeshInfo] = {}  # parameter -> the mesh info of its group
     converted: dict[int, MeshInfo] = {}  # torch's mesh-info objects -> ours, once per call
+    outer_infos: dict[tuple[int, int], MeshInfo] = {}  # (mesh info, outer dp ranks) -> its info
     for key, (param, name) in params.items():
         _validate_param(param, name, device)
         dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
@@ -153,12 +154,11 @@ def fully_shard(
             infos[key] = info
             continue
         if isinstance(param, DTensor):
-            if info is not mesh_info:
-                raise NotImplementedError(
-                    f"shard_placement_fn gave the tensor-parallel parameter {name} a mesh of its own; fsdp2 "
-                    "shards TP parameters over fully_shard's mesh only."
-                )
-            spmd_meshes[key] = _validate_tp_param(param, name, mesh, dim, reshard_after_forward, mesh_info)
+            # Its own mesh info: e.g. experts on an ``ep`` mesh, sharded over their own dp mesh.
+            own = info is not mesh_info
+            spmd_meshes[key] = _validate_tp_param(param, name, info.mesh, dim, reshard_after_forward, info)
+            if own:
+                info = _with_outer_data_parallel(info, param.device_mesh, mesh, outer_infos)
         infos[key] = info
     by_info = _group_by_mesh_info(infos, mesh_info, params)
     # ---- no state has changed up to here ----
@@ -551,14 +551,35 @@ def _placement_result(result: Any, name: str, converted: dict[int, MeshInfo]) ->
     return result.placement, ours
 
 
+def _with_outer_data_parallel(
+    info: MeshInfo, own_mesh: DeviceMesh, dp_mesh: DeviceMesh, cache: dict[tuple[int, int], MeshInfo]
+) -> MeshInfo:
+    """``info`` for a DTensor parameter on ``own_mesh`` (e.g. ``ep``) sharded over ``info``'s mesh.
+
+    The ranks of ``own_mesh`` that are also ranks of ``dp_mesh`` (``fully_shard``'s mesh, the other
+    parameters' data-parallel ranks) hold different data, so the parameter's gradient is averaged
+    over them too (see ``MeshInfo.outer_data_parallel``). One info object per pair, so that such
+    parameters of one call share one group.
+    """
+    own = set(own_mesh.mesh.flatten().tolist())
+    outer = len(own & set(dp_mesh.mesh.flatten().tolist())) or 1
+    if outer == 1:
+        return info
+    key = (id(info), outer)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = info.with_outer_data_parallel(outer)
+    return found
+
+
 def _group_by_mesh_info(
     infos: dict[int, MeshInfo], default_info: MeshInfo, params: dict[int, tuple[nn.Parameter, str]]
 ) -> list[tuple[MeshInfo, list[int]]]:
     """Parameters grouped by mesh info, in order of first use; one info object per process-group pair."""
     groups: dict[int, tuple[MeshInfo, list[int]]] = {}
-    by_process_groups: dict[tuple[int, int], tuple[MeshInfo, str]] = {}
+    by_process_groups: dict[tuple[int, int, int], tuple[MeshInfo, str]] = {}
     for key, info in infos.items():
-        pg_key = (id(info.shard_group), id(info.replicate_group))
+        pg_key = (id(info.shard_group), id(info.replicate_group), info.outer_data_parallel)
         seen = by_process_groups.setdefault(pg_key, (info, params[key][1]))
         if seen[0] is not info:
             raise ValueError(

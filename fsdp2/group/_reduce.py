@@ -67,6 +67,11 @@ class GradientReducer:
         if factors is None:
             info = self.mesh_info
             factors = divide_factors(info.shard_size * info.replicate_size, *key)
+            outer = info.outer_data_parallel
+            if outer > 1 and controls.gradient_divide_factor is None:
+                # Data-parallel ranks outside this mesh (expert parallelism): one more division, after
+                # the collectives average (or sum) over this mesh's ranks.
+                factors = DivideFactors(factors.op, factors.predivide, (factors.postdivide or 1.0) * outer)
             self._factors[key] = factors
         return factors
 
@@ -312,7 +317,7 @@ class GradientReducer:
         grad_part = _without_usage_row(
             total, self.tail_width(params, total.dtype) if self._fill_unused else 0
         )
-        divide_and_hook(total, grad_part, controls, info.shard_size * info.replicate_size)
+        divide_and_hook(total, grad_part, controls, info.average_over)
         self._assign_views(total, params, controls)
 
     def assign_reduced(self, output: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:

@@ -11,8 +11,10 @@ A tensor-parallel parameter is a DTensor on a TP mesh when ``fully_shard`` sees 
 TP-local tensor like any other parameter (every size in ``ShardLayout`` is of that local tensor) and
 keeps two DTensor layouts:
 - the sharded parameter lives on one mesh of the data-parallel dims followed by the TP dims (``spmd_mesh``),
-  FSDP's placement first. Where TP also shards FSDP's dim, FSDP's chunks are chunks of each TP-local
-  tensor, interleaved across the global dim: a ``_StridedShard`` with the TP split factor.
+  FSDP's placement first. The data-parallel dims are those of ``fully_shard``'s mesh, or of the mesh
+  info ``shard_placement_fn`` gave the parameter (experts on an ``ep`` mesh over ``efsdp``). Where
+  TP also shards FSDP's dim, FSDP's chunks are chunks of each TP-local tensor, interleaved across the
+  global dim: a ``_StridedShard`` with the TP split factor.
   With ``DataParallelMeshDims`` the parameter already lives on its full SPMD mesh; FSDP's shard takes
   the data-parallel shard dim of that mesh (strided when a later mesh dim also shards dim 0).
 - the unsharded parameter is a DTensor with the original TP spec again (in the unsharded dtype), so

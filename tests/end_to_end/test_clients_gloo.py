@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import tempfile
-import types
 from pathlib import Path
 from typing import Any
 
@@ -39,31 +37,9 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import run_multiprocess
+from tests.shared.titan_cpu import stand_in_for_triton_kernels
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-_TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
-_KERNEL_NAMES = (
-    "copy_full_counts_to_peers_kernel",
-    "copy_rows_to_peers_kernel",
-    "expand_topk_grad_kernel",
-    "fill_combine_metadata_kernel",
-    "fill_dispatch_metadata_kernel",
-    "invert_flat_indices_kernel",
-    "reduce_topk_slots_kernel",
-    "topk_scores_grad_kernel",
-)
-
-
-def _stand_in_for_triton_kernels() -> None:
-    module = types.ModuleType(_TRITON_KERNELS)
-
-    def unavailable(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("torchtitan's Triton kernels are not available on CPU")
-
-    for name in _KERNEL_NAMES:
-        setattr(module, name, unavailable)
-    sys.modules[_TRITON_KERNELS] = module
 
 
 def _save(out: str, impl: str, result: dict[str, Any]) -> None:
@@ -124,7 +100,7 @@ def _torchtitan_run(impl: str, out: str) -> None:
         import fsdp2
 
         fsdp2.patch_torch_fsdp()  # before torchtitan imports fully_shard, as a user would
-    _stand_in_for_triton_kernels()
+    stand_in_for_triton_kernels()
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.models.llama3 as llama3
     from torch.distributed.fsdp import FSDPModule
