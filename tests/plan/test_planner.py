@@ -122,6 +122,7 @@ def _plan_in_job(rank: int, world: int, budget: int, frozen: bool) -> tuple[str,
     return str(chosen.setting), chosen.predicted_step_s or 0.0, described, chosen.explain()
 
 
+@pytest.mark.slow  # a search over every bucket cap, each trial simulated (the quick loop keeps the rest)
 def test_where_latency_dominates_buckets_win_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp2.plan import _planner
 
@@ -269,6 +270,7 @@ def _measured_default_peak(rank: int, world: int) -> int:
     return max(peaks)
 
 
+@pytest.mark.slow  # a whole search and a measured run in 2 thread ranks
 def test_inside_a_job_every_rank_gets_the_same_plan_within_the_default_wrappings_measured_peak(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
