@@ -39,7 +39,7 @@ from ..comm import (
     serves_on_streams,
     wait_all_gather,
 )
-from ..param import has_extension, padded_rule_error
+from ..param import has_extension, padded_rule_error, warn_if_repeated_shards
 from ..trace import GpuTiming
 
 if TYPE_CHECKING:
@@ -68,6 +68,10 @@ class AllGatherer:
       or waited (``_events.GpuTiming``: the collective on its stream, the compute stream's wait).
     - ``post_forward_event``: CUDA: recorded after the slices kept for an int
       ``reshard_after_forward`` were written; the next copy-in waits on it.
+    - ``_staged``: resolved at lazy init: parameters whose unshard finishes after copy-out
+      (``Shard(d > 0)``, extensions).
+    - ``_check_first``: the next all-gather is the first after materialising from meta: its rank blocks
+      are checked once (``param/_init.py``).
     """
 
     def __init__(self, params: Sequence[FSDPParam], mesh_info: MeshInfo, device: torch.device) -> None:
@@ -82,6 +86,8 @@ class AllGatherer:
         self._mesh_info = mesh_info
         self._device = device
         self._rule_agreed = False  # all ranks checked the extension's padded-size rule once
+        self._staged: list[FSDPParam] = []
+        self._check_first = False
 
     def resolve(self, post_forward_info: MeshInfo | None) -> None:
         """Lazy init: the gathered dtype, and whether any parameter uses an extension (and may)."""
@@ -104,6 +110,16 @@ class AllGatherer:
         self.as_bytes = len(dtypes) > 1
         self.dtype = torch.uint8 if self.as_bytes else dtypes.pop()
         self.extension = any(p.has_extension for p in params)
+        self._staged = [p for p in params if p.layout.shard_dim != 0 or p.has_extension]
+        self._check_first = any(p.from_meta and not p.has_extension for p in params)
+
+    def finish(self, world_size: int) -> None:
+        """After copy-out: check the first gather after a meta init, finish the staged unshards."""
+        if self._check_first:
+            self._check_first = False
+            warn_if_repeated_shards(self._params, world_size)
+        for fsdp_param in self._staged:
+            fsdp_param.finish_unshard()
 
     def bucket_key(
         self, comms: Any, tensor_parallel: bool, post_forward_info: MeshInfo | None

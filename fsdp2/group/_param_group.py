@@ -47,7 +47,6 @@ from ..param import (
     check_materialized,
     local_of,
     padded_shard_numel,
-    warn_if_repeated_shards,
 )
 from ..trace import DEBUG, NOT_WATCHED, RECORDING, record, span_end, span_start, wait_end, watch_collective
 from ._gather import AllGatherer, PackedShards, zeroed_shards
@@ -99,7 +98,6 @@ class FSDPParamGroup:
         self.device = config.device  # the compute / communication device
         self.packed = packed  # see [Note: Packed shards]
         self.fsdp_params = params
-        self._staged_params: list[FSDPParam] = []  # set at lazy init: Shard(d > 0), extensions
         self.tensor_parallel = any(p.is_tensor_parallel for p in params)  # fixed at construction
         self.gatherer = AllGatherer(params, config.mesh_info, config.device)
         self.buffer = UnshardedBuffer()  # see [Note: One unsharded buffer per group]
@@ -114,8 +112,7 @@ class FSDPParamGroup:
         self.module_fqn = ""
         self.training_state = _IDLE
         self.sharded_state = ShardedState.SHARDED
-        # _watch_init: check the first all-gather after materialising from meta (_init.py)
-        self.lazy_initialized = self._watch_init = False
+        self.lazy_initialized = False
         # Read (and the last two set) by the optimizer-step guard, see ``_step_guard``:
         self.unreduced_grads = False  # a no-sync backward left gradients waiting for a synced one
         self.partial_grads: str | None = None  # why the gradients are partial (fsdp2.accumulate raised)
@@ -163,15 +160,12 @@ class FSDPParamGroup:
             fsdp_param.init_dtypes(policy.param_dtype, policy.reduce_dtype)
             fsdp_param.init_extension(policy)
         gatherer, params, sharded = self.gatherer, self.fsdp_params, self.sharded_state is _SHARDED
-        gatherer.resolve(self.post_forward_mesh_info)
-        self._staged_params = [p for p in params if p.layout.shard_dim != 0 or p.has_extension]
+        gatherer.resolve(self.post_forward_mesh_info)  # also: staged parameters, the first gather's check
         if sharded:
             self.packed.repack(params)  # if shards were replaced since fully_shard (e.g. a deep copy's)
         self.packed.usable = not gatherer.extension and not gatherer.as_bytes and self.packed.intact(params)
         self.buffer.resolve(params, _shares_buffer(params, gatherer.as_bytes), gatherer.dtype, sharded)
         self.reducer.resolve(params, policy.wire_dtype)
-        # Materialised from meta: look at the first all-gather's rank blocks (see _init.py).
-        self._watch_init = any(p.from_meta and not p.has_extension for p in self.fsdp_params)
         self.lazy_initialized = True
 
     def readopt_sharded_params(self) -> None:
@@ -247,11 +241,7 @@ class FSDPParamGroup:
         assert result is not None, "an all-gather vanished while waiting for it"
         keep = self.controls.keep_gathered  # see [Note: A kept copy]
         self.buffer.fill(result, self.fsdp_params, gatherer.dtype, gatherer.as_bytes, keep)
-        if self._watch_init:
-            self._watch_init = False
-            warn_if_repeated_shards(self.fsdp_params, result.world_size)
-        for fsdp_param in self._staged_params:
-            fsdp_param.finish_unshard()
+        gatherer.finish(result.world_size)  # staged parameters; the first gather after a meta init
         self._register_unsharded()
         self.sharded_state = _UNSHARDED
         start, issued_in = gatherer.span
