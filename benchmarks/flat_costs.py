@@ -82,8 +82,7 @@ def _one(world: int) -> dict[str, float]:
     keys = [f"host{r // PER_NODE}:/dev/shm/x" for r in range(world)]
 
     def ring() -> None:
-        built = Ring.of(keys, RANK) if _takes_rank() else Ring.of(keys)
-        _per_rank(built)
+        _per_rank(Ring.of(keys))
 
     def _per_rank(built: Any) -> None:
         buddy = built.buddy_of(RANK) if hasattr(built, "buddy_of") else built.buddy[RANK]
@@ -91,7 +90,7 @@ def _one(world: int) -> dict[str, float]:
         built.is_leader(RANK)
         del buddy
 
-    built = Ring.of(keys, RANK) if _takes_rank() else Ring.of(keys)
+    built = Ring.of(keys)
 
     def per_snapshot() -> None:
         sizes = torch.tensor([100, 1000], dtype=torch.int64)
@@ -115,14 +114,6 @@ def _one(world: int) -> dict[str, float]:
         "per snapshot": _best(per_snapshot),
         "check_replicas": _best(lambda: fsdp2.check_replicas(model)),
     }
-
-
-def _takes_rank() -> bool:
-    import inspect
-
-    from fsdp2.resilience._ring import Ring
-
-    return len(inspect.signature(Ring.of).parameters) > 1
 
 
 def main() -> None:
