@@ -2,9 +2,11 @@
 
 Owns: a fingerprint of each parameter's local tensor (its bytes as 64-bit words: their count, wrapping
 sum and position-weighted wrapping sum; 24 bytes), one all-gather of a rank's fingerprints per
-replicated mesh dim, the comparison, and the error every rank raises (through ``comm.raise_everywhere``,
-a flag all-reduced first). A flipped bit changes the wrapping sum, so it is always found; other
-differences are found unless two different tensors agree on both sums, a 2^-64 chance. Does not own:
+replicated mesh dim into one tensor, the comparison as one tensor operation (a parameter's replicas
+become Python values only when they differ), and the error every rank raises (through
+``comm.raise_everywhere``, a flag all-reduced first). A flipped bit changes the wrapping sum, so it is
+always found; other differences are found unless two different tensors agree on both sums, a 2^-64
+chance. Does not own:
 the parameters or their meshes (read from the DTensors).
 """
 
@@ -52,14 +54,14 @@ def check_replicas(model: nn.Module) -> None:
     for (_, dim), (mesh, names, prints) in sorted(by_dim.items(), key=lambda item: item[0][1]):
         group = mesh.get_group(dim)
         local = torch.stack(prints).to(mesh.device_type)
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
-        rows = [g.cpu() for g in gathered]
+        gathered = local.new_empty((dist.get_world_size(group), *local.shape))
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        gathered = gathered.cpu()
+        differs = (gathered != gathered[:1]).any(dim=2).any(dim=0)  # per parameter, over replicas
         dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
-        for index, name in enumerate(names):
-            values = [tuple(row[index].tolist()) for row in rows]
-            if len(set(values)) > 1:
-                problems.append(f"{name}: {_who_differs(values)} on mesh dim {dim_name!r}")
+        for index in differs.nonzero().flatten().tolist():  # only the parameters that differ
+            values = [tuple(row) for row in gathered[:, index].tolist()]
+            problems.append(f"{names[index]}: {_who_differs(values)} on mesh dim {dim_name!r}")
     _raise_everywhere(problems)
 
 

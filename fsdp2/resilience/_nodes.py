@@ -75,9 +75,9 @@ def check_separate_storage(
             seen = sorted(int(name.rsplit("-", 1)[1]) for name in names if name != marker.name)
         shared = ""
         if seen:
-            first = {ring.node_of[r]: keys[r] for r in reversed(range(len(keys)))}
+            ours, theirs = keys[ring.members(node)[0]], keys[ring.members(seen[0])[0]]
             shared = (
-                f"fsdp2.Snapshots: nodes {first[node]} and {first[seen[0]]} keep their snapshots in one "
+                f"fsdp2.Snapshots: nodes {ours} and {theirs} keep their snapshots in one "
                 f"storage ({store.directory} is the same directory on both: a network file system?), so a "
                 "rank's copy on its buddy node would replace its own file and one copy would be kept where "
                 "two are counted. Give each node a directory in its own memory: FSDP2_SNAPSHOT_DIR (or "

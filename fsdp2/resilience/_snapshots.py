@@ -200,12 +200,9 @@ class Snapshots:
     def _copy_and_commit(self, snapshot: RankSnapshot, start: float, critical: float) -> SnapshotStats:
         header = encode_header(snapshot)
         payload = snapshot.payload
-        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
-        every_size = [torch.empty_like(sizes) for _ in range(self.world)]
-        dist.all_gather(every_size, sizes, group=self.group)
         problem = self._write(snapshot.step, self.rank, [header, host_bytes(payload)])
         _stage("own_written", snapshot.step)
-        received = self._swap(torch.frombuffer(bytearray(header), dtype=torch.uint8), payload, every_size)
+        received = self._swap(torch.frombuffer(bytearray(header), dtype=torch.uint8), payload)
         for source, (their_header, their_payload) in received.items():
             parts: list[bytes | memoryview] = [host_bytes(their_header), host_bytes(their_payload)]
             problem = self._write(snapshot.step, source, parts) or problem  # every copy it can
@@ -218,7 +215,7 @@ class Snapshots:
             else:
                 self.store.drop(snapshot.step)
         _stage("committed", snapshot.step)
-        sent = len(header) + payload.numel() if self.ring.buddy[self.rank] is not None else 0
+        sent = len(header) + payload.numel() if self.ring.buddy_of(self.rank) is not None else 0
         kept = self.store.size_of(snapshot.step, [self.rank, *received]) if int(done.item()) else 0
         failed = "" if int(done.item()) else (problem or "a copy failed on another rank")
         return SnapshotStats(snapshot.step, critical, time.perf_counter() - start, sent, kept, failed)
@@ -232,20 +229,29 @@ class Snapshots:
         return ""
 
     def _swap(
-        self, header: torch.Tensor, payload: torch.Tensor, sizes: list[torch.Tensor]
+        self, header: torch.Tensor, payload: torch.Tensor
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Send this rank's snapshot to its buddy; receive those it keeps a copy of."""
+        """Send this rank's snapshot to its buddy; receive those it keeps a copy of.
+
+        The sizes travel first, from each rank to its buddy alone (two integers, tag 0), so a rank
+        hears only from the ranks it keeps copies for, whatever the world size.
+        """
         works = []
-        buddy = self.ring.buddy[self.rank]
+        buddy = self.ring.buddy_of(self.rank)
         if buddy is not None:
-            works.append(dist.isend(header, dist.get_global_rank(self.group, buddy), group=self.group, tag=1))
+            peer = dist.get_global_rank(self.group, buddy)
+            sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64)
+            works.append(dist.isend(sizes, peer, group=self.group, tag=0))
+            works.append(dist.isend(header, peer, group=self.group, tag=1))
             if payload.numel():
-                works.append(
-                    dist.isend(payload, dist.get_global_rank(self.group, buddy), group=self.group, tag=2)
-                )
+                works.append(dist.isend(payload, peer, group=self.group, tag=2))
+        sources = self.ring.kept_for(self.rank)
+        their_sizes = {source: torch.empty(2, dtype=torch.int64) for source in sources}
+        for source, size in their_sizes.items():
+            dist.recv(size, dist.get_global_rank(self.group, source), group=self.group, tag=0)
         received = {}
-        for source in self.ring.kept_for(self.rank):
-            header_size, payload_size = sizes[source].tolist()
+        for source in sources:
+            header_size, payload_size = their_sizes[source].tolist()
             theirs = (
                 torch.empty(header_size, dtype=torch.uint8),
                 torch.empty(payload_size, dtype=torch.uint8),

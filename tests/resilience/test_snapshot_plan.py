@@ -196,3 +196,16 @@ def test_each_job_has_a_folder_of_its_own_and_discard_removes_the_empty_ones(tmp
     mine.clear()
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]
     assert not any((tmp_path / "mine").iterdir())
+
+
+def test_a_ranks_ring_entries_come_from_three_nodes_at_16384_ranks() -> None:
+    """At 16,384 ranks (2,048 nodes of 8) a rank's buddy, copies kept and leadership read 3 nodes' members."""
+    keys = [f"host{rank // 8}:/dev/shm/s" for rank in range(16384)]
+    ring = Ring.of(keys)
+    rank = 8 * 700 + 3
+    assert ring.buddy_of(rank) == 8 * 701 + 3
+    assert ring.kept_for(rank) == [8 * 699 + 3]
+    assert not ring.is_leader(rank)
+    assert ring.members.cache_info().currsize == 3  # its own node, the next and the previous
+    assert ring.buddy_of(16383) == 7
+    assert ring.kept_for(0) == [16376]

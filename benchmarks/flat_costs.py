@@ -1,0 +1,141 @@
+"""Per-rank host costs at thousands of ranks, under torch's fake process group (issue 53, in part).
+
+One process acts as rank 1 of ``N`` ranks (``dist.init_process_group("fake", ...)``: no process talks
+to another, every collective returns at once). Measured per ``N`` (a fresh process each), the minimum
+of 3 runs:
+
+- ``ring``: what ``Snapshots()`` computes from every rank's node key (8 ranks a node): the buddy ring,
+  this rank's buddy, the ranks it keeps copies for and whether it leads its node. ``Snapshots`` itself
+  builds a gloo group of its own and gathers objects, which the fake group cannot carry, so its ring
+  is measured directly.
+- ``per snapshot``: the ring work one ``save`` does besides the bytes: the exchange of snapshot sizes
+  (an all-gather before, a message to and from the buddies after), the ranks it receives from, its
+  buddy and whether it leads.
+- ``check_replicas``: ``fsdp2.check_replicas`` on 16 blocks of two ``Linear(512, 512)``, HSDP on a
+  (N/4 replicas, 4 shards) mesh. The fake group leaves received buffers as they were allocated, so
+  every all-gather here is patched to fill them with copies of this rank's tensor (replicas that agree).
+
+Run:  python benchmarks/flat_costs.py [--worlds 8 64 512 4096]
+Prints a table (milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RANK = 1
+PER_NODE = 8
+
+
+def _best(fn: Callable[[], Any], tries: int = 3) -> float:
+    times = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def _patch_gathers() -> None:
+    """Received buffers filled with this rank's tensor: the replicas agree (fake groups send nothing)."""
+    import torch.distributed as dist
+
+    plain, into = dist.all_gather, dist.all_gather_into_tensor
+
+    def all_gather(outputs: list[Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        work = plain(outputs, tensor, *args, **kwargs)
+        for out in outputs:
+            out.copy_(tensor)
+        return work
+
+    def all_gather_into_tensor(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        work = into(output, tensor, *args, **kwargs)
+        output.view(-1, *tensor.shape).copy_(
+            tensor.unsqueeze(0).expand(output.numel() // tensor.numel(), *tensor.shape)
+        )
+        return work
+
+    dist.all_gather, dist.all_gather_into_tensor = all_gather, all_gather_into_tensor  # type: ignore[assignment]
+
+
+def _one(world: int) -> dict[str, float]:
+    sys.path.insert(0, str(REPO))
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp2
+    from fsdp2.resilience._ring import Ring
+
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world)
+    _patch_gathers()
+    keys = [f"host{r // PER_NODE}:/dev/shm/x" for r in range(world)]
+
+    def ring() -> None:
+        _per_rank(Ring.of(keys))
+
+    def _per_rank(built: Any) -> None:
+        buddy = built.buddy_of(RANK) if hasattr(built, "buddy_of") else built.buddy[RANK]
+        built.kept_for(RANK)
+        built.is_leader(RANK)
+        del buddy
+
+    built = Ring.of(keys)
+
+    def per_snapshot() -> None:
+        sizes = torch.tensor([100, 1000], dtype=torch.int64)
+        if hasattr(built, "buddy_of"):  # sizes to and from the buddies only
+            for _ in built.kept_for(RANK):
+                torch.empty_like(sizes)
+        else:
+            every = [torch.empty_like(sizes) for _ in range(world)]
+            dist.all_gather(every, sizes)
+        _per_rank(built)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)) for _ in range(16)])
+    mesh = init_device_mesh("cpu", (world // 4, 4), mesh_dim_names=("replicate", "shard"))
+    for block in model:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    fsdp2.check_replicas(model)  # warm
+    return {
+        "ring": _best(ring),
+        "per snapshot": _best(per_snapshot),
+        "check_replicas": _best(lambda: fsdp2.check_replicas(model)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.one)))
+        return
+    rows = {}
+    for world in args.worlds:
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", str(world)], capture_output=True, text=True, check=True
+        )
+        rows[world] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"N={world}: {rows[world]}", file=sys.stderr, flush=True)
+    names = list(next(iter(rows.values())))
+    print(f"{'ranks':>7} | " + " | ".join(f"{n + ' (ms)':>19}" for n in names))
+    for world, row in rows.items():
+        print(f"{world:>7} | " + " | ".join(f"{row[n]:>19.3f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
