@@ -31,6 +31,7 @@ and would move the first elements of ranks 1.. into the previous chunk, unless p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +194,12 @@ def same_order_tail(world_size: int, width: int, tail: int, element_size: int) -
     """
     if tail == 0 or width == 0 or world_size <= 2:
         return tail  # nothing to keep, or two ranks (a + b == b + a: no order to keep)
+    return _searched_tail(world_size, width, tail, element_size, _RING_SEGMENT_BYTES)
+
+
+@functools.lru_cache(maxsize=4096)  # every reduce-scatter asks (twice): the search runs once per shape
+def _searched_tail(world_size: int, width: int, tail: int, element_size: int, segment_bytes: int) -> int:
+    """``same_order_tail``'s search (``segment_bytes``: the ring's segment size, part of the key)."""
     want = _ring_chunks(world_size, width, width, element_size)
     per_rank = _ring_segments(world_size, width + tail, element_size) // world_size
     for extra in range(tail, tail + 2 * (per_rank + world_size) + 2):
