@@ -10,6 +10,7 @@ from .comm._comms import AllGather, Comm, ReduceScatter
 from .compile._compile_fixes import install_cache_key_fix, install_rng_order_fix
 from .debug._guard import DivergenceError, install_guard
 from .debug._replicas import check_replicas
+from .experts._declare import shard_experts
 from .frontend._fully_shard import fully_shard, on_first_fully_shard
 from .frontend._module import (
     FSDPModule,
@@ -117,6 +118,7 @@ __all__ = [
     "save_pretrained",
     "save_timeline",
     "set_debug",
+    "shard_experts",
     "share_comm_ctx",
     "straggler_report",
     "whole_tensor_step",

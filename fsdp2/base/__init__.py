@@ -25,7 +25,10 @@ from ._cast import cast_floating, move_to_device
 from ._config import GroupConfig, GroupControls, ParamSpec
 from ._lifecycle import ALLOWED, ShardedState, TrainingState, stepped_before_backward, transition
 from ._mesh import (
+    FSDPMeshInfo,
+    HSDPMeshInfo,
     MeshInfo,
+    ShardPlacementResult,
     SpmdDims,
     data_and_tensor_parallel_mesh,
     default_mesh,
@@ -40,11 +43,14 @@ __all__ = [
     "DataParallelMeshDims",
     "GroupConfig",
     "GroupControls",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
     "KeptBuffers",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParamSpec",
+    "ShardPlacementResult",
     "ShardedState",
     "SpmdDims",
     "TrainingState",

@@ -26,6 +26,7 @@ from ..base import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ParamSpec,
+    ShardPlacementResult,
     SpmdDims,
     as_fsdp2_policy,
     data_and_tensor_parallel_mesh,
@@ -39,7 +40,7 @@ from ..runtime import FSDPState, get_state, mark_replaced, watch_optimizer_steps
 from ._composable import register_fully_shard, registered_apis, torch_state
 from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
 
-PlacementFn = Callable[[nn.Parameter], "Shard | None"]
+PlacementFn = Callable[[nn.Parameter], "Shard | ShardPlacementResult | None"]
 
 
 class _Options(TypedDict, total=False):
