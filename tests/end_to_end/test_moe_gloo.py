@@ -30,48 +30,11 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import run_multiprocess
-from tests.shared.titan_cpu import stand_in_for_triton_kernels
+from tests.shared.titan_cpu import DIM, SEQ, VOCAB, build_titan, stand_in_for_triton_kernels, tiny_qwen3_moe
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-WORLD, EP, BATCH, SEQ, VOCAB, DIM, HEAD_DIM = 4, 2, 2, 16, 256, 64, 16
-
-
-def _tiny_qwen3_moe(qwen3: Any, ep: bool) -> torch.nn.Module:
-    """torchtitan's qwen3 debug MoE flavour cut down: 2 layers, 4 experts (top 2), width 64."""
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.rope import CosSinRoPE
-
-    qwen3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
-    config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB,
-        dim=DIM,
-        norm=qwen3._qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            fuse_qkv=True,
-            n_layers=2,
-            dim=DIM,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=HEAD_DIM,
-            moe_hidden_dim=32,
-            num_experts=4,
-            top_k=2,
-            attn_backend="sdpa",
-            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1e6),
-            moe_comm_backend="standard",
-        ),
-    )
-    if ep:  # what the trainer's update_from_config does: the sharding configs, experts on ``ep``
-        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
-
-        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
-    return _build(config)
+WORLD, EP, BATCH = 4, 2, 2
 
 
 def _tiny_deepseek_v3(dsv3: Any, ep: bool) -> torch.nn.Module:
@@ -128,18 +91,7 @@ def _tiny_deepseek_v3(dsv3: Any, ep: bool) -> torch.nn.Module:
         from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
         set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=True)
-    return _build(config)
-
-
-def _build(config: Any) -> torch.nn.Module:
-    model: torch.nn.Module = config.build()
-    gen = torch.Generator().manual_seed(0)  # the same values in every process
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(
-                torch.ones_like(param) if param.ndim == 1 else torch.randn(param.shape, generator=gen) * 0.1
-            )
-    return model
+    return build_titan(config)
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
@@ -182,7 +134,7 @@ def _run(impl: str, flavour: str, out: str) -> None:
     parallel_dims.build_mesh()
     package = importlib.import_module(f"torchtitan.models.{flavour}")
     tiny, parallelize = (
-        (_tiny_qwen3_moe, package.parallelize_qwen3)
+        (tiny_qwen3_moe, package.parallelize_qwen3)
         if flavour == "qwen3"
         else (_tiny_deepseek_v3, package.parallelize_deepseekv3)
     )

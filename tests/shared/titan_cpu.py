@@ -11,6 +11,10 @@ import sys
 import types
 from typing import Any
 
+import torch
+
+SEQ, VOCAB, DIM, HEAD_DIM = 16, 256, 64, 16
+
 _TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 _KERNEL_NAMES = (
     "copy_full_counts_to_peers_kernel",
@@ -34,3 +38,51 @@ def stand_in_for_triton_kernels() -> None:
     for name in _KERNEL_NAMES:
         setattr(module, name, unavailable)
     sys.modules[_TRITON_KERNELS] = module
+
+
+def tiny_qwen3_moe(qwen3: Any, ep: bool) -> torch.nn.Module:
+    """torchtitan's qwen3 debug MoE flavour cut down: 2 layers, 4 experts (top 2), width 64."""
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    qwen3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            fuse_qkv=True,
+            n_layers=2,
+            dim=DIM,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=HEAD_DIM,
+            moe_hidden_dim=32,
+            num_experts=4,
+            top_k=2,
+            attn_backend="sdpa",
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1e6),
+            moe_comm_backend="standard",
+        ),
+    )
+    if ep:  # what the trainer's update_from_config does: the sharding configs, experts on ``ep``
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
+    return build_titan(config)
+
+
+def build_titan(config: Any) -> torch.nn.Module:
+    model: torch.nn.Module = config.build()
+    gen = torch.Generator().manual_seed(0)  # the same values in every process
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(
+                torch.ones_like(param) if param.ndim == 1 else torch.randn(param.shape, generator=gen) * 0.1
+            )
+    return model
