@@ -24,6 +24,7 @@ from .optim import enable_automatic_local_steps, enable_whole_tensor_steps
 from .optim._accumulate import Accumulation, accumulate
 from .optim._clip import clip_grad_norm_
 from .optim._local_optim import local_step
+from .optim._stacked_muon import StackedMuon
 from .optim._whole_tensor import declare_optimizer, whole_tensor_step
 from .param import install_deepcopy, install_pickling
 from .param._init import init_like_unsharded
@@ -87,6 +88,7 @@ __all__ = [
     "SnapshotStats",
     "Snapshots",
     "Span",
+    "StackedMuon",
     "StragglerReport",
     "StragglerRow",
     "TorchPatch",

@@ -3,8 +3,9 @@
 Owns: optimizer steps on local shards (``local_step``, and the automatic one for torch's elementwise
 optimizers, enabled at the first ``fully_shard``: ``fsdp2/__init__.py`` registers it), whole-tensor
 steps on owner ranks for optimizers that need each whole parameter (``whole_tensor_step``: Muon,
-Adafactor, declared classes; ``declare_optimizer``), gradient clipping over shards
-(``clip_grad_norm_``) and gradient accumulation within a memory budget (``accumulate``). Does not
+Adafactor, declared classes; ``declare_optimizer``), Muon over stacks of matrices (``StackedMuon``),
+gradient clipping over shards (``clip_grad_norm_``) and gradient accumulation within a memory budget
+(``accumulate``). Does not
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
 ``runtime``'s and ``group``'s queries; imports the floors below.
 
@@ -15,10 +16,12 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 from ._accumulate import Accumulation, accumulate
 from ._clip import clip_grad_norm_
 from ._local_optim import enable_automatic_local_steps, local_step
+from ._stacked_muon import StackedMuon
 from ._whole_tensor import declare_optimizer, enable_whole_tensor_steps, whole_tensor_step
 
 __all__ = [
     "Accumulation",
+    "StackedMuon",
     "accumulate",
     "clip_grad_norm_",
     "declare_optimizer",

@@ -1,104 +1,190 @@
-"""``torch.optim.Muon`` on row shards: only the Newton-Schulz input and output travel, once each.
+"""``torch.optim.Muon`` (and ``StackedMuon``) on shards: only the Newton-Schulz input and output travel.
 
-Owns: ``rows_step``, torch 2.13's Muon update (``_single_tensor_muon``) for the matrices
-``fully_shard`` sharded on dim 0. Does not own: when it runs (``_whole_tensor``'s step hooks), the
-owners (``_owner_exchange``), the routes and the exchange (``param._rows``, ``comm._exchange``), the
-Newton-Schulz iteration and the learning-rate adjustment (torch's own functions, called as they are).
+Owns: ``muon_step``, torch 2.13's Muon update (``_single_tensor_muon``) for the matrices and stacks of
+matrices ``fully_shard`` sharded, and ``rows_group_of`` (the layouts it serves). Does not own: when it
+runs (``_whole_tensor``'s step hooks), the routes and the exchange (``param._rows``,
+``comm._exchange``), the Newton-Schulz iteration and the learning-rate adjustment (torch's own
+functions, called as they are).
 
 [Note: Muon on rows]
 Of Muon's update only the orthogonalisation needs the whole matrix; the momentum, the Nesterov blend,
-the weight decay and the final add are elementwise. So each rank updates its rows of the momentum and
-blends its rows of the update, one all-to-all sends the update's rows to the matrix's owner (owners
-balanced by Newton-Schulz work), the owner orthogonalises the whole update with torch's own function,
-one all-to-all returns each rank its rows of the result (bf16, as torch's Newton-Schulz returns it),
-and each rank applies weight decay and the update to its rows. The same operations on the same
-values as the unsharded model: fp32 parameters are bit-identical. bf16 parameters may differ by a
-bf16 ulp where the CPU's vectorised add rounds an element differently than on the whole matrix (which
-elements fall in a vector's body or its tail depends on the row count); at one rank they are
-bit-identical. Per step, each rank receives 2 N M (W - 1) / W^2 bytes for N matrices of M bytes (an
-update's rows on the way to its owner, the result's rows on the way back), against 5 N M (W - 1) / W^2
-for the general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The
-momentum stays a DTensor sharded like its parameter.
+the weight decay and the final add are elementwise. So each rank updates its part of the momentum and
+blends its part of the update, and each matrix is orthogonalised once, with torch's own function, on
+a rank that holds it whole:
+- a matrix ``fully_shard`` sharded by rows (dim 0 of a matrix, dim 1 of an ``[E, m, n]`` stack):
+  one all-to-all per shard group sends the update's rows to the matrix's owner (owners balanced by
+  Newton-Schulz work), the owner orthogonalises the whole update, one all-to-all returns each rank
+  its rows of the result (bf16, as torch's Newton-Schulz returns it);
+- a matrix a rank holds whole (each expert of a stack sharded on dim 0, whatever the mesh dims:
+  FSDP's rows, or experts placed on an ``ep`` mesh and sharded over ``efsdp``): that rank
+  orthogonalises it, and nothing travels. A rank with no rows of a stack has nothing to do.
+Each rank then applies weight decay and the update to its part, the learning rate adjusted for the
+matrix's ``[m, n]``. The same operations on the same values as the unsharded model (a stack as ``E``
+separate matrices): fp32 parameters are bit-identical. bf16 parameters may differ by a bf16 ulp where
+the CPU's vectorised add rounds an element differently than on the whole matrix (which elements fall
+in a vector's body or its tail depends on the row count); at one rank they are bit-identical. Per
+step, each rank receives 2 N M (W - 1) / W^2 bytes for N row-sharded matrices of M bytes (an update's
+rows on the way to its owner, the result's rows on the way back), against 5 N M (W - 1) / W^2 for the
+general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The momentum
+stays a DTensor sharded like its parameter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import exchange, nbytes_of
-from ..param import RowLayout, local_of, routes
-from ._owner_exchange import DISAGREE, join_rows, owners_of, sharded_like
+from ..param import RowLayout, local_of, owners_by_load, routes
+from ._owner_exchange import DISAGREE, join_rows, sharded_like
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 except ImportError:  # another torch: the general owner step serves Muon instead
     _adjust_lr = _zeropower_via_newtonschulz = None  # type: ignore[assignment]  # reason: absent
 
-__all__ = ["ROWS_AVAILABLE", "rows_step"]
+__all__ = ["ROWS_AVAILABLE", "muon_step", "rows_group_of"]
 
 ROWS_AVAILABLE = _zeropower_via_newtonschulz is not None
 
 
-def rows_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """One Muon step of ``params`` (row-sharded DTensor matrices with gradients, one shard group)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = params[0].device
+@dataclass(frozen=True)
+class _Matrix:
+    """One matrix to orthogonalise: this rank's rows of its update and of its parameter."""
+
+    update: torch.Tensor  # this rank's rows of the update (all of them where it holds the matrix)
+    target: torch.Tensor  # the same rows of the parameter: a view of its local tensor
+    shape: tuple[int, int]  # the whole matrix's
+    settings: dict[str, Any]  # its optimizer param group
+
+
+def rows_group_of(param: DTensor) -> dist.ProcessGroup | None:
+    """The process group ``param``'s matrix rows are sharded over (``None``: each rank holds whole ones).
+
+    ``None`` for a stack sharded on dim 0 only, and for rows sharded over one rank.
+
+    Raises:
+        ValueError: a layout the Muon step cannot serve, naming the parameter's shape and placements.
+    """
+    ndim, rows_dim, served = param.ndim, None, param.ndim in (2, 3)
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        dim = getattr(placement, "dim", None)  # Shard, and the strided shard of a dim split twice
+        if dim is not None and ndim == 3 and dim % ndim == 0:
+            continue  # experts: each rank holds whole matrices
+        if dim is not None and dim % ndim == ndim - 2 and type(placement) is Shard and rows_dim is None:
+            rows_dim = mesh_dim
+            continue
+        served = False
+    if not served:
+        raise ValueError(
+            f"Muon over sharded parameters: a parameter of shape {tuple(param.shape)} is laid out as "
+            f"{tuple(param.placements)} on its mesh. fsdp2's Muon step serves matrices [m, n] with their "
+            "rows sharded over one mesh dim (FSDP, HSDP's shard dim) and stacks [E, m, n] with their "
+            "experts (dim 0) sharded over any mesh dims and their rows (dim 1) over at most one; columns "
+            "sharded (tensor parallelism), rows sharded twice or partial sums are not. Step such "
+            "parameters with an optimizer built for that layout, or leave them out of this optimizer."
+        )
+    mesh = param.device_mesh
+    if rows_dim is None or mesh.size(rows_dim) == 1:
+        return None
+    held = local_of(param).shape[-2]
+    even = RowLayout.chunked(param.shape[-2], mesh.size(rows_dim)).count(mesh.get_local_rank(rows_dim))
+    if held != even:  # fsdp2's dim-0 shards and Shard(1) of divisible sizes are torch.chunk's
+        raise ValueError(
+            f"Muon over sharded parameters: this rank holds {held} rows of the {tuple(param.shape)} "
+            f"parameter laid out as {tuple(param.placements)}, where torch.chunk's split gives it {even}; "
+            "the step serves torch.chunk's row splits (fsdp2's and DTensor's)."
+        )
+    return mesh.get_group(rows_dim)
+
+
+def muon_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """One Muon step of ``params`` (sharded DTensor matrices and stacks of them, with gradients)."""
+    groups = [rows_group_of(p) for p in params]  # type: ignore[arg-type]  # raises before anything changes
     settings = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    rows = [RowLayout.chunked(p.shape[0], world) for p in params]
-    owners = owners_of(params, world)
-    owned = [RowLayout.owned(p.shape[0], world, owner) for p, owner in zip(params, owners, strict=True)]
-    updates = []
+    by_group: dict[dist.ProcessGroup | None, list[_Matrix]] = {}
     with torch.no_grad():
-        for param in params:
+        for param, group in zip(params, groups, strict=True):
             g = settings[id(param)]
             grad = local_of(param.grad)  # type: ignore[arg-type]
             buffer = local_of(_momentum(optimizer, param, grad))
             buffer.lerp_(grad, 1 - g["momentum"])
-            updates.append(grad.lerp(buffer, g["momentum"]) if g["nesterov"] else buffer)
-        # There: each rank's rows of each update to the matrix's owner.
-        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        expect = [0] * world
-        for i, update in enumerate(updates):
-            sends[owners[i]].append(update)
-            for piece in routes(rows[i], owned[i], rank).receive:
-                expect[piece.peer] += nbytes_of((piece.rows, *update.shape[1:]), update.dtype)
-        received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
-        results: dict[int, torch.Tensor] = {}
-        for i, update in enumerate(updates):
-            if owners[i] != rank:
-                continue
+            update = grad.lerp(buffer, g["momentum"]) if g["nesterov"] else buffer
+            shape = (int(param.shape[-2]), int(param.shape[-1]))
+            local = local_of(param)  # type: ignore[arg-type]
+            for rows, target in zip(_matrices(update), _matrices(local), strict=True):
+                by_group.setdefault(group, []).append(_Matrix(rows, target, shape, g))
+        results: list[tuple[_Matrix, torch.Tensor]] = []
+        for group, matrices in by_group.items():
+            if group is None:
+                results.extend((m, _orthogonalise(m.update, m.settings)) for m in matrices)
+            else:
+                results.extend(zip(matrices, _on_owners(matrices, group), strict=True))
+        for param in params:
+            g = settings[id(param)]
+            local_of(param).mul_(1 - float(g["lr"]) * g["weight_decay"])  # type: ignore[arg-type]
+        for matrix, result in results:
+            g = matrix.settings
+            lr = _adjust_lr(float(g["lr"]), g["adjust_lr_fn"], torch.Size(matrix.shape))
+            matrix.target.add_(result, alpha=-lr)
+
+
+def _matrices(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A matrix as itself, a stack as its matrices (views; none for a rank with no experts)."""
+    return [tensor] if tensor.ndim == 2 else [tensor[e] for e in range(tensor.shape[0])]
+
+
+def _orthogonalise(update: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
+    return _zeropower_via_newtonschulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"])
+
+
+def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Each matrix orthogonalised on its owner rank of ``group``; this rank's rows of each result."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = matrices[0].update.device
+    rows = [RowLayout.chunked(m.shape[0], world) for m in matrices]
+    owners = owners_by_load([m.shape[0] * m.shape[1] * min(m.shape) for m in matrices], world)
+    owned = [RowLayout.owned(m.shape[0], world, owner) for m, owner in zip(matrices, owners, strict=True)]
+    # There: each rank's rows of each update to the matrix's owner.
+    sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    expect = [0] * world
+    for i, m in enumerate(matrices):
+        sends[owners[i]].append(m.update)
+        for piece in routes(rows[i], owned[i], rank).receive:
+            expect[piece.peer] += nbytes_of((piece.rows, m.shape[1]), m.update.dtype)
+    received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
+    wholes: dict[int, torch.Tensor] = {}
+    for i, m in enumerate(matrices):
+        if owners[i] == rank:
             pieces = [
-                received.take(piece.peer, (piece.rows, *update.shape[1:]), update.dtype)
+                received.take(piece.peer, (piece.rows, m.shape[1]), m.update.dtype)
                 for piece in routes(rows[i], owned[i], rank).receive
             ]
-            g = settings[id(params[i])]
-            whole = join_rows(pieces, update)
-            results[i] = _zeropower_via_newtonschulz(whole, g["ns_coefficients"], g["ns_steps"], g["eps"])
-        # Back: each rank's rows of each orthogonalised update.
-        sends = [[] for _ in range(world)]
-        for i, result in results.items():
-            for piece in routes(owned[i], rows[i], rank).send:
-                sends[piece.peer].append(result[piece.start : piece.stop])
-        expect = [0] * world  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
-        for i, param in enumerate(params):
-            expect[owners[i]] += nbytes_of((rows[i].count(rank), param.shape[1]), torch.bfloat16)
-        received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
-        for i, param in enumerate(params):
-            g = settings[id(param)]
-            shape = (rows[i].count(rank), param.shape[1])
-            result = received.take(owners[i], shape, torch.bfloat16)
-            if param.shape[0] > param.shape[1]:
-                # torch's Newton-Schulz returns a tall matrix as a transposed view, and the add takes
-                # another kernel for such an operand (in bf16, another rounding): lay the rows out alike.
-                result = result.t().contiguous().t()
-            lr = float(g["lr"])
-            local = local_of(param)  # type: ignore[arg-type]
-            local.mul_(1 - lr * g["weight_decay"])
-            local.add_(result, alpha=-_adjust_lr(lr, g["adjust_lr_fn"], param.shape))
+            wholes[i] = _orthogonalise(join_rows(pieces, m.update), m.settings)
+    # Back: each rank's rows of each orthogonalised update.
+    sends = [[] for _ in range(world)]
+    for i, whole in wholes.items():
+        for piece in routes(owned[i], rows[i], rank).send:
+            sends[piece.peer].append(whole[piece.start : piece.stop])
+    expect = [0] * world  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
+    for i, m in enumerate(matrices):
+        expect[owners[i]] += nbytes_of((rows[i].count(rank), m.shape[1]), torch.bfloat16)
+    received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
+    results = []
+    for i, m in enumerate(matrices):
+        result = received.take(owners[i], (rows[i].count(rank), m.shape[1]), torch.bfloat16)
+        if m.shape[0] > m.shape[1]:
+            # torch's Newton-Schulz returns a tall matrix as a transposed view, and the add takes
+            # another kernel for such an operand (in bf16, another rounding): lay the rows out alike.
+            result = result.t().contiguous().t()
+        results.append(result)
+    return results
 
 
 def _momentum(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> DTensor:

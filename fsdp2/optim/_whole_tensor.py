@@ -47,8 +47,9 @@ from ..base import warn_user
 from ..param import is_managed
 from ._adafactor import factored_step
 from ._local_optim import decide_others_with, declare_elementwise, is_elementwise, mark_decided
-from ._muon import ROWS_AVAILABLE, rows_step
+from ._muon import ROWS_AVAILABLE, muon_step
 from ._owner_exchange import ExchangePlan, shard_group_of
+from ._stacked_muon import StackedMuon
 
 __all__ = ["declare_optimizer", "whole_tensor_step"]
 
@@ -190,9 +191,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if type(optimizer) is torch.optim.Adafactor:  # factored: small all-reduces, no matrix moved
         for group, params in _by_shard_group(stepped):
             factored_step(optimizer, params, group)
-    elif type(optimizer) is torch.optim.Muon and ROWS_AVAILABLE:  # only Newton-Schulz's input moves
-        for group, params in _by_shard_group(stepped):
-            rows_step(optimizer, params, group)
+    elif type(optimizer) in (torch.optim.Muon, StackedMuon) and ROWS_AVAILABLE:  # only NS's input moves
+        muon_step(optimizer, stepped)
     else:
         for plan in _plans_of(optimizer, stepped):
             plan.run(optimizer, _shadow_of(optimizer))
