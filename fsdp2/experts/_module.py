@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ._mesh import ExpertMesh
-from ._tokens import Route, expert_major, send_rows, trade_counts
+from ._tokens import Route, expert_major, send_rows, tie, trade_counts
 
 __all__ = ["ExpertsParallel", "Placement", "expert_parallel_class", "place", "placement_of"]
 
@@ -73,8 +73,19 @@ class ExpertsParallel:
         return self._routed(placement, *values)
 
     def _local_forward(self, placement: Placement, *args: torch.Tensor) -> torch.Tensor:
-        with _local_view(self, placement.local):  # type: ignore[arg-type]
-            return super().forward(*args)  # type: ignore[misc, no-any-return]
+        """The module's own forward on this rank's experts, tied to what it was given (see ``tie``).
+
+        With no rows here, also to the local weights: their gradient is then zeros, as the unsharded
+        model's rows of experts no token reached are, rather than missing on this rank only.
+        """
+        with _local_view(self, placement.local) as weights:  # type: ignore[arg-type]
+            out: torch.Tensor = super().forward(*args)  # type: ignore[misc]
+        if not torch.is_grad_enabled():
+            return out
+        given = [a for a in args if a.requires_grad]
+        if args[0].shape[0] == 0:
+            given += [w for w in weights if w.requires_grad]
+        return tie(out, *given) if given else out
 
     def _by_counts(self, placement: Placement, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         mine = [int(c) for c in counts.tolist()]
@@ -145,18 +156,23 @@ def _bind(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
 
 
 @contextlib.contextmanager
-def _local_view(module: nn.Module, local: int) -> Iterator[None]:
-    """``module``'s DTensor weights as their local tensors, and ``num_experts`` as ``local``, meanwhile."""
+def _local_view(module: nn.Module, local: int) -> Iterator[list[torch.Tensor]]:
+    """``module``'s DTensor weights as their local tensors, and ``num_experts`` as ``local``, meanwhile.
+
+    Yields the local tensors.
+    """
     saved = dict(module._parameters)  # noqa: SLF001 - the registered objects, swapped back on exit
     had = "num_experts" in vars(module)
     experts = getattr(module, "num_experts", None)
     try:
+        views = []
         for name, param in saved.items():
             if isinstance(param, DTensor):
-                module._parameters[name] = param.to_local()  # noqa: SLF001
+                views.append(param.to_local())
+                module._parameters[name] = views[-1]  # noqa: SLF001
         if had:
             setattr(module, "num_experts", local)  # noqa: B010 - any module's attribute
-        yield
+        yield views
     finally:
         module._parameters.update(saved)  # noqa: SLF001 - restoring
         if had:

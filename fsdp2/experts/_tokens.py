@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..comm import exchange, nbytes_of
 
-__all__ = ["Route", "expert_major", "send_rows", "trade_counts"]
+__all__ = ["Route", "expert_major", "send_rows", "tie", "trade_counts"]
 
 
 def trade_counts(
@@ -111,6 +111,32 @@ class _SendRows(torch.autograd.Function):
             for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
         )
         return (None, *back.move(tuple(g.contiguous() for g in filled)))
+
+
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs]
+        return (grad, *zeros)
+
+
+def tie(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out``, made to reach ``inputs`` in backward (with zero gradients) whether or not it depends on them.
+
+    [Note: Every rank runs every exchange's backward]
+    The exchanges are collectives: in backward each rank must run the reverse of each, in the same
+    order. Autograd runs a node only if the loss reaches it, and a rank whose experts got no rows (or
+    whose output does not depend on the rows it got) would otherwise skip the dispatch's reverse
+    while its peers wait in it. Tying the local output to the rows it was given (and, where even so
+    it needs no gradient, to the weights) keeps every rank's graph the same shape; the zeros add
+    nothing (``x + 0`` is ``x``).
+    """
+    return _Tie.apply(out, *inputs)  # type: ignore[no-any-return, no-untyped-call]
 
 
 def send_rows(route: Route, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -86,12 +86,14 @@ def _titan(built: torch.nn.Module) -> dict[str, float]:
     losses = []
     for m in (model, ref):
         logits = m(tokens[:, :-1], positions=positions)
-        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        losses.append(loss)
         losses[-1].backward()
     _average_grads(ref)
     worst = {}
     for (name, ref_param), (_, param) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
-        assert ref_param.grad is not None and param.grad is not None, name
+        assert ref_param.grad is not None, name
+        assert param.grad is not None, name
         full = param.grad.full_tensor()  # type: ignore[attr-defined]
         worst[name] = ((full - ref_param.grad).norm() / ref_param.grad.norm()).item()
     worst["loss"] = abs(losses[0].item() - losses[1].item())

@@ -75,6 +75,9 @@ CASES = {
     "routed-hsdp-ep2": (8, 2, 2, False, True, 4),
     # 2 local experts over 4 efsdp ranks: w2 on Shard(1); w1 (3 rows) on Shard(0), two empty shards
     "counted-short-stack-shard1": (4, 2, 1, True, False, 8),
+    # 160 experts, 40 tokens in all: most experts (and some ep ranks' every expert) get no token anywhere
+    "routed-160-ep8-top1": (160, 8, 1, False, False, 8),
+    "counted-160-ep4-efsdp2-top2": (160, 4, 2, True, False, 8),
 }
 
 
