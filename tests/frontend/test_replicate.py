@@ -66,9 +66,9 @@ def _assert_same(model: nn.Module, other: nn.Module, grads: bool) -> None:
         torch.testing.assert_close(_full(a), _full(b), rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _train_three(layout: str, bf16: bool) -> None:
+def _train_three(layout: str, bf16: bool, args: ModelArgs = ARGS) -> None:
     """fsdp2, torch and the unsharded reference in lockstep; the collectives of each fsdp2 backward."""
-    base = seeded(lambda: Transformer(ARGS))
+    base = seeded(lambda: Transformer(args))
     ours, theirs, ref = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     dtype = {"param_dtype": torch.bfloat16} if bf16 else {}
     LAYOUTS[layout](fsdp2.replicate, fsdp2.fully_shard, ours, mp_policy=fsdp2.MixedPrecisionPolicy(**dtype))
@@ -116,11 +116,16 @@ def test_mixed_precision_matches_torch(layout: str) -> None:
     run_threaded(2, _train_three, layout, True)
 
 
+def test_activation_checkpointing() -> None:
+    """Each block's forward is re-run in backward (non-reentrant ``checkpoint``)."""
+    run_threaded(2, _train_three, "mixed", False, ModelArgs(n_layers=2, checkpoint_activations=True))
+
+
 def _classes_and_placements() -> None:
     model = seeded(lambda: Transformer(ARGS))
     returned = fsdp2.replicate(model.layers[0])
     assert returned is model.layers[0]
-    fsdp2.replicate([model.norm, model.output], offload_policy=fsdp2.CPUOffloadPolicy())
+    fsdp2.replicate([model.norm, model.output], offload_policy=fsdp2.CPUOffloadPolicy(pin_memory=False))
     fsdp2.replicate(model)
     for module in (model, model.layers[0], model.norm, model.output):
         assert type(module).__name__ == "Replicate" + type(module).__mro__[5].__name__
