@@ -5,7 +5,8 @@ and torch's own ``torch.distributed._composable.replicate_with_fsdp.replicate`` 
 ``fully_shard`` where a model mixes the two). Losses, gradients and parameters equal both bit for bit
 over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not). Also checked:
 the placements and meshes of the parameters (torch's), the classes ``isinstance`` sees, one all-reduce
-per group per backward and no all-gather, no-sync accumulation, the gradient divide factor, ignored
+per group per backward and no all-gather, accumulation without sync (gradient sync or all-reduce
+off), the gradient divide factor, ignored
 parameters, deep copy, the state dict and a DCP checkpoint saved at world 2 and loaded at world 1 and
 2, and the refusals (with torch's exception types where torch refuses the same call).
 """
@@ -150,18 +151,26 @@ def test_classes_placements_and_state() -> None:
     run_threaded(2, _classes_and_placements)
 
 
-def _accumulate(divide_by_one: bool) -> None:
-    """Two microbatches, the first without gradient sync: the synced backward reduces their sum."""
+def _accumulate(mode: str) -> None:
+    """Two microbatches, the first not synced: the synced backward reduces their sum.
+
+    ``no_sync``: ``set_requires_gradient_sync(False)``; ``divide_by_one``: the same with torchtitan's
+    "no gradient division" (divide factor 1: the sum over ranks); ``no_all_reduce``:
+    ``set_requires_all_reduce(False)`` (also torch's numbers, checked by hand).
+    """
     base = seeded(lambda: Transformer(ARGS))
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
     _per_block(fsdp2.replicate, None, model)
-    if divide_by_one:  # torchtitan's "disable gradient division": the sum over ranks
+    if mode == "divide_by_one":
         for module in model.modules():
             if isinstance(module, fsdp2.FSDPModule):
                 module.set_gradient_divide_factor(1.0)
     rank = dist.get_rank()
     for micro in range(2):
-        model.set_requires_gradient_sync(micro == 1)
+        if mode == "no_all_reduce":
+            model.set_requires_all_reduce(micro == 1)
+        else:
+            model.set_requires_gradient_sync(micro == 1)
         tokens = make_tokens(ARGS, rank + 10 * micro)
         with count_collectives() as counts:
             model(tokens).sum().backward()
@@ -169,13 +178,13 @@ def _accumulate(divide_by_one: bool) -> None:
         if micro == 0:
             assert counts["all_reduce"] == 0, dict(counts)
     for param in ref.parameters():
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM if divide_by_one else dist.ReduceOp.AVG)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM if mode == "divide_by_one" else dist.ReduceOp.AVG)
     _assert_same(model, ref, grads=True)
 
 
-@pytest.mark.parametrize("divide_by_one", [False, True], ids=["average", "divide_factor_1"])
-def test_no_sync_accumulation(divide_by_one: bool) -> None:
-    run_threaded(2, _accumulate, divide_by_one)
+@pytest.mark.parametrize("mode", ["no_sync", "divide_by_one", "no_all_reduce"])
+def test_accumulation_without_sync(mode: str) -> None:
+    run_threaded(2, _accumulate, mode)
 
 
 def _ignored() -> None:
