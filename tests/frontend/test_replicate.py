@@ -6,9 +6,9 @@ and torch's own ``torch.distributed._composable.replicate_with_fsdp.replicate`` 
 over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not). Also checked:
 the placements and meshes of the parameters (torch's), the classes ``isinstance`` sees, one all-reduce
 per group per backward and no all-gather, accumulation without sync (gradient sync or all-reduce
-off), the gradient divide factor, ignored
-parameters, deep copy, the state dict and a DCP checkpoint saved at world 2 and loaded at world 1 and
-2, and the refusals (with torch's exception types where torch refuses the same call).
+off), the gradient divide factor, ignored parameters, activation checkpointing, deep copy, the state
+dict and a DCP checkpoint saved at world 2 and loaded at world 1 and 2, and the refusals (with
+torch's exception types where torch refuses the same call).
 """
 
 from __future__ import annotations
