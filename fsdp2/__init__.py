@@ -14,12 +14,14 @@ from .experts._declare import shard_experts
 from .frontend._fully_shard import fully_shard, on_first_fully_shard
 from .frontend._module import (
     FSDPModule,
+    ReplicateModule,
     UnshardHandle,
     register_fsdp_forward_method,
     set_deepcopy_impl,
     share_comm_ctx,
 )
 from .frontend._patch import TorchPatch, patch_torch_fsdp
+from .frontend._replicate import replicate
 from .optim import enable_automatic_local_steps, enable_whole_tensor_steps
 from .optim._accumulate import Accumulation, accumulate
 from .optim._clip import clip_grad_norm_
@@ -82,6 +84,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ReduceScatter",
+    "ReplicateModule",
     "Restored",
     "ShardPlacementResult",
     "SimulatedValueError",
@@ -115,6 +118,7 @@ __all__ = [
     "plan",
     "record_events",
     "register_fsdp_forward_method",
+    "replicate",
     "save_chrome_trace",
     "save_full_state_dict",
     "save_pretrained",

@@ -181,12 +181,12 @@ class ShardPlacementResult:
     mesh_info: MeshInfo
 
 
-def default_mesh() -> DeviceMesh:
+def default_mesh(dim_names: tuple[str] | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole default process group on the default device type."""
     if not dist.is_initialized():
         dist.init_process_group()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=dim_names)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

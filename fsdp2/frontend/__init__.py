@@ -1,7 +1,8 @@
 """Floor 6: what a user calls to shard.
 
-What a user calls to shard: ``fully_shard`` (validation, then the state and groups),
-``FSDPModule`` (the methods mixed into the module's class), recognition by torch's composable
+What a user calls to shard: ``fully_shard`` (validation, then the state and groups), ``replicate``
+(the same engine, every parameter whole on each rank), ``FSDPModule`` and ``ReplicateModule`` (the
+methods mixed into the module's class), recognition by torch's composable
 registry, ``patch_torch_fsdp``, and ``detached`` (a sharded tree as plain modules while deep copy
 copies it). Imports the floors below.
 
@@ -11,13 +12,16 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 
 from ._detach import detached
 from ._fully_shard import fully_shard
-from ._module import FSDPModule, describe
+from ._module import FSDPModule, ReplicateModule, describe
 from ._patch import patch_torch_fsdp
+from ._replicate import replicate
 
 __all__ = [
     "FSDPModule",
+    "ReplicateModule",
     "describe",
     "detached",
     "fully_shard",
     "patch_torch_fsdp",
+    "replicate",
 ]

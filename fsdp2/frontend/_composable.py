@@ -2,7 +2,8 @@
 
 Owns: reading and writing the per-module registry through which torch's composable APIs see each
 other, so torch's ``replicate`` refuses a module fsdp2 manages and fsdp2 refuses (or skips) a module
-``replicate`` manages. This is the only module that touches that registry.
+``replicate`` manages, and the state torch's ``fully_shard.state`` / ``replicate.state`` answer for
+fsdp2's modules. This is the only module that touches that registry.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from torch import nn
 
 try:  # the registry is private to torch; degrade to "no registry" if it moves
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem, _get_registry
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _torch_replicate
     from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 except ImportError:  # pragma: no cover - depends on the torch version
     REGISTRY_KEY = None
 
-# The key under which torch's ``fully_shard.state(module)`` looks a module's state up: the function
-# its ``@contract`` decorator wrapped.
+# The keys under which torch's ``fully_shard.state(module)`` and ``replicate.state(module)`` look a
+# module's state up: the functions their ``@contract`` decorators wrapped.
 _TORCH_STATE_KEY = getattr(_torch_fully_shard, "__wrapped__", None) if REGISTRY_KEY is not None else None
+_TORCH_REPLICATE_KEY = getattr(_torch_replicate, "__wrapped__", None) if REGISTRY_KEY is not None else None
 
 
 def registered_apis(module: nn.Module) -> set[str]:
@@ -45,6 +48,19 @@ def register_fully_shard(module: nn.Module, state: object) -> None:
         module.__dict__.setdefault(STATE_KEY, OrderedDict())[_TORCH_STATE_KEY] = state
 
 
+def register_replicate(module: nn.Module, state: object) -> None:
+    """Mark ``module`` as managed by ``replicate`` for torch's composable APIs.
+
+    torch's ``fully_shard`` (and fsdp2's) then skip its subtree, and torch's
+    ``replicate_with_fsdp.replicate.state(module)`` answers ``state`` (pipelining reads it that way).
+    """
+    if REGISTRY_KEY is None:
+        return
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())["replicate"] = RegistryItem()
+    if _TORCH_REPLICATE_KEY is not None:
+        module.__dict__.setdefault(STATE_KEY, OrderedDict())[_TORCH_REPLICATE_KEY] = state
+
+
 def torch_state(module: nn.Module) -> Any:
     """What torch's ``fully_shard.state(module)`` answers: torch's state for a module torch sharded.
 
@@ -56,13 +72,27 @@ def torch_state(module: nn.Module) -> Any:
 
 
 def pop_torch_state(module: nn.Module) -> Any:
-    """Remove and return what ``register_fully_shard`` stored for torch's ``fully_shard.state``."""
+    """Remove and return what ``register_fully_shard`` / ``register_replicate`` stored for torch."""
     if REGISTRY_KEY is None or _TORCH_STATE_KEY is None:
         return None
-    return module.__dict__.get(STATE_KEY, {}).pop(_TORCH_STATE_KEY, None)
+    states = module.__dict__.get(STATE_KEY, {})
+    fully_shard_state = states.pop(_TORCH_STATE_KEY, None)
+    replicate_state = states.pop(_TORCH_REPLICATE_KEY, None)
+    replicate_item = None
+    if replicate_state is not None:  # a plain copy must not look replicated
+        replicate_item = module.__dict__.get(REGISTRY_KEY, {}).pop("replicate", None)
+    return fully_shard_state, replicate_state, replicate_item
 
 
-def restore_torch_state(module: nn.Module, state: Any) -> None:
+def restore_torch_state(module: nn.Module, popped: Any) -> None:
     """Put back what ``pop_torch_state`` removed."""
-    if state is not None:
-        module.__dict__.setdefault(STATE_KEY, OrderedDict())[_TORCH_STATE_KEY] = state
+    if popped is None:
+        return
+    fully_shard_state, replicate_state, replicate_item = popped
+    states = module.__dict__.setdefault(STATE_KEY, OrderedDict())
+    if fully_shard_state is not None:
+        states[_TORCH_STATE_KEY] = fully_shard_state
+    if replicate_state is not None:
+        states[_TORCH_REPLICATE_KEY] = replicate_state
+    if replicate_item is not None:
+        module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())["replicate"] = replicate_item

@@ -10,6 +10,7 @@ Invariants: a failed ``fully_shard`` leaves the module exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -37,8 +38,8 @@ from ..base import (
 from ..group import FSDPParamGroup, build_group
 from ..param import check_subclass_shardable, watch_registrations
 from ..runtime import FSDPState, get_state, mark_replaced, watch_optimizer_steps
-from ._composable import register_fully_shard, registered_apis, torch_state
-from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module
+from ._composable import register_fully_shard, register_replicate, registered_apis, torch_state
+from ._module import FSDPModule, describe, fsdp_class, is_torch_fsdp_module, replicate_class
 
 PlacementFn = Callable[[nn.Parameter], "Shard | ShardPlacementResult | None"]
 
@@ -127,11 +128,49 @@ def fully_shard(
     if dp_mesh_dims is None:
         mesh_info = _validate_mesh(mesh)
     else:
-        dp_dims = _validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+        dp_dims = validate_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
         mesh_info = dp_dims.mesh_info
     # Replicas only: nothing is sharded, so an int has no sharding to divide (torch ignores it too).
     _validate_reshard_after_forward(reshard_after_forward, mesh_info.shard_size, mesh_info.replicate_only)
-    mp_policy, offload_policy = as_fsdp2_policy(mp_policy), as_fsdp2_policy(offload_policy)
+    args = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "shard_placement_fn": shard_placement_fn,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "ignored_params": ignored_params,
+        "dp_mesh_dims": dp_mesh_dims,
+    }
+    apply_call(Call("fully_shard", modules, mesh_info, dp_dims, args))
+    return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``fully_shard`` or ``replicate`` call after its own checks of the module and mesh.
+
+    ``args``: the call's keyword arguments as given (``replicate`` has no ``reshard_after_forward`` or
+    ``shard_placement_fn``: ``None``); a deep copy calls ``api`` again with them.
+    """
+
+    api: str  # "fully_shard" or "replicate"
+    modules: tuple[nn.Module, ...]
+    mesh_info: MeshInfo
+    dp_dims: SpmdDims | None
+    args: dict[str, Any]
+
+
+def apply_call(call: Call) -> FSDPState:
+    """Check the rest (policies, parameters), then build the groups and state and swap the classes.
+
+    Everything that can be refused is refused before the first change to a module.
+    """
+    modules, mesh_info, dp_dims, args = call.modules, call.mesh_info, call.dp_dims, call.args
+    mesh: DeviceMesh = args["mesh"]
+    reshard_after_forward = args.get("reshard_after_forward")
+    shard_placement_fn = args.get("shard_placement_fn")
+    ignored_params = args["ignored_params"]
+    mp_policy, offload_policy = as_fsdp2_policy(args["mp_policy"]), as_fsdp2_policy(args["offload_policy"])
     _validate_policies(mp_policy, offload_policy)
     ignored = _validate_ignored(ignored_params)
     device = mesh_device(mesh)
@@ -144,7 +183,7 @@ def fully_shard(
     converted: dict[int, MeshInfo] = {}  # torch's mesh-info objects -> ours, once per call
     outer_infos: dict[tuple[int, int], MeshInfo] = {}  # (mesh info, outer dp ranks) -> its info
     for key, (param, name) in params.items():
-        _validate_param(param, name, device)
+        _validate_param(param, name, device, call.api)
         dim, info = _placement(param, name, shard_placement_fn, mesh_info, reshard_after_forward, converted)
         if dim == 0 and not isinstance(param, DTensor):
             check_subclass_shardable(param, name, info.shard_size, info.shard_rank)
@@ -155,6 +194,12 @@ def fully_shard(
             infos[key] = info
             continue
         if isinstance(param, DTensor):
+            if mesh_info.replicate_only:
+                raise NotImplementedError(
+                    f"replicate does not support the DTensor (tensor-parallel) parameter {name} on a 1-D "
+                    "mesh. Pass the full SPMD mesh with dp_mesh_dims=DataParallelMeshDims(replicate=...), "
+                    "or use fully_shard."
+                )
             # Its own mesh info: e.g. experts on an ``ep`` mesh, sharded over their own dp mesh.
             own = info is not mesh_info
             spmd_meshes[key] = _validate_tp_param(param, name, info.mesh, dim, reshard_after_forward, info)
@@ -182,10 +227,13 @@ def fully_shard(
             )
         )
         group = build_group(specs, modules, GroupConfig(info, mp_policy, offload_policy, device), post_info)
-        # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops).
-        group.controls.update(reshard_after_no_grad_forward=reshard_after_forward is not False)
+        # An explicit False keeps parameters unsharded after no-grad forwards too (eval loops); so
+        # does replicate, which never reshards after forward (as torch's).
+        keep = reshard_after_forward is False or call.api == "replicate"
+        group.controls.update(reshard_after_no_grad_forward=not keep)
         groups.append(group)
-    state = FSDPState(modules, groups, auto_reshard=reshard_after_forward is None, mp_policy=mp_policy)
+    auto = reshard_after_forward is None and call.api == "fully_shard"
+    state = FSDPState(modules, groups, auto_reshard=auto, mp_policy=mp_policy)
     if groups:
         watch_optimizer_steps()
     for hook in _ON_FIRST_CALL:  # after the step guard: its checks run before the rooms' step work
@@ -195,15 +243,8 @@ def fully_shard(
     # the whole tree at the root's first forward.
     present = {id(p) for m in modules for p in m.parameters()}
     state.foreign_ignored = [p for p in ignored_params or () if id(p) not in present]
-    state.shard_args = {
-        "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
-        "shard_placement_fn": shard_placement_fn,
-        "mp_policy": mp_policy,
-        "offload_policy": offload_policy,
-        "ignored_params": ignored_params,
-        "dp_mesh_dims": dp_mesh_dims,
-    }
+    state.api = call.api
+    state.shard_args = dict(args)
     for managed_module in managed:
         managed_module.__dict__["_is_fsdp_managed_module"] = True
         managed_module.__dict__["_fsdp_use_orig_params"] = True
@@ -213,9 +254,13 @@ def fully_shard(
             if inner is not None and inner is not state and inner not in state.descendants:
                 inner.mark_nested()  # not a top-level FSDP module any more (see _compiled.py)
                 state.descendants.append(inner)
-        register_fully_shard(root, state)
-        root.__class__ = fsdp_class(type(root))
-    return module  # type: ignore[return-value]  # reason: the class swap made it an FSDPModule
+        if call.api == "replicate":
+            register_replicate(root, state)
+            root.__class__ = replicate_class(type(root))
+        else:
+            register_fully_shard(root, state)
+            root.__class__ = fsdp_class(type(root))
+    return state
 
 
 def _state_of(module: nn.Module) -> Any:
@@ -235,47 +280,56 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]  # reason: torch's f
 # ---- validation (no side effects) ---------------------------------------------------------------
 
 
-def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+def validate_modules(module: Any, api: str = "fully_shard") -> tuple[nn.Module, ...]:
+    """The root modules of a ``fully_shard`` or ``replicate`` call (``api``), type and container checked."""
     if isinstance(module, nn.Module):
         modules: tuple[nn.Module, ...] = (module,)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
             raise ValueError(
-                f"fully_shard does not support {type(module).__name__} directly: it has no forward, so "
-                "FSDP's hooks would never run. Call fully_shard on each of its children, or on the parent "
+                f"{api} does not support {type(module).__name__} directly: it has no forward, so "
+                f"FSDP's hooks would never run. Call {api} on each of its children, or on the parent "
                 "module."
             )
     elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
         modules = _list_roots(module)
     else:
         raise TypeError(
-            f"fully_shard expects an nn.Module or a non-empty list of nn.Module, got {describe(module)}."
+            f"{api} expects an nn.Module or a non-empty list of nn.Module, got {describe(module)}."
         )
+    return modules
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    modules = validate_modules(module)
     for m in modules:
+        if is_replicated(m):  # fsdp2's replicate or torch's (either one)
+            raise ValueError(
+                f"This {type(m).__name__} is already managed by replicate(); a module is either "
+                "replicated or sharded. Apply fully_shard to its children before replicate(), or drop one."
+            )
         if get_state(m) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: each block first, then the root)."
             )
-        if _is_replicated(m):
-            raise ValueError(
-                f"This {type(m).__name__} is already managed by replicate(); a module is either "
-                "replicated or sharded. Apply fully_shard to its children before replicate(), or drop one."
-            )
-        _refuse_torch_fully_shard(m)
+        refuse_torch_engine(m, "fully_shard")
     return modules
 
 
-def _refuse_torch_fully_shard(module: nn.Module) -> None:
-    """Refuse a tree in which torch's own ``fully_shard`` manages a module: two engines cannot mix."""
+def refuse_torch_engine(module: nn.Module, api: str) -> None:
+    """Refuse a tree in which torch's ``fully_shard`` or FSDP-based ``replicate`` manages a module.
+
+    Two engines cannot mix. torch's classic (DDP-based) ``replicate`` is no FSDP module: a call skips
+    such a subtree, as torch's ``fully_shard`` does.
+    """
     for name, sub in module.named_modules():
-        # torch's class without fsdp2's state (torch's replicate() modules are checked separately)
-        if is_torch_fsdp_module(sub) and get_state(sub) is None and not _is_replicated(sub):
+        if is_torch_fsdp_module(sub) and get_state(sub) is None:  # torch's class without fsdp2's state
             where = f"its submodule {name!r} ({type(sub).__name__})" if name else f"this {type(sub).__name__}"
             raise ValueError(
-                f"fsdp2.fully_shard was given a {type(module).__name__} of which {where} was sharded by "
-                "torch.distributed.fsdp.fully_shard. One model cannot mix the two implementations (each "
-                "schedules its own all-gathers and reductions). Shard every module with fsdp2.fully_shard, "
-                "or call fsdp2.patch_torch_fsdp() before the code that imports torch's fully_shard."
+                f"fsdp2.{api} was given a {type(module).__name__} of which {where} is managed by torch's "
+                "fully_shard or replicate. One model cannot mix the two implementations (each schedules "
+                "its own all-gathers and reductions). Use fsdp2.fully_shard and fsdp2.replicate for every "
+                "module, or call fsdp2.patch_torch_fsdp() before the code that imports torch's fully_shard."
             )
 
 
@@ -291,7 +345,7 @@ def _list_roots(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
     return tuple(roots)
 
 
-def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> SpmdDims:
+def validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> SpmdDims:
     """``DataParallelMeshDims``: check its names against ``mesh``, then resolve them (see ``SpmdDims``).
 
     Refuses what torch 2.13 refuses, with the same exception types: names not in mesh order
@@ -340,7 +394,7 @@ def _validate_spmd_mesh(mesh: Any, dims: Any, reshard: Any) -> SpmdDims:
         raise NotImplementedError(
             f"reshard_after_forward={reshard} (an int) is not supported with dp_mesh_dims; use True or False."
         )
-    _validate_mesh_device(mesh)
+    validate_mesh_device(mesh)
     return SpmdDims.build(mesh, shard_names, replicate_names)
 
 
@@ -381,7 +435,7 @@ def _validate_mesh(mesh: Any) -> MeshInfo:
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice the data-parallel dims out of it."
         )
-    _validate_mesh_device(mesh)
+    validate_mesh_device(mesh)
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError(
             "fully_shard got a 2-D mesh without dim names; HSDP needs them to tell the replicate dim from "
@@ -390,11 +444,11 @@ def _validate_mesh(mesh: Any) -> MeshInfo:
     return MeshInfo.from_mesh(mesh)
 
 
-def _validate_mesh_device(mesh: DeviceMesh) -> None:
+def validate_mesh_device(mesh: DeviceMesh) -> None:
     device_module = getattr(torch, mesh.device_type, None)
     if mesh.device_type != "cpu" and not (device_module is not None and device_module.is_available()):
         raise ValueError(
-            f"fully_shard got a mesh on device type {mesh.device_type!r}, which this process cannot use. "
+            f"The mesh is on device type {mesh.device_type!r}, which this process cannot use. "
             "Build the mesh on an available device type (e.g. 'cpu' with gloo)."
         )
 
@@ -431,21 +485,22 @@ def _validate_ignored(ignored_params: Any) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
+def _validate_param(param: nn.Parameter, name: str, device: torch.device, api: str = "fully_shard") -> None:
+    verb = "shard" if api == "fully_shard" else "manage"
     if param.ndim == 0:
         raise ValueError(
-            f"fully_shard cannot shard the scalar parameter {name}: expected at least 1 dim, got shape (). "
+            f"{api} cannot {verb} the scalar parameter {name}: expected at least 1 dim, got shape (). "
             "Use a 1-D tensor with one element."
         )
     if not param.is_contiguous():
         raise NotImplementedError(
-            f"fully_shard does not support the non-contiguous parameter {name} (stride {param.stride()}); "
+            f"{api} does not support the non-contiguous parameter {name} (stride {param.stride()}); "
             "make it contiguous first, e.g. nn.Parameter(p.contiguous())."
         )
     if param.device.type not in ("meta", "cpu") and param.device != device:
         raise ValueError(
             f"Parameter {name} is on {param.device}, but the mesh communicates on {device}. Move the "
-            f"module to {device} (or call torch.{device.type}.set_device) before fully_shard."
+            f"module to {device} (or call torch.{device.type}.set_device) before {api}."
         )
 
 
@@ -604,7 +659,7 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
         if module in seen:
             return
         seen.add(module)
-        if not is_root and (get_state(module) is not None or _is_replicated(module)):
+        if not is_root and (get_state(module) is not None or is_replicated(module)):
             return
         for child in module.children():
             visit(child, False)
@@ -615,7 +670,8 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
     return order
 
 
-def _is_replicated(module: nn.Module) -> bool:
+def is_replicated(module: nn.Module) -> bool:
+    """Whether ``replicate`` (fsdp2's, or either of torch's) manages ``module``: calls skip its subtree."""
     return "replicate" in registered_apis(module)
 
 

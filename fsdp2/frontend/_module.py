@@ -1,12 +1,13 @@
-"""``FSDPModule``: the class mixed into every module passed to ``fully_shard``.
+"""``FSDPModule``: the class mixed into every module passed to ``fully_shard`` (or ``replicate``).
 
-Owns: the dynamic ``FSDP<Name>`` classes (cached per original class), the ``FSDPModule`` methods
-(unshard/reshard and every setter), ``UnshardHandle``, ``register_fsdp_forward_method`` and
-``share_comm_ctx``, and the errors the setters raise for bad arguments (before any change, with torch's
-exception types). Most methods translate the call into ``FSDPState``/``FSDPParamGroup`` fields or
-calls; two setters also communicate: ``set_separate_reduce_scatter_group`` creates a process group
-per shard group, and ``set_bucket_cap_mb("auto")`` measures collectives to choose the caps
-(``_autocap``). Does not own: hooks, or the collectives of a step.
+Owns: the dynamic ``FSDP<Name>`` and ``Replicate<Name>`` classes (cached per original class), the
+``FSDPModule`` methods (unshard/reshard and every setter), ``ReplicateModule``, ``UnshardHandle``,
+``register_fsdp_forward_method`` and ``share_comm_ctx``, and the errors the setters raise for bad
+arguments (before any change, with torch's exception types). Most methods translate the call into
+``FSDPState``/``FSDPParamGroup`` fields or calls; two setters also communicate:
+``set_separate_reduce_scatter_group`` creates a process group per shard group, and
+``set_bucket_cap_mb("auto")`` measures collectives to choose the caps (``_autocap``). Does not own:
+hooks, or the collectives of a step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule as TorchReplicateModule
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ..base import KeptBuffers, TrainingState, eager
@@ -87,20 +89,30 @@ class NotShardedError(ValueError, AssertionError):
 
 # ---- the dynamic class --------------------------------------------------------------------------
 
-_class_cache: dict[type, type] = {}
+_class_cache: dict[tuple[type, type], type] = {}
 _class_lock = threading.Lock()
 
 
 def fsdp_class(cls: type) -> type:
     """The cached ``FSDP<Name>`` subclass of ``(FSDPModule, cls)``."""
-    fsdp_cls = _class_cache.get(cls)
-    if fsdp_cls is None:
+    return _mixed_class(FSDPModule, "FSDP", cls)
+
+
+def replicate_class(cls: type) -> type:
+    """The cached ``Replicate<Name>`` subclass of ``(ReplicateModule, cls)``."""
+    return _mixed_class(ReplicateModule, "Replicate", cls)
+
+
+def _mixed_class(mixin: type, prefix: str, cls: type) -> type:
+    key = (mixin, cls)
+    mixed = _class_cache.get(key)
+    if mixed is None:
         with _class_lock:
-            fsdp_cls = _class_cache.get(cls)
-            if fsdp_cls is None:
-                fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _deepcopy})
-                _class_cache[cls] = fsdp_cls
-    return fsdp_cls
+            mixed = _class_cache.get(key)
+            if mixed is None:
+                mixed = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__deepcopy__": _deepcopy})
+                _class_cache[key] = mixed
+    return mixed
 
 
 _deepcopy_impl: Callable[[nn.Module, dict[int, Any]], nn.Module] | None = None
@@ -138,11 +150,15 @@ class _GroupUnshardHandle(UnshardHandle):
 
 if TYPE_CHECKING:
     _ModuleBase = nn.Module
+    _ReplicateBase = nn.Module
 else:
     # torch's class is a base so that code testing isinstance(m, torch.distributed.fsdp.FSDPModule)
     # (pipelining, torchtitan, accelerate, transformers) sees fsdp2 modules as FSDP modules. Every
     # method of torch's class is overridden below: none of torch's engine runs.
     _ModuleBase = TorchFSDPModule
+    # The same for replicate(): torch's ReplicateModule (a subclass of its FSDPModule that adds no
+    # method) comes after fsdp2's FSDPModule in the MRO, so fsdp2's methods win.
+    _ReplicateBase = TorchReplicateModule
 
 
 def is_torch_fsdp_module(module: nn.Module) -> bool:
@@ -576,6 +592,18 @@ class FSDPModule(_ModuleBase):
             for group in self._get_fsdp_state().groups:
                 group.readopt_sharded_params()
         return result
+
+
+class ReplicateModule(FSDPModule, _ReplicateBase):
+    """Mixin added to every module passed to ``replicate`` (as ``Replicate<Name>``).
+
+    fsdp2's :class:`FSDPModule` (its methods act on the module's replicated parameters) and torch's
+    ``ReplicateModule`` from ``torch.distributed._composable.replicate_with_fsdp``, so ``isinstance``
+    checks for either of torch's classes (pipelining's among them) see fsdp2's replicated modules.
+    """
+
+    # Replicate<Name>, this, fsdp2's FSDPModule, torch's ReplicateModule, torch's FSDPModule, <Name>.
+    _orig_cls_mro_index = 5
 
 
 def _checked_divide_factor(factor: object) -> float:

@@ -95,6 +95,8 @@ def sharded_spec(
     shard = Shard(shard_dim)
     dp_placements = (Replicate(), shard) if mesh_info.is_hsdp else (shard,)
     if tp is None:
+        if mesh_info.replicate_only:  # ``replicate``: every rank holds the whole tensor, as torch's
+            return make_spec(mesh_info.mesh, (Replicate(),), size, stride, dtype)
         return make_spec(mesh_info.mesh, dp_placements, size, stride, dtype)
     if spec.dp_dims is not None:  # a DTensor on the full SPMD mesh (DataParallelMeshDims)
         dims = spec.dp_dims

@@ -5,8 +5,8 @@ states and groups of a module tree (they read no field of a state or a group the
 engine's layout can change without touching them), by use:
 
 - deep copy (``weights/_copy.py``): ``extension_params``, ``reshard``, ``sharding_calls`` (what to call
-  ``fully_shard`` with again), ``copy_state_into`` (shards, controls and settings onto the copy's
-  state) and ``copy_prefetch_and_caps``; with ``busy`` and ``states_under`` (``_state.py``) and
+  ``fully_shard`` or ``replicate`` with again), ``copy_state_into`` (shards, controls and settings onto
+  the copy's state) and ``copy_prefetch_and_caps``; with ``busy`` and ``states_under`` (``_state.py``) and
   ``frontend``'s ``detached``;
 - the memory tracker (``plan/_memory.py``): ``unsharded_tensors(state)``;
 - the collective recorder (``testing/_recording.py``), gradient accumulation and debug mode's
@@ -59,9 +59,9 @@ def reshard(states: list[FSDPState]) -> None:
             group.release()
 
 
-def sharding_calls(states: list[FSDPState]) -> list[tuple[list[nn.Module], dict[str, Any]]]:
-    """For each state, in order: its modules and the arguments ``fully_shard`` was called with."""
-    return [(list(s.modules), dict(s.shard_args)) for s in states]
+def sharding_calls(states: list[FSDPState]) -> list[tuple[list[nn.Module], str, dict[str, Any]]]:
+    """For each state, in order: its modules, the call (``fully_shard`` or ``replicate``), its arguments."""
+    return [(list(s.modules), s.api, dict(s.shard_args)) for s in states]
 
 
 def copy_state_into(state: FSDPState, new_state: FSDPState, memo: dict[int, Any]) -> None:

@@ -135,7 +135,8 @@ class FSDPState(TorchStateNames):
         self.modules_to_run: set[nn.Module] = set()  # grouped calls: members yet to finish this pass
         self.foreign_ignored: list[torch.Tensor] = []  # ignored_params outside this call's modules
         self.hook_handles: list[Any] = []  # every hook fsdp2 registered (hidden while deep-copying)
-        self.shard_args: dict[str, Any] = {}  # the fully_shard arguments, to rebuild a deep copy
+        self.api = "fully_shard"  # the call that built it: "fully_shard" or "replicate"
+        self.shard_args: dict[str, Any] = {}  # that call's keyword arguments, to rebuild a deep copy
         self.nested = False  # a later fully_shard call's modules contain this one's (see _compiled.py)
         self.descendants: list[FSDPState] = []  # the states under this one's modules, if it is top-level
         self.recover_handles: list[Any] = []  # a top-level module's hook for a compiled forward that raised
@@ -170,7 +171,7 @@ class FSDPState(TorchStateNames):
         self.recover_handles.clear()
 
     def __str__(self) -> str:
-        return f"fully_shard state of {', '.join(type(m).__name__ for m in self.modules)}"
+        return f"{self.api} state of {', '.join(type(m).__name__ for m in self.modules)}"
 
     def set_state(self, new: TrainingState) -> None:
         if new not in ALLOWED[self.training_state]:

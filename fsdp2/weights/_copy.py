@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from ..frontend import detached, fully_shard
+from ..frontend import detached, fully_shard, replicate
 from ..runtime import (
     busy,
     copy_prefetch_and_caps,
@@ -54,14 +54,15 @@ def deepcopy_fsdp(root: nn.Module, memo: dict[int, Any]) -> nn.Module:
         plain_copy = copy.deepcopy(root, memo)
     new_modules = dict(plain_copy.named_modules())
     new_states = {}
-    for state, (modules, args) in zip(states, sharding_calls(states), strict=True):
+    for state, (modules, api, args) in zip(states, sharding_calls(states), strict=True):
         ignored = args.get("ignored_params")  # bottom-up, as they were applied
         if ignored:
             args["ignored_params"] = {memo.get(id(p), p) for p in ignored}
         targets = [new_modules[names[m]] for m in modules]
-        fully_shard(targets if len(targets) > 1 else targets[0], **args)
+        apply = replicate if api == "replicate" else fully_shard
+        apply(targets if len(targets) > 1 else targets[0], **args)
         new_state = get_state(targets[0])
-        assert new_state is not None, "fully_shard left no state on the copy"
+        assert new_state is not None, f"{api} left no state on the copy"
         copy_state_into(state, new_state, memo)
         new_states[id(state)] = new_state
     copy_prefetch_and_caps(states, lambda s: new_states.get(id(s)), get_state(root))

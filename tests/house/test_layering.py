@@ -266,15 +266,23 @@ def test_cycle_finder_sees_type_checking_imports(tmp_path: Path) -> None:
     assert _find_cycle(graph) == ["a", "b", "a"]
 
 
-# The only names of torch's FSDP fsdp2 may import: its public class, as the base that makes fsdp2 modules
-# FSDP modules to torch's ecosystem, and its public function, as the key of torch's fully_shard.state().
-_ALLOWED_TORCH_FSDP_IMPORTS = {("_module.py", "FSDPModule"), ("_composable.py", "fully_shard")}
+# The only names of torch's FSDP fsdp2 may import: its public classes, as the bases that make fsdp2 modules
+# FSDP (and replicate) modules to torch's ecosystem, and its public functions, as the keys of torch's
+# fully_shard.state() and replicate.state().
+_ALLOWED_TORCH_FSDP_IMPORTS = {
+    ("_module.py", "FSDPModule"),
+    ("_composable.py", "fully_shard"),
+    ("_module.py", "ReplicateModule"),
+    ("_composable.py", "replicate"),
+}
+_TORCH_REPLICATE = "torch.distributed._composable.replicate_with_fsdp"  # torch's FSDP-based replicate
+_TORCH_FSDP = ("torch.distributed.fsdp", _TORCH_REPLICATE)
 
 
 def test_fsdp2_never_imports_torch_fsdp() -> None:
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed.fsdp":
+            if isinstance(node, ast.ImportFrom) and node.module in _TORCH_FSDP:
                 for alias in node.names:
                     found = (path.name, alias.name)
                     assert found in _ALLOWED_TORCH_FSDP_IMPORTS, f"{path.name} imports {alias.name}"
@@ -283,7 +291,7 @@ def test_fsdp2_never_imports_torch_fsdp() -> None:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             for name in names:
-                assert not name.startswith("torch.distributed.fsdp"), f"{path.name} imports {name}"
+                assert not name.startswith(_TORCH_FSDP), f"{path.name} imports {name}"
 
 
 # The engine's stateful classes: the rooms above reach them only through the queries on the faces of
