@@ -165,7 +165,7 @@ def _local_view(module: nn.Module, local: int) -> Iterator[list[torch.Tensor]]:
     had = "num_experts" in vars(module)
     experts = getattr(module, "num_experts", None)
     try:
-        views = []
+        views: list[torch.Tensor] = []
         for name, param in saved.items():
             if isinstance(param, DTensor):
                 views.append(param.to_local())
