@@ -40,8 +40,10 @@ def stand_in_for_triton_kernels() -> None:
     sys.modules[_TRITON_KERNELS] = module
 
 
-def tiny_qwen3_moe(qwen3: Any, ep: bool) -> torch.nn.Module:
-    """torchtitan's qwen3 debug MoE flavour cut down: 2 layers, 4 experts (top 2), width 64."""
+def tiny_qwen3_moe(
+    qwen3: Any, ep: bool, *, dim: int = DIM, experts: int = 4, moe_hidden: int = 32, seq: int = SEQ
+) -> torch.nn.Module:
+    """torchtitan's qwen3 debug MoE flavour cut down: 2 layers, 4 experts (top 2), width 64 (by default)."""
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.rope import CosSinRoPE
@@ -49,24 +51,24 @@ def tiny_qwen3_moe(qwen3: Any, ep: bool) -> torch.nn.Module:
     qwen3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     config = qwen3.Qwen3Model.Config(
         vocab_size=VOCAB,
-        dim=DIM,
-        norm=qwen3._qwen3_norm(DIM),
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
         tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
+            num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT
         ),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
         layers=qwen3._build_qwen3_moe_layers(
             fuse_qkv=True,
             n_layers=2,
-            dim=DIM,
+            dim=dim,
             n_heads=4,
             n_kv_heads=2,
             head_dim=HEAD_DIM,
-            moe_hidden_dim=32,
-            num_experts=4,
+            moe_hidden_dim=moe_hidden,
+            num_experts=experts,
             top_k=2,
             attn_backend="sdpa",
-            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1e6),
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=seq, theta=1e6),
             moe_comm_backend="standard",
         ),
     )
