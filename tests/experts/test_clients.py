@@ -59,7 +59,7 @@ def _average_grads(ref: torch.nn.Module) -> None:
         dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
 
-def _transformers(kind: str, built: torch.nn.Module) -> int:
+def _transformers(kind: str, built: torch.nn.Module, directory: str) -> int:
     ref, model = copy.deepcopy(built), copy.deepcopy(built)
     sharded = _shard(model, model.model.layers)  # type: ignore[union-attr]
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -69,13 +69,25 @@ def _transformers(kind: str, built: torch.nn.Module) -> int:
     ref_loss.backward()
     _average_grads(ref)
     assert_sharded_parity(ref, model, grads=True)
+    # The plain model's checkpoint (each stack written whole), and back into another sharded model.
+    fsdp2.save_pretrained(model, directory)
+    other = copy.deepcopy(built)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(0.5)
+    _shard(other, other.model.layers)  # type: ignore[union-attr]
+    fsdp2.load_pretrained(other, directory)
+    assert_sharded_parity(built, other)
     return sharded
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_transformers_moe_with_one_line_expert_parallelism(kind: str) -> None:
+def test_transformers_moe_with_one_line_expert_parallelism(kind: str, tmp_path: Any) -> None:
     built = _transformers_model(kind)
-    assert run_threaded(WORLD, _transformers, kind, built) == [2] * WORLD  # both layers' experts
+    assert run_threaded(WORLD, _transformers, kind, built, str(tmp_path)) == [2] * WORLD  # both layers
+    loaded = type(built).from_pretrained(str(tmp_path))  # transformers reads fsdp2's files
+    for (name, param), (_, mine) in zip(built.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(param, mine), name
 
 
 def _titan(built: torch.nn.Module) -> dict[str, float]:

@@ -73,6 +73,7 @@ CASES = {
     "routed-ep4-efsdp1": (8, 4, 2, False, False, 4),
     "routed-ep1": (8, 1, 2, False, False, 4),
     "routed-hsdp-ep2": (8, 2, 2, False, True, 4),
+    "routed-hsdp-ep2-efsdp2": (8, 2, 2, False, True, 8),
     # 2 local experts over 4 efsdp ranks: w2 on Shard(1); w1 (3 rows) on Shard(0), two empty shards
     "counted-short-stack-shard1": (4, 2, 1, True, False, 8),
     # 160 experts, 40 tokens in all: most experts (and some ep ranks' every expert) get no token anywhere
