@@ -71,6 +71,7 @@ CASES = {
     "routed-ep2-efsdp2-top2": (8, 2, 2, False, False, 4),
     "counted-ep2-efsdp2-top1": (8, 2, 1, True, False, 4),
     "routed-ep4-efsdp1": (8, 4, 2, False, False, 4),
+    "routed-uneven-3-over-2": (6, 2, 2, False, False, 4),  # 3 local experts over 2 efsdp ranks: [2, 1]
     "routed-ep1": (8, 1, 2, False, False, 4),
     "routed-hsdp-ep2": (8, 2, 2, False, True, 4),
     "routed-hsdp-ep2-efsdp2": (8, 2, 2, False, True, 8),
