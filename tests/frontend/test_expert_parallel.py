@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -36,47 +35,9 @@ import fsdp2
 from tests._harness import assert_sharded_parity, run_threaded
 from tests._impls import get_impl
 from tests._training import fill_deterministic_
+from tests.shared.ep_layout import DIM, HIDDEN, TOKENS, MoE
 
-DIM, HIDDEN, TOKENS, EP = 4, 6, 5, 2
-
-
-class GroupedExperts(nn.Module):
-    """Stacked expert weights, computed on local tensors (torchtitan's ``GroupedExperts`` does too)."""
-
-    def __init__(self, experts: int) -> None:
-        super().__init__()
-        self.w1_EFD = nn.Parameter(torch.empty(experts, HIDDEN, DIM))
-        self.w2_EDF = nn.Parameter(torch.empty(experts, DIM, HIDDEN))
-
-    def forward(self, x: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[T, D]`` tokens; ``gates``: ``[T, E_local]``, zero where a token is not routed."""
-        w1, w2 = self.w1_EFD, self.w2_EDF
-        if isinstance(w1, DTensor) and isinstance(w2, DTensor):
-            w1, w2 = w1.to_local(), w2.to_local()
-        h = torch.relu(torch.einsum("td,efd->etf", x, w1))
-        return torch.einsum("etf,edf,te->td", h, w2, gates)
-
-
-class MoE(nn.Module):
-    def __init__(self, experts: int) -> None:
-        super().__init__()
-        self.num_experts = experts
-        self.router = nn.Linear(DIM, experts, bias=False)
-        self.experts = GroupedExperts(experts)
-        self.ep_group: dist.ProcessGroup | None = None  # set when the experts are placed on ``ep``
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.router(x).softmax(-1)
-        gates = scores * nn.functional.one_hot(scores.argmax(-1), self.num_experts)
-        if self.ep_group is None:
-            return x + self.experts(x, gates)
-        # Every ep rank's tokens reach this rank's experts; the outputs are summed back to their rank.
-        group, rank = self.ep_group, dist.get_rank(self.ep_group)
-        tokens = funcol.all_gather_single_autograd(x, 0, group)
-        local = self.num_experts // dist.get_world_size(group)
-        all_gates = funcol.all_gather_single_autograd(gates, 0, group)[:, rank * local : (rank + 1) * local]
-        out = self.experts(tokens, all_gates)
-        return x + funcol.reduce_scatter_single_autograd(out, "sum", 0, group)
+EP = 2
 
 
 class Net(nn.Module):
@@ -175,7 +136,7 @@ def _run(experts: int, placement: Shard, titan: bool, hsdp: bool = False) -> dic
                         module.set_force_sum_reduction_for_comms(True)
         models[impl_name] = model
     ours, theirs = models["fsdp2"], models["torch"]
-    w1, torch_w1 = ours.layers[0].experts.w1_EFD, theirs.layers[0].experts.w1_EFD
+    w1, torch_w1 = ours.layers[0].experts.w1, theirs.layers[0].experts.w1
     out: dict[str, Any] = {
         "placements": (tuple(w1.device_mesh.mesh_dim_names or ()), tuple(map(str, w1.placements))),
         "torch_placements": (
