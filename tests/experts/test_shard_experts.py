@@ -89,3 +89,30 @@ def test_shard_experts_trains_like_the_reference(case: str) -> None:
     experts, ep, top_k, counted, hsdp, world = CASES[case]
     results = run_threaded(world, _train, experts, ep, top_k, counted, hsdp)
     assert results
+
+
+def _glm_layout() -> int:
+    """160 experts at ep 8 on 64 ranks (GLM-4.6's layout): 20 local experts over 8 efsdp ranks."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (64,), mesh_dim_names=("dp",))
+    ref = fill_deterministic_(Net(160, top_k=2, layers=1), scale=0.5)
+    model = copy.deepcopy(ref)
+    fsdp2.shard_experts(model, ep=8, mesh=mesh)
+    fsdp2.fully_shard(model.layers[0], mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    for param in ref.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+    assert_sharded_parity(ref, model, grads=True)
+    return int(model.layers[0].experts.gate_up_proj.to_local().shape[0])
+
+
+@pytest.mark.slow  # 64 thread ranks: about 15 s
+def test_160_experts_at_ep8_on_64_ranks_with_empty_shards() -> None:
+    rows = run_threaded(64, _glm_layout)
+    # efsdp rank = rank // 8: torch.chunk's [3, 3, 3, 3, 3, 3, 2, 0] rows of the 20 local experts
+    assert rows == [n for n in (3, 3, 3, 3, 3, 3, 2, 0) for _ in range(8)]
