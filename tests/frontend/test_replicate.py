@@ -3,7 +3,9 @@
 Two references on the same per-rank inputs: the unsharded model with gradients averaged over ranks,
 and torch's own ``torch.distributed._composable.replicate_with_fsdp.replicate`` (with torch's
 ``fully_shard`` where a model mixes the two). Losses, gradients and parameters equal both bit for bit
-over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not). Also checked:
+over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not), for one
+group per block, for replicated embeddings with sharded blocks, and for torchtitan's DDP pattern
+before 0.3.0 (embeddings, each block, ``[norm, output]`` as one group, the root). Also checked:
 the placements and meshes of the parameters (torch's), the classes ``isinstance`` sees, one all-reduce
 per group per backward and no all-gather, accumulation without sync (gradient sync or all-reduce
 off), the gradient divide factor, ignored parameters, activation checkpointing, deep copy, the state
@@ -54,7 +56,18 @@ def _mixed(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) ->
     fully_shard(model, **kwargs)
 
 
-LAYOUTS = {"per_block": _per_block, "mixed": _mixed}
+def _torchtitan(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) -> None:
+    """torchtitan's DDP pattern before 0.3.0: embeddings, each block, ``[norm, output]`` (one group), root."""
+    replicate(model.tok_embeddings, **kwargs)
+    for block in model.layers:
+        replicate(block, **kwargs)
+    replicate([model.norm, model.output], **kwargs)
+    replicate(model, **kwargs)
+
+
+LAYOUTS = {"per_block": _per_block, "mixed": _mixed, "torchtitan": _torchtitan}
+# all-reduces of each backward after the first (the mixed layout also shards 3 groups)
+ALL_REDUCES = {"per_block": 3, "mixed": 1, "torchtitan": 5}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,8 +107,7 @@ def _train_three(layout: str, bf16: bool, args: ModelArgs = ARGS) -> None:
             assert torch.equal(loss, ref_loss), (step, loss, ref_loss)
             _assert_same(ours, ref, grads=True)
         if step > 0:  # the first backward also agrees on which parameters are used
-            # per block: 3 replicate groups; mixed: the embeddings' group (3 sharded groups besides)
-            expected = {"all_reduce": 3} if layout == "per_block" else {"all_reduce": 1}
+            expected = {"all_reduce": ALL_REDUCES[layout]}
             if layout == "mixed":
                 expected.update(all_gather=5, reduce_scatter=3)  # the blocks regather in backward
             assert dict(counts) == expected, dict(counts)
