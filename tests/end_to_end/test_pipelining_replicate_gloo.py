@@ -49,7 +49,9 @@ def _full_model() -> nn.Sequential:
 
 def _batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + dp_rank)
-    return torch.randn(2 * MICROBATCHES, DIM, generator=gen), torch.randn(2 * MICROBATCHES, DIM, generator=gen)
+    return torch.randn(2 * MICROBATCHES, DIM, generator=gen), torch.randn(
+        2 * MICROBATCHES, DIM, generator=gen
+    )
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
