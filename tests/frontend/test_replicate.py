@@ -232,6 +232,59 @@ def test_deep_copy_replicates_the_copy() -> None:
     run_threaded(2, _deep_copy)
 
 
+# ---- bucketing: consecutive replicate groups share one all-reduce --------------------------------
+
+
+def _bucketed(mode: str) -> None:
+    """``set_bucket_cap_mb``: one all-reduce per backward for every replicate group, torch's numbers.
+
+    ``plain``: per-block groups; ``no_all_reduce``: two micro-batches, the first with all-reduce off
+    (each group's held sum joins the shared all-reduce); ``bf16``: bf16 compute, fp32 reduction;
+    ``mixed``: replicated embeddings and sharded blocks (the all-reduce stays its own, the blocks'
+    reduce-scatters share one). Compared with torch's ``replicate`` (and ``fully_shard``), bit for bit.
+    """
+    base = seeded(lambda: Transformer(ARGS))
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    layout = _mixed if mode == "mixed" else _per_block
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode == "bf16" else {}
+    layout(fsdp2.replicate, fsdp2.fully_shard, ours, mp_policy=fsdp2.MixedPrecisionPolicy(**dtypes))
+    layout(torch_replicate, torch_fully_shard, theirs, mp_policy=TorchMixedPrecisionPolicy(**dtypes))
+    ours.set_bucket_cap_mb(reduce_scatter=25.0)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    micros = 2 if mode == "no_all_reduce" else 1
+    for step in range(STEPS):
+        for micro in range(micros):
+            last = micro == micros - 1
+            for model in (ours, theirs):
+                model.set_requires_all_reduce(last)
+            tokens = make_tokens(ARGS, dist.get_rank() + 10 * step + 100 * micro)
+            with count_collectives() as counts:
+                loss = ours(tokens).sum()
+                loss.backward()
+            their_loss = theirs(tokens).sum()
+            their_loss.backward()
+            assert torch.equal(loss, their_loss), (step, micro)
+            if step > 0:  # (the first backward also agrees on which parameters are used)
+                expected = {"all_reduce": 1 if last else 0}
+                if mode == "mixed":
+                    expected["reduce_scatter"] = 1
+                    expected["all_gather"] = 5 if last else 0  # the blocks regather in backward
+                assert {k: v for k, v in counts.items() if v} == {k: v for k, v in expected.items() if v}, (
+                    dict(counts),
+                    expected,
+                )
+        _assert_same(ours, theirs, grads=True)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    _assert_same(ours, theirs, grads=False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "no_all_reduce", "bf16", "mixed"])
+def test_bucketed_all_reduces_match_torch(mode: str) -> None:
+    run_threaded(2, _bucketed, mode)
+
+
 # ---- checkpoints: replicated DTensors are saved once and load at any world size ------------------
 
 
