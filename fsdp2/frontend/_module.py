@@ -491,8 +491,9 @@ class FSDPModule(_ModuleBase):
     def set_bucket_cap_mb(self, all_gather: CapMB = None, reduce_scatter: CapMBOrUnset = ...) -> BucketCaps:
         """Root only: let consecutive small groups share one all-gather / one reduce-scatter.
 
-        Applies to every ``fully_shard`` group under this root; ``None`` (the default) keeps one
-        collective per group. Consecutive groups in execution order whose all-gather outputs fit in
+        Applies to every group under this root (the ``reduce_scatter`` cap also lets consecutive
+        ``replicate`` groups share one all-reduce); ``None`` (the default) keeps one collective per
+        group. Consecutive groups in execution order whose all-gather outputs fit in
         ``all_gather`` MiB together are gathered by one collective when the first of them unshards (from
         the second iteration on: the first one records the order). Post-backwards pack their gradients
         and wait until the packed bytes reach ``reduce_scatter`` MiB, or backward ends, then one

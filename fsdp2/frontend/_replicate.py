@@ -4,8 +4,9 @@ Owns: ``replicate``'s own checks (the module, the 1-D mesh or the replicate-only
 its errors, with torch's exception types where torch refuses the same thing. The rest is
 ``fully_shard``'s (``apply_call`` in ``_fully_shard.py``): one group per call over a replicas-only mesh
 info (``MeshInfo.replicated``: a "shard" that is the whole tensor, no all-gather, gradients averaged by
-one all-reduce per group, queued and bucketed as the reduce-scatters are), the state and the class
-swap to ``Replicate<Name>`` (``ReplicateModule``, ``_module.py``). Does not own: hooks or collectives.
+one all-reduce per group, queued as the reduce-scatters are; under ``set_bucket_cap_mb`` consecutive
+groups share one), the state and the class swap to ``Replicate<Name>`` (``ReplicateModule``,
+``_module.py``). Does not own: hooks or collectives.
 Invariants: a failed ``replicate`` leaves the module exactly as it was.
 """
 
@@ -85,7 +86,8 @@ def replicate(
     :class:`ReplicateModule` (an :class:`FSDPModule`, and torch's ``ReplicateModule`` and
     ``FSDPModule``) and of the original class. Call it bottom-up like ``fully_shard``: each call is one
     group, whose gradients are averaged over the mesh by one all-reduce after its backward (queued
-    and bucketed like ``fully_shard``'s reduce-scatters). Parameters are never resharded after
+    like ``fully_shard``'s reduce-scatters; with ``set_bucket_cap_mb(reduce_scatter=...)`` on the
+    root, consecutive groups share one all-reduce). Parameters are never resharded after
     forward. It mixes with ``fully_shard`` in one model: each call skips the modules the other
     manages.
 

@@ -255,14 +255,16 @@ class GradientReducer:
         controls: GroupControls,
         comms: GroupComms,
         factors: DivideFactors,
+        all_reduced: bool = False,
     ) -> None:
         """Finish this group's reduce-scattered shards (``output``, 1-D) and assign them.
 
         HSDP's replica all-reduce (or its partial sum while all-reduce is off), the user's all-reduce
-        hook, then the sharded gradients.
+        hook, then the sharded gradients. ``all_reduced``: a bucket of ``replicate`` groups already
+        all-reduced ``output`` (with the partial sum, ``add_partial``).
         """
         info = self.mesh_info
-        if info.replicate_group is not None:
+        if info.replicate_group is not None and not all_reduced:
             partial = self._partial_outputs.pop(output.dtype, None)
             if not controls.all_reduce_grads:
                 # HSDP without all-reduce: keep summing shard-reduced gradients until one that syncs.
@@ -278,6 +280,12 @@ class GradientReducer:
             )
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
+
+    def add_partial(self, output: torch.Tensor) -> None:
+        """Add to ``output`` the replicas' partial sum held while all-reduce was off, if any."""
+        partial = self._partial_outputs.pop(output.dtype, None)
+        if partial is not None:
+            output.add_(partial)
 
     def tail_width(self, params: list[FSDPParam], dtype: torch.dtype) -> int:
         """Columns after ``params``' gradients in each row of a reduction: zeros, then the usage row.
@@ -406,8 +414,15 @@ def reduce_shared(
         factors = first.reducer.divide_factors(buffer.dtype, first.controls)
         comm = comms.reduce_scatter if info.shard_size > 1 else None  # none for one rank
         output = reduce_scatter(buffer, group, info.shard_size, factors.op, factors.predivide, comm)
-        for part, piece in zip(parts, _pieces(output, parts), strict=True):
-            part.reducer.finish_reduce_scatter(piece, part.params, part.controls, comms, factors)
+        pieces = _pieces(output, parts)
+        shared = info.replicate_only and len(parts) > 1 and info.replicate_group is not None
+        if shared and info.replicate_group is not None:  # replicate groups: one all-reduce of the
+            # whole bucket (the pieces are views of it)
+            for part, piece in zip(parts, pieces, strict=True):
+                part.reducer.add_partial(piece)
+            comms.all_reduce(output, info.replicate_group, factors.op)
+        for part, piece in zip(parts, pieces, strict=True):
+            part.reducer.finish_reduce_scatter(piece, part.params, part.controls, comms, factors, shared)
 
     if comm_ctx is None:
         work()
@@ -445,12 +460,16 @@ def bucket_key(
     """The key under which ``reducer``'s gradients may share a reduce-scatter; ``None``: alone.
 
     Alone: a single-rank shard group, HSDP (the replica all-reduce), an all-reduce hook, custom
-    collectives, tensor-parallel parameters, or gradients in several reduce dtypes.
+    collectives, tensor-parallel parameters, or gradients in several reduce dtypes. ``replicate``'s
+    groups (replicas only) share one all-reduce with each other, never with sharded groups; alone
+    with all-reduce off or a rank-ordered reduction.
     """
     info = reducer.mesh_info
+    replicas_only = info.replicate_only
     if (
-        info.shard_size == 1
-        or info.replicate_group is not None
+        (info.shard_size == 1 and not replicas_only)
+        or (info.replicate_group is not None and not replicas_only)
+        or (replicas_only and (info.replicate_size == 1 or not controls.all_reduce_grads))
         or controls.all_reduce_hook is not None
         or comms.custom
         or tensor_parallel
@@ -462,12 +481,16 @@ def bucket_key(
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
+    ordered = reducer.ordered(controls)
+    if replicas_only and ordered is not None:
+        return None  # rank-ordered replicas' sums: each group its own
     group = comms.reduce_scatter_group or info.shard_group
     return (
         id(group),
+        replicas_only,
         dtype,
         reducer.divide_factors(dtype, controls),
         device,
         comm_type(comms.reduce_scatter),
-        reducer.ordered(controls),
+        ordered,
     )

@@ -4,7 +4,8 @@ The common pattern compiles each block after fully_shard (the root's eager hooks
 blocks). The ``aot_eager`` backend traces forward and backward through dynamo and AOTAutograd without
 generating kernels, so it checks the composition in seconds. Compiling the whole model takes the
 compiled path (the collectives in the graph), which thread ranks cannot run (torch's threaded process
-group has no functional reduce-scatter): ``tests/compile/test_compile_gloo.py``.
+group has no functional reduce-scatter): ``tests/compile/test_compile_gloo.py``. ``replicate`` composes
+the same way: compiled blocks of a replicated model give torch's ``replicate``'s numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -55,6 +56,40 @@ def _train_compiled(reshard_after_forward: bool) -> None:
 def test_compiled_blocks_match_reference(reshard_after_forward: bool) -> None:
     torch._dynamo.reset()
     run_threaded(2, _train_compiled, reshard_after_forward)
+
+
+def _train_compiled_replicate() -> None:
+    """``replicate`` per block and root, each block compiled: torch's replicate's numbers, bit for bit."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+    base = broadcast_module_(_model())
+    ref, theirs, ours = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    for model, replicate in ((ours, fsdp2.replicate), (theirs, torch_replicate)):
+        for block in model:
+            replicate(block)
+        replicate(model)
+        for block in model:
+            block.compile(backend="aot_eager")
+    models = (ours, theirs, ref)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        loss, their_loss, ref_loss = forward_backward(x, *models)
+        average_grads(ref)
+        assert torch.equal(loss, their_loss), (loss, their_loss)
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor())
+        torch.testing.assert_close(loss, ref_loss)
+        assert_sharded_parity(ref, ours, grads=True)
+        step_all(*optims)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor())
+
+
+def test_compiled_replicated_blocks_match_torch_replicate() -> None:
+    torch._dynamo.reset()
+    run_threaded(2, _train_compiled_replicate)
 
 
 class _PlainAllGather(fsdp2.AllGather):

@@ -3,7 +3,9 @@
 Two references on the same per-rank inputs: the unsharded model with gradients averaged over ranks,
 and torch's own ``torch.distributed._composable.replicate_with_fsdp.replicate`` (with torch's
 ``fully_shard`` where a model mixes the two). Losses, gradients and parameters equal both bit for bit
-over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not). Also checked:
+over 3 AdamW steps (mixed precision: torch's, bit for bit; the float32 reference is not), for one
+group per block, for replicated embeddings with sharded blocks, and for torchtitan's DDP pattern
+before 0.3.0 (embeddings, each block, ``[norm, output]`` as one group, the root). Also checked:
 the placements and meshes of the parameters (torch's), the classes ``isinstance`` sees, one all-reduce
 per group per backward and no all-gather, accumulation without sync (gradient sync or all-reduce
 off), the gradient divide factor, ignored parameters, activation checkpointing, deep copy, the state
@@ -54,7 +56,18 @@ def _mixed(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) ->
     fully_shard(model, **kwargs)
 
 
-LAYOUTS = {"per_block": _per_block, "mixed": _mixed}
+def _torchtitan(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) -> None:
+    """torchtitan's DDP pattern before 0.3.0: embeddings, each block, ``[norm, output]`` (one group), root."""
+    replicate(model.tok_embeddings, **kwargs)
+    for block in model.layers:
+        replicate(block, **kwargs)
+    replicate([model.norm, model.output], **kwargs)
+    replicate(model, **kwargs)
+
+
+LAYOUTS = {"per_block": _per_block, "mixed": _mixed, "torchtitan": _torchtitan}
+# all-reduces of each backward after the first (the mixed layout also shards 3 groups)
+ALL_REDUCES = {"per_block": 3, "mixed": 1, "torchtitan": 5}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,8 +107,7 @@ def _train_three(layout: str, bf16: bool, args: ModelArgs = ARGS) -> None:
             assert torch.equal(loss, ref_loss), (step, loss, ref_loss)
             _assert_same(ours, ref, grads=True)
         if step > 0:  # the first backward also agrees on which parameters are used
-            # per block: 3 replicate groups; mixed: the embeddings' group (3 sharded groups besides)
-            expected = {"all_reduce": 3} if layout == "per_block" else {"all_reduce": 1}
+            expected = {"all_reduce": ALL_REDUCES[layout]}
             if layout == "mixed":
                 expected.update(all_gather=5, reduce_scatter=3)  # the blocks regather in backward
             assert dict(counts) == expected, dict(counts)
@@ -218,6 +230,59 @@ def _deep_copy() -> None:
 
 def test_deep_copy_replicates_the_copy() -> None:
     run_threaded(2, _deep_copy)
+
+
+# ---- bucketing: consecutive replicate groups share one all-reduce --------------------------------
+
+
+def _bucketed(mode: str) -> None:
+    """``set_bucket_cap_mb``: one all-reduce per backward for every replicate group, torch's numbers.
+
+    ``plain``: per-block groups; ``no_all_reduce``: two micro-batches, the first with all-reduce off
+    (each group's held sum joins the shared all-reduce); ``bf16``: bf16 compute, fp32 reduction;
+    ``mixed``: replicated embeddings and sharded blocks (the all-reduce stays its own, the blocks'
+    reduce-scatters share one). Compared with torch's ``replicate`` (and ``fully_shard``), bit for bit.
+    """
+    base = seeded(lambda: Transformer(ARGS))
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    layout = _mixed if mode == "mixed" else _per_block
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode == "bf16" else {}
+    layout(fsdp2.replicate, fsdp2.fully_shard, ours, mp_policy=fsdp2.MixedPrecisionPolicy(**dtypes))
+    layout(torch_replicate, torch_fully_shard, theirs, mp_policy=TorchMixedPrecisionPolicy(**dtypes))
+    ours.set_bucket_cap_mb(reduce_scatter=25.0)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    micros = 2 if mode == "no_all_reduce" else 1
+    for step in range(STEPS):
+        for micro in range(micros):
+            last = micro == micros - 1
+            for model in (ours, theirs):
+                model.set_requires_all_reduce(last)
+            tokens = make_tokens(ARGS, dist.get_rank() + 10 * step + 100 * micro)
+            with count_collectives() as counts:
+                loss = ours(tokens).sum()
+                loss.backward()
+            their_loss = theirs(tokens).sum()
+            their_loss.backward()
+            assert torch.equal(loss, their_loss), (step, micro)
+            if step > 0:  # (the first backward also agrees on which parameters are used)
+                expected = {"all_reduce": 1 if last else 0}
+                if mode == "mixed":
+                    expected["reduce_scatter"] = 1
+                    expected["all_gather"] = 5 if last else 0  # the blocks regather in backward
+                assert {k: v for k, v in counts.items() if v} == {k: v for k, v in expected.items() if v}, (
+                    dict(counts),
+                    expected,
+                )
+        _assert_same(ours, theirs, grads=True)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    _assert_same(ours, theirs, grads=False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "no_all_reduce", "bf16", "mixed"])
+def test_bucketed_all_reduces_match_torch(mode: str) -> None:
+    run_threaded(2, _bucketed, mode)
 
 
 # ---- checkpoints: replicated DTensors are saved once and load at any world size ------------------

@@ -181,6 +181,35 @@ def test_int_inputs_untouched_float_inputs_cast(impl: Impl, cast_forward_inputs:
     run_threaded(2, _input_casts, impl, cast_forward_inputs)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    x: torch.Tensor
+    extra: list[torch.Tensor]
+
+
+class _BatchLinear(nn.Linear):
+    def forward(self, batch: _Batch) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch.x) + batch.extra[0]
+
+
+def _dataclass_inputs(impl: Impl) -> None:
+    """Floats inside a (frozen) dataclass input are cast, in a copy: the caller's object is unchanged."""
+    model = seeded(lambda: _BatchLinear(6, 4))
+    ref = copy.deepcopy(model).to(BF16)
+    impl.fully_shard(model, mp_policy=mp_policy(impl, param_dtype=BF16))
+    rank = dist.get_rank()
+    batch = _Batch(make_input((2, 6), rank), [make_input((2, 4), rank, 1)])
+    out = model(batch)
+    assert batch.x.dtype == FP32
+    assert batch.extra[0].dtype == FP32
+    want = ref(_Batch(batch.x.to(BF16), [batch.extra[0].to(BF16)]))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_dataclass_inputs_cast_in_a_copy(impl: Impl) -> None:
+    run_threaded(2, _dataclass_inputs, impl)
+
+
 def _no_cast_leaves_inputs(impl: Impl) -> None:
     model = seeded(lambda: nn.Linear(6, 4))
     impl.fully_shard(model, mp_policy=mp_policy(impl, param_dtype=BF16, cast_forward_inputs=False))
