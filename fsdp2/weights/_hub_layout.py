@@ -22,6 +22,8 @@ rank reads of each block only what meets its own shard. A converter with any oth
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -86,7 +88,7 @@ class Source:
     shape: Shape
     blocks: tuple[Block, ...] = ()
     names: tuple[str, ...] = ()
-    convert: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None
+    convert: Callable[[Callable[[str], torch.Tensor]], torch.Tensor] | None = None  # given a reader
 
     @classmethod
     def whole(cls, name: str, shape: Shape) -> Source:
@@ -142,7 +144,7 @@ def hub_layout(model: nn.Module, checkpoint: Mapping[str, Shape], names: Mapping
             collected.setdefault(target, {}).setdefault(pattern, []).append(key)
     for target, found in collected.items():
         converter = by_pattern[next(iter(found))]
-        _convert(layout, model, converter, target, found, checkpoint, tuple(names[target]))
+        _convert(layout, model, converter, target, found, checkpoint, names)
     return layout
 
 
@@ -203,15 +205,16 @@ def _convert(
     target: str,
     found: dict[str, list[str]],
     checkpoint: Mapping[str, Shape],
-    shape: Shape,
+    names: Mapping[str, Shape],
 ) -> None:
     """``target``'s source from the checkpoint names ``found`` per source pattern of ``converter``."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = list(converter.operations)
     patterns = list(converter.source_patterns)
+    shape = tuple(names[target])
     if not all(isinstance(op, MergeModulelist | Concatenate) for op in ops):
-        layout.sources[target] = _by_transformers(model, converter, target, found, shape)
+        _by_transformers(layout, model, converter, target, found, checkpoint, names)
         return
     if ops and isinstance(ops[0], MergeModulelist):
         absent = _absent_experts(found, patterns, shape[ops[0].dim], target)
@@ -240,29 +243,54 @@ def _convert(
 
 
 def _by_transformers(
-    model: nn.Module, converter: Any, target: str, found: dict[str, list[str]], shape: Shape
-) -> Source:
-    """A source whose value is ``converter``'s operations run, as transformers runs them, on whole tensors."""
+    layout: HubLayout,
+    model: nn.Module,
+    converter: Any,
+    target: str,
+    found: dict[str, list[str]],
+    checkpoint: Mapping[str, Shape],
+    names: Mapping[str, Shape],
+) -> None:
+    """Sources for what ``converter`` makes of ``found``, run as ``transformers`` runs it on whole tensors.
+
+    Its outputs (one target, or several for a split) and their shapes come from running it once on
+    meta tensors of the checkpoint's shapes.
+    """
     from transformers.core_model_loading import dot_natural_key
 
     ordered = {p: sorted(keys, key=dot_natural_key) for p, keys in found.items()}
+    every = tuple(k for keys in ordered.values() for k in keys)
 
-    def convert(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        collected: dict[str, Any] = {p: [tensors[k] for k in keys] for p, keys in ordered.items()}
-        for op in converter.operations:
-            collected = op.convert(
-                collected,
-                source_patterns=converter.source_patterns,
-                target_patterns=converter.target_patterns,
-                full_layer_name=target,
-                model=model,
-                config=getattr(model, "config", None),
+    def run(read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        fresh = copy.deepcopy(converter)
+        for pattern, keys in ordered.items():
+            for key in keys:
+                fresh.add_tensor(target, key, pattern, functools.partial(read, key))
+        out = fresh.convert(target, model=model, config=getattr(model, "config", None))
+        return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
+
+    try:
+        made = run(lambda key: torch.empty(checkpoint[key], device="meta"))
+    except Exception as error:  # an operation that needs values, or a name it cannot place
+        layout.problems.append(
+            f"{target}: transformers' {type(converter).__name__} of {list(every)} cannot be planned from "
+            f"shapes ({type(error).__name__}: {error})."
+        )
+        return
+    pending: dict[str, torch.Tensor] = {}  # a split's other outputs, until their turn
+
+    def value_of(name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        if name not in pending:
+            pending.update(run(read))
+        return pending.pop(name)
+
+    for name, value in made.items():
+        if name not in names:
+            layout.problems.append(
+                f"transformers makes {name} of {list(every)}, a name the model does not have."
             )
-        (value,) = collected.values()
-        out: torch.Tensor = value[0] if isinstance(value, list) else value
-        return out
-
-    return Source(shape, (), tuple(k for keys in ordered.values() for k in keys), convert)
+            continue
+        layout.sources[name] = Source(tuple(value.shape), (), every, functools.partial(value_of, name))
 
 
 def _expert(pattern: str, key: str) -> int | None:

@@ -98,7 +98,7 @@ class HubReader:
                 return
             box = held_box(tensor) if tensor.dim() else ()
         if source.convert is not None:
-            value = source.convert({name: self._read(name, ()) for name in source.names})
+            value = source.convert(lambda name: self._read(name, ()))
         elif box is None:  # not one block here: the whole tensor, cut below as DTensor cuts it
             value = torch.empty(source.shape, dtype=tensor.dtype)
             self._fill_box(source, value, tuple(slice(0, n) for n in source.shape))

@@ -9,7 +9,9 @@ every expert; ``shard_experts(ep=2)``: ``(_StridedShard(0), Shard(0))`` on the e
 parameter bit-identical to the reference, each rank reading exactly as many expert elements as its
 shards hold. fsdp2's export writes transformers' names and tensors (``layout="hub"``, the default) or
 the stacks (``layout="model"``); both load with ``from_pretrained`` bit for bit. A checkpoint missing an
-expert is refused on every rank, naming it, with the parameters untouched.
+expert is refused on every rank, naming it, with the parameters untouched. A conversion that is not
+stacking (HRM-text's fused ``gqkv_proj`` split by ``Chunk``) runs as transformers runs it, on whole
+tensors; fsdp2 then refuses to save it by parts (``layout="hub"``) and names ``layout="model"``.
 """
 
 from __future__ import annotations
@@ -216,3 +218,45 @@ def test_checkpoint_missing_an_expert_names_it(tmp_path: Path) -> None:
         assert f"[{gone!r}]" in text  # that expert alone, not the stack it belongs in
     with pytest.raises(ValueError, match="layout must be 'hub'"):
         fsdp2.save_pretrained(reference, tmp_path / "out", layout="stacked")
+
+
+# ---- other conversions: run as transformers runs them, on whole tensors --------------------------
+
+
+def _hrm() -> nn.Module:
+    """HRM-text: its checkpoints fuse ``gate_up_proj`` and ``gqkv_proj``, split (``Chunk``) on load."""
+    from transformers.models.hrm_text import HrmTextConfig, HrmTextForCausalLM
+
+    torch.manual_seed(0)
+    config = HrmTextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        head_dim=8, num_layers_per_stack=1, H_cycles=1, L_cycles=1, max_position_embeddings=32,
+    )  # fmt: skip
+    return HrmTextForCausalLM(config)
+
+
+def _load_hrm(reference: nn.Module, path: str, out: str) -> None:
+    torch.manual_seed(5)
+    model = type(reference)(reference.config)
+    for stack in (model.model.H_module, model.model.L_module):  # type: ignore[union-attr]
+        for layer in stack.layers:
+            fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    fsdp2.load_pretrained(model, path)
+    for (name, want), (_, got) in zip(
+        reference.state_dict().items(), model.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(_full(got), want, **EXACT, msg=name)
+    with pytest.raises(ValueError, match="pass layout='model'"):
+        fsdp2.save_pretrained(model, out)
+    fsdp2.save_pretrained(model, out, layout="model")
+
+
+def test_fused_checkpoint_tensors_split_as_transformers_splits_them(tmp_path: Path) -> None:
+    reference = _hrm()
+    reference.save_pretrained(tmp_path / "hf")
+    assert any("gqkv_proj" in name for name in _read_all(tmp_path / "hf"))  # fused in the file
+    run_threaded(WORLD, _load_hrm, reference, str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert not any("gqkv_proj" in name for name in _read_all(tmp_path / "out"))  # the model's names
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    torch.testing.assert_close(loaded.state_dict(), reference.state_dict(), **EXACT)
