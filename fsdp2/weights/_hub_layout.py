@@ -22,6 +22,7 @@ rank reads of each block only what meets its own shard. A converter with any oth
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import re
@@ -102,7 +103,7 @@ class HubLayout:
     sources: dict[str, Source] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)  # checkpoint names no model name takes
     missing: dict[str, list[str]] = field(default_factory=dict)  # model name -> checkpoint names absent
-    problems: list[str] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)  # name -> why it cannot be made
 
 
 def hub_layout(model: nn.Module, checkpoint: Mapping[str, Shape], names: Mapping[str, Shape]) -> HubLayout:
@@ -131,9 +132,10 @@ def hub_layout(model: nn.Module, checkpoint: Mapping[str, Shape], names: Mapping
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None)
+    known = dict(names)  # transformers' lookup of the model's names
     collected: dict[str, dict[str, list[str]]] = {}  # target -> pattern -> checkpoint names
     for key in sorted(checkpoint, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, prefix, dict(names))
+        target, pattern = rename_source_key(key, renamings, converters, prefix, known)
         if target not in names and key in names:
             target, pattern = key, None
         if target not in names:
@@ -153,7 +155,7 @@ def hub_names(model: nn.Module, names: Mapping[str, Shape]) -> dict[str, tuple[B
 
     ``None`` when the model has no conversion rules (its names are written as they are). Raises a
     ``ValueError`` naming the model and the problem when the saved layout is not blocks of the model's
-    tensors (a converter that transposes or interleaves).
+    tensors (a converter that fuses several model tensors into one, transposes or interleaves).
     """
     if not _is_transformers_model(model):
         return None
@@ -233,11 +235,11 @@ def _convert(
             else:
                 values = {"": [_cat([s for p in patterns if p in values for s in values[p]], op.dim)]}
     except ValueError as error:
-        layout.problems.append(f"{target}: {error}.")
+        layout.problems[target] = f"{target}: {error}."
         return
     result = [s for v in values.values() for s in v]
     if len(result) != 1:
-        layout.problems.append(f"{target}: {len(result)} tensors after {ops} (one expected).")
+        layout.problems[target] = f"{target}: {len(result)} tensors after {ops} (one expected)."
         return
     layout.sources[target] = result[0]
 
@@ -272,7 +274,7 @@ def _by_transformers(
     try:
         made = run(lambda key: torch.empty(checkpoint[key], device="meta"))
     except Exception as error:  # an operation that needs values, or a name it cannot place
-        layout.problems.append(
+        layout.problems[target] = (
             f"{target}: transformers' {type(converter).__name__} of {list(every)} cannot be planned from "
             f"shapes ({type(error).__name__}: {error})."
         )
@@ -286,7 +288,7 @@ def _by_transformers(
 
     for name, value in made.items():
         if name not in names:
-            layout.problems.append(
+            layout.problems[name] = (
                 f"transformers makes {name} of {list(every)}, a name the model does not have."
             )
             continue
@@ -304,28 +306,40 @@ def _expert(pattern: str, key: str) -> int | None:
 def _absent_experts(
     found: dict[str, list[str]], patterns: Sequence[str], count: int, target: str
 ) -> list[str]:
-    """The checkpoint names of experts ``0 .. count - 1`` no file holds, for each source pattern."""
+    """The checkpoint names of experts ``0 .. count - 1`` no file holds, for each source pattern.
+
+    Named after a key the checkpoint has (``...experts.5.w3.weight`` beside ``...experts.4.w3.weight``);
+    a pattern with no key at all after one of another pattern (``...experts.{0..7}.up_proj.weight``).
+    """
     absent = []
-    sample = next(iter(found.values()))[0]
+    sample_pattern, sample_keys = next(iter(found.items()))
     for pattern in patterns:
         keys = found.get(pattern, [])
-        have = {_expert(pattern, k) for k in keys}
-        if "*" not in pattern or not keys:
-            if not keys:
-                absent.append(f"{pattern} (for {target}; e.g. beside {sample})")
+        if not keys:
+            absent.append(_named_like(sample_keys[0], sample_pattern, pattern, f"{{0..{count - 1}}}", target))
             continue
-        match = re.search(pattern.replace("*.", r"(\d+)\."), keys[0])
-        assert match is not None
-        start, stop = match.span(1)
-        absent += [f"{keys[0][:start]}{i}{keys[0][stop:]}" for i in range(count) if i not in have]
+        have = {_expert(pattern, k) for k in keys}
+        if None not in have:
+            absent += [
+                _named_like(keys[0], pattern, pattern, str(i), target) for i in range(count) if i not in have
+            ]
     return absent
 
 
+def _named_like(key: str, key_pattern: str, pattern: str, number: str, target: str) -> str:
+    """``key`` with the part ``key_pattern`` matches written as ``pattern`` for expert ``number``."""
+    match = re.search(key_pattern.replace("*.", r"(?:\d+)\."), key)
+    text = pattern.removeprefix("^").replace("\\", "").replace("*", number)
+    if match is None:  # the pattern matches the renamed key only
+        return f"{text} (of {target})"
+    return key[: match.start()] + text + key[match.end() :]
+
+
 def _stack(sources: Sequence[Source], dim: int) -> Source:
-    shapes = {s.shape for s in sources}
-    if len(shapes) != 1:
-        raise ValueError(f"experts of different shapes {sorted(shapes)} cannot be stacked")
-    (shape,) = shapes
+    shape = collections.Counter(s.shape for s in sources).most_common(1)[0][0]
+    odd = [f"{s.names[0]} {s.shape}" for s in sources if s.shape != shape]
+    if odd:
+        raise ValueError(f"{', '.join(odd)} cannot be stacked with the other experts, of shape {shape}")
     blocks = tuple(b.stacked(dim, i) for i, s in enumerate(sources) for b in s.blocks)
     return Source(
         (*shape[:dim], len(sources), *shape[dim:]), blocks, tuple(n for s in sources for n in s.names)

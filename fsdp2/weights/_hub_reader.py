@@ -59,9 +59,9 @@ class HubReader:
             source = _source(names, layout)
             if absent is not None:
                 missing += absent
-            elif source is None:
+            elif source is None and not any(n in layout.problems for n in names):
                 missing.append(names[0])
-            elif source.shape != tuple(tensor.shape):
+            elif source is not None and source.shape != tuple(tensor.shape):
                 made = (
                     source.names[0]
                     if len(source.names) == 1
@@ -70,7 +70,7 @@ class HubReader:
                 shapes.append(f"{made} {source.shape} (model: {tuple(tensor.shape)})")
             if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
                 meta.append(names[0])
-        return _problems(missing, layout.unexpected, shapes, meta, layout.problems)
+        return _problems(missing, layout.unexpected, shapes, meta, list(layout.problems.values()))
 
     def read(self, groups: Groups, layout: HubLayout) -> None:
         """Fill every group's tensor, closing each file once its last tensor is read (its mapped pages go)."""

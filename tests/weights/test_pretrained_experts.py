@@ -220,6 +220,22 @@ def test_checkpoint_missing_an_expert_names_it(tmp_path: Path) -> None:
         fsdp2.save_pretrained(reference, tmp_path / "out", layout="stacked")
 
 
+def test_checkpoint_missing_a_projection_or_with_an_odd_expert(tmp_path: Path) -> None:
+    """Unsharded, one process: every up_proj of a layer gone, one expert of another shape; both named."""
+    reference = _reference("qwen3_moe")
+    reference.save_pretrained(tmp_path / "hf")
+    tensors = {k: v for k, v in _read_all(tmp_path / "hf").items() if not re.search(r"0\.mlp.*up_proj", k)}
+    tensors["model.layers.1.mlp.experts.2.down_proj.weight"] = torch.zeros(3, 3)
+    safetensors_torch.save_file(tensors, tmp_path / "broken.safetensors")
+    model = _reference("qwen3_moe", seed=5)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="names missing from the checkpoint") as error:
+        fsdp2.load_pretrained(model, tmp_path / "broken.safetensors")
+    assert "['model.layers.0.mlp.experts.{0..7}.up_proj.weight']" in str(error.value)
+    assert "experts.2.down_proj.weight (3, 3) cannot be stacked" in str(error.value)
+    torch.testing.assert_close(model.state_dict(), before, **EXACT)
+
+
 # ---- other conversions: run as transformers runs them, on whole tensors --------------------------
 
 
