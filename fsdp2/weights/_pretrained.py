@@ -125,7 +125,7 @@ def save_pretrained(
         TypeError: a state-dict entry is not a tensor, or its dtype (or ``dtype``) cannot be stored.
         ValueError: ``max_shard_size`` is not a positive size, ``layout`` is neither ``"hub"`` nor
             ``"model"``, or transformers saves the model in a layout that is not blocks of its tensors
-            (a converter that transposes or interleaves; pass ``layout="model"``).
+            (several model tensors fused into one, a transposed stack; pass ``layout="model"``).
         OSError: (on every rank, before anything is written) a rank cannot create its files.
 
     Example:
@@ -190,9 +190,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
         ImportError: the ``safetensors`` package is not installed.
         ValueError: (on every rank, before any parameter changes) a file cannot be read, or names are
             missing from the checkpoint (an absent expert by its checkpoint name), unexpected in it, or
-            of another shape, a parameter is still
-            on the meta device, or a non-persistent buffer holds uninitialised memory that nothing
-            rebuilds.
+            of another shape, a parameter is still on the meta device, or a non-persistent buffer holds
+            uninitialised memory that nothing rebuilds.
 
     Example:
         >>> with torch.device("meta"):  # doctest: +SKIP
