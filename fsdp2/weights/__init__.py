@@ -2,7 +2,8 @@
 
 Owns: full-state files (``save_full_state_dict`` / ``load_full_state_dict``: the plain model's names,
 gathered or scattered one group at a time), Hugging Face checkpoints (``save_pretrained`` /
-``load_pretrained``: sharded safetensors files, each written or read in parts by every rank), weight
+``load_pretrained``: sharded safetensors files, each written or read in parts by every rank, in the
+names and layout ``transformers`` saves, per-expert tensors of expert stacks included), weight
 sync to an inference engine (``WeightSync``: each call only what changed, gathered in buckets; or each
 rank's shards with their places, ``LocalShard``) and ``copy.deepcopy`` of ``fully_shard`` modules.
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below (``debug``:

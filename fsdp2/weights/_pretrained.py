@@ -5,7 +5,8 @@ files plus ``model.safetensors.index.json``, each file written by one rank) and 
 (each rank reads only the bytes of its own shards, from such a directory or one ``.safetensors`` file).
 Does not own: the safetensors header and dtype table and the state-dict checks (``_safetensors.py``,
 shared with the rank-0 full-state files of ``_full_state.py``), the placement arithmetic (``param``'s
-rows), or the reader (the ``safetensors`` package, imported lazily).
+rows), which checkpoint tensors make which model tensor (``_hub_layout``: ``transformers``' conversion
+rules), or the reads (``_hub_reader``, over the ``safetensors`` package, imported lazily).
 Invariants: the files, their tensors and their writers follow from names, shapes and dtypes alone,
 so every rank knows them without communication; a load checks every name and shape on every rank
 and all ranks agree before any parameter is written.
@@ -23,7 +24,9 @@ writer itself when it holds one. Other placements (strided tensor-parallel shard
 on their mesh first (``DTensor.full_tensor``) and sent by one holder. The rows' holders, the writers'
 choice, the exchange and its buffers and the agreement are the floor's (``param._rows``,
 ``comm._exchange``, ``comm.raise_everywhere``): the writer knows what each holder sends, so no counts
-travel, and the bytes are packed unpadded (one tensor per round and pair).
+travel, and the bytes are packed unpadded (one tensor per round and pair). A model tensor that
+``transformers`` saves as several (a stack of experts: one tensor per expert and projection) is one
+entry: its writer receives it whole and writes its blocks one after another, all in the same file.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..comm import Scratch, exchange, raise_everywhere
 from ..debug import check_entry
-from ..param import RowLayout, local_box, owners_by_load, row_shard
+from ..param import RowLayout, owners_by_load, row_shard
 from ._buffers import rebuild_buffers
+from ._hub_layout import Block, hub_layout, hub_names
+from ._hub_reader import INDEX_NAME, SINGLE_NAME, HubReader
 from ._safetensors import (
     SAFETENSORS_DTYPES,
     checked_state_dict,
@@ -53,8 +58,6 @@ from ._safetensors import (
     safe_open_or_raise,
 )
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _DEFAULT_LIMIT = 5 * 10**9  # the Hugging Face Hub's advice for a file
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -62,11 +65,14 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GI
 
 @dataclass(frozen=True)
 class _Entry:
-    """One tensor of the export: its name in the file, its state-dict value and the dtype stored."""
+    """One model tensor of the export: its state-dict value, the dtype stored, the file tensors it is.
 
-    name: str
+    ``blocks``: itself under its name, or the tensors transformers saves it as (one per expert of a stack).
+    """
+
     tensor: torch.Tensor
     dtype: torch.dtype
+    blocks: tuple[Block, ...]
 
     @property
     def nbytes(self) -> int:
@@ -78,19 +84,24 @@ def save_pretrained(
     directory: str | os.PathLike[str],
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
+    layout: str = "hub",
 ) -> None:
     """Write ``model``'s full weights as a Hugging Face checkpoint, every rank writing its own files.
 
-    Every rank must call it, with the same arguments, on a directory every rank sees (a shared
-    filesystem). The files hold the plain (unsharded) model's ``state_dict()`` under its names; a
-    weight tied to others (the same parameter under several names, as ``lm_head.weight`` and
-    ``model.embed_tokens.weight``) is written once, as ``transformers``' ``save_pretrained`` writes it:
-    under its first name that is not a tie target the model declares (``all_tied_weights_keys``), so
-    ``from_pretrained`` reties it. The layout is Hugging Face's: ``model-0000k-of-0000n.safetensors`` and
-    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), or one ``model.safetensors``
-    when everything fits one file. A model with a ``config`` that saves itself (a ``transformers``
-    model) also gets its ``config.json`` (and ``generation_config.json``), so ``from_pretrained(directory)``
-    works. Rank 0 removes shard files of an earlier export that this one does not replace.
+    Every rank must call it, with the same arguments, on a directory every rank sees (a shared filesystem).
+    The files hold the plain (unsharded) model's ``state_dict()``, under the names and in the layout
+    ``transformers``' own ``save_pretrained`` writes (``layout="hub"``: its conversion rules reversed, so a
+    mixture of experts' stacks become one tensor per expert and projection, ``experts.3.gate_proj.weight``, as
+    Hub checkpoints and vLLM hold them; no rule: the state-dict names) or under the state-dict names
+    (``layout="model"``). A weight tied to others (the same parameter under several names, as
+    ``lm_head.weight`` and ``model.embed_tokens.weight``) is written once, as ``transformers``'
+    ``save_pretrained`` writes it: under its first name that is not a tie target the model declares
+    (``all_tied_weights_keys``), so ``from_pretrained`` reties it. The layout is Hugging Face's:
+    ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` (``metadata.total_size``,
+    ``weight_map``), or one ``model.safetensors`` when everything fits one file. A model with a ``config``
+    that saves itself (a ``transformers`` model) also gets its ``config.json`` (and
+    ``generation_config.json``), so ``from_pretrained(directory)`` works. Rank 0 removes shard files of an
+    earlier export that this one does not replace.
 
     Each rank receives only the tensors of its own files, one tensor per round (see [Note: Who writes
     what]): one ``all_to_all_single`` per round, a barrier at the end, and one small exchange before
@@ -105,10 +116,16 @@ def save_pretrained(
         max_shard_size: the largest file, in bytes or as a string (``"5GB"``, ``"500MiB"``); a tensor
             larger than it gets a file of its own. Default: the model's size over the world size (so
             every rank writes), at most 5 GB.
+        layout: ``"hub"`` (default): the names and tensors ``transformers.PreTrainedModel.save_pretrained``
+            writes; ``"model"``: the model's own state-dict names and tensors (stacked experts as
+            stacks). Both load with ``from_pretrained`` and :func:`load_pretrained`; see
+            docs/checkpointing.md.
 
     Raises:
         TypeError: a state-dict entry is not a tensor, or its dtype (or ``dtype``) cannot be stored.
-        ValueError: ``max_shard_size`` is not a positive size.
+        ValueError: ``max_shard_size`` is not a positive size, ``layout`` is neither ``"hub"`` nor
+            ``"model"``, or transformers saves the model in a layout that is not blocks of its tensors
+            (several model tensors fused into one, a transposed stack; pass ``layout="model"``).
         OSError: (on every rank, before anything is written) a rank cannot create its files.
 
     Example:
@@ -117,7 +134,12 @@ def save_pretrained(
     """
     check_entry(model, "save_pretrained")  # debug mode: every rank is here (else DivergenceError)
     dtype = _stored_dtype(dtype)
-    entries = _stored_entries(model, dtype)
+    if layout not in ("hub", "model"):
+        raise ValueError(
+            f"save_pretrained: layout must be 'hub' (transformers' save_pretrained names, one tensor per "
+            f"expert) or 'model' (the model's state-dict names), got {layout!r}."
+        )
+    entries = _stored_entries(model, dtype, layout)
     rank, world = _rank_and_world()
     files = _split(entries, _limit(max_shard_size, entries, world))
     owners = _owners(files, world)
@@ -143,16 +165,21 @@ def save_pretrained(
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Fill ``model``'s parameters and persistent buffers from a Hugging Face checkpoint, in place.
 
-    Every rank must call it; each rank opens the files itself (a filesystem every rank sees) and reads
-    only the bytes of its own shards (``safe_open(...).get_slice(name)[rows]``): no rank holds a full
-    tensor of a sharded parameter. Plain (non-DTensor) tensors are read whole; strided tensor-parallel
-    shards are read whole and cut locally. Values are cast to each tensor's dtype. The model may have
-    been built on the meta device and ``to_empty``'d: its non-persistent buffers (RoPE's ``inv_freq``),
-    which no file holds, are then rebuilt as ``from_pretrained`` rebuilds them (a ``transformers``
-    model's own ``_init_weights``); one that nothing rebuilds is named in a ``ValueError`` before any
-    parameter changes. A buffer that had values before ``to_empty`` keeps them (``FSDPModule.to_empty``).
-    A tied weight needs only one of its names in the file. Issues one small exchange (all ranks agree
-    on the check) and no collective on the weights.
+    Every rank must call it; each rank opens the files itself (a filesystem every rank sees) and reads only
+    the bytes of its own shards (``safe_open(...).get_slice(name)[rows]``): no rank holds a full tensor of a
+    sharded parameter. The checkpoint's names are mapped onto the model's by ``transformers``' own conversion
+    rules for the model (as ``from_pretrained`` maps them): a mixture of experts' stack
+    ``experts.gate_up_proj`` ``[E, 2I, D]`` is made of the checkpoint's ``experts.{e}.gate_proj.weight`` and
+    ``up_proj.weight``, and a rank reads only the experts (``Shard(0)``, ``shard_experts``' layouts) or the
+    rows of each expert (``Shard(1)``) its shard holds. Plain (non-DTensor) tensors are read whole; a shard
+    that is not one block of the tensor (some strided tensor-parallel shards), or a tensor ``transformers``
+    converts otherwise than by stacking or joining, is read whole and cut locally. Values are cast to each
+    tensor's dtype. The model may have been built on the meta device and ``to_empty``'d: its non-persistent
+    buffers (RoPE's ``inv_freq``), which no file holds, are then rebuilt as ``from_pretrained`` rebuilds them
+    (a ``transformers`` model's own ``_init_weights``); one that nothing rebuilds is named in a ``ValueError``
+    before any parameter changes. A buffer that had values before ``to_empty`` keeps them
+    (``FSDPModule.to_empty``). A tied weight needs only one of its names in the file. Issues one small
+    exchange (all ranks agree on the check) and no collective on the weights.
 
     Args:
         model: the fsdp2 (or plain) model, at any world size; names are its ``state_dict()`` keys.
@@ -162,9 +189,9 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     Raises:
         ImportError: the ``safetensors`` package is not installed.
         ValueError: (on every rank, before any parameter changes) a file cannot be read, or names are
-            missing from the checkpoint, unexpected in it, or of another shape, a parameter is still
-            on the meta device, or a non-persistent buffer holds uninitialised memory that nothing
-            rebuilds.
+            missing from the checkpoint (an absent expert by its checkpoint name), unexpected in it, or
+            of another shape, a parameter is still on the meta device, or a non-persistent buffer holds
+            uninitialised memory that nothing rebuilds.
 
     Example:
         >>> with torch.device("meta"):  # doctest: +SKIP
@@ -177,17 +204,19 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     safe_open = safe_open_or_raise("load_pretrained")
     check_entry(model, "load_pretrained")  # debug mode: every rank is here (else DivergenceError)
     groups = _tie_groups(model, checked_state_dict(model))
-    reader = _Reader(safe_open)
+    reader = HubReader(safe_open)
     try:
         problem = reader.open(path)
         if not problem:
-            problem = reader.check(groups)
+            shapes = {name: tuple(tensor.shape) for names, tensor in groups for name in names}
+            layout = hub_layout(model, reader.shapes(), shapes)
+            problem = reader.check(groups, layout)
         if not problem:
             problem = rebuild_buffers(model, "load_pretrained")
         what = f"load_pretrained({os.fspath(path)!r})"
         raise_everywhere(problem, None, lambda text: ValueError(f"{what}: {text} Nothing was loaded."))
         with torch.no_grad():
-            reader.read(groups)
+            reader.read(groups, layout)
     finally:
         reader.close()
 
@@ -214,13 +243,18 @@ def _stored_dtype(dtype: object) -> torch.dtype | None:
     return dtype
 
 
-def _stored_entries(model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
-    """The tensors to write, in state-dict order: one per tie group, under its kept name."""
-    state = checked_state_dict(model)
+def _stored_entries(model: nn.Module, dtype: torch.dtype | None, layout: str) -> list[_Entry]:
+    """The tensors to write, in state-dict order: one per tie group.
+
+    Under its kept name (``layout="model"``), or as the blocks ``transformers`` saves it as (``"hub"``).
+    """
+    groups = _tie_groups(model, checked_state_dict(model))
+    blocks = hub_names(model, {names[0]: tuple(t.shape) for names, t in groups}) if layout == "hub" else None
     entries = []
-    for names, tensor in _tie_groups(model, state):
+    for names, tensor in groups:
         stored = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        entries.append(_Entry(names[0], tensor, stored))
+        whole = (Block(names[0], (0,) * tensor.dim(), tuple(tensor.shape)),)
+        entries.append(_Entry(tensor, stored, blocks[names[0]] if blocks is not None else whole))
     return entries
 
 
@@ -309,7 +343,7 @@ def _open_files(
         os.makedirs(directory, exist_ok=True)
         for i in mine:
             streams[i] = open(os.path.join(directory, names[i]), "wb")  # noqa: SIM115 - closed by the caller
-            streams[i].write(header_bytes((e.name, e.dtype, e.tensor.shape) for e in files[i]))
+            streams[i].write(header_bytes((b.name, e.dtype, b.shape) for e in files[i] for b in e.blocks))
     except OSError as error:
         return f"cannot write in {os.fspath(directory)!r}: {error}"
     return ""
@@ -327,7 +361,7 @@ def _write_index(
             if (_SHARD_NAME.fullmatch(stale) or stale in (SINGLE_NAME, INDEX_NAME)) and stale not in names:
                 os.remove(os.path.join(directory, stale))
         if len(files) > 1:
-            weight_map = {e.name: names[i] for i, file in enumerate(files) for e in file}
+            weight_map = {b.name: names[i] for i, file in enumerate(files) for e in file for b in e.blocks}
             total = sum(e.nbytes for file in files for e in file)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as stream:
@@ -366,7 +400,18 @@ def _stream(
         round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
         full = _exchange(round_, rank, scratch)
         if full is not None:
-            streams[queues[rank][k][0]].write(full.cpu().numpy().data)
+            file, entry = queues[rank][k]
+            _write(streams[file], full, entry)
+
+
+def _write(stream: BinaryIO, full: torch.Tensor, entry: _Entry) -> None:
+    """``entry``'s bytes (``full``, in row order) as its file tensors, one after another."""
+    if len(entry.blocks) == 1 and entry.blocks[0].shape == tuple(entry.tensor.shape):
+        stream.write(full.cpu().numpy().data)
+        return
+    typed = full.cpu().view(entry.dtype).view(entry.tensor.shape)
+    for block in entry.blocks:
+        stream.write(typed[block.index].contiguous().view(torch.uint8).numpy().data)
 
 
 def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: Scratch) -> torch.Tensor | None:
@@ -430,117 +475,3 @@ def _in_row_order(out: torch.Tensor, senders: Sequence[tuple[int, int]]) -> torc
     for rank, nbytes in sorted(senders):
         starts[rank], offset = offset, offset + nbytes
     return torch.cat([out[starts[rank] : starts[rank] + nbytes] for rank, nbytes in senders])
-
-
-# ---- import -------------------------------------------------------------------------------------
-
-
-class _Reader:
-    """The checkpoint's files: which file holds each name, and an open (memory-mapped) reader for each."""
-
-    def __init__(self, safe_open: Any) -> None:
-        self._safe_open = safe_open
-        self._handles: dict[str, Any] = {}
-        self.where: dict[str, str] = {}  # name -> file path
-
-    def open(self, path: str | os.PathLike[str]) -> str:
-        """Read the index (or the file's names) and open every file; a problem, or ``""``."""
-        try:
-            self.where = _weight_map(os.fspath(path), self._safe_open)
-            for file in dict.fromkeys(self.where.values()):
-                self._handles[file] = self._safe_open(file, framework="pt", device="cpu").__enter__()
-        except Exception as error:  # unreadable, not safetensors: every rank must hear of it
-            return f"cannot read it: {type(error).__name__}: {error}."
-        return ""
-
-    def check(self, groups: Sequence[tuple[Sequence[str], torch.Tensor]]) -> str:
-        """Missing, unexpected and mis-shaped names, and parameters on the meta device; or ``""``."""
-        known = {name for names, _ in groups for name in names}
-        missing = [names[0] for names, _ in groups if not any(n in self.where for n in names)]
-        unexpected = sorted(set(self.where) - known)
-        shapes, meta = [], []
-        for names, tensor in groups:
-            name = next((n for n in names if n in self.where), None)
-            if name is not None and tuple(self._slice(name).get_shape()) != tuple(tensor.shape):
-                shapes.append(f"{name} {tuple(self._slice(name).get_shape())} (model: {tuple(tensor.shape)})")
-            if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
-                meta.append(names[0])
-        return _problems(missing, unexpected, shapes, meta)
-
-    def read(self, groups: Sequence[tuple[Sequence[str], torch.Tensor]]) -> None:
-        """Fill every group's tensor, file by file, closing each file once read (its mapped pages go)."""
-        chosen = [(next(n for n in names if n in self.where), tensor) for names, tensor in groups]
-        for file in dict.fromkeys(self.where[name] for name, _ in chosen):
-            for name, tensor in chosen:
-                if self.where[name] == file:
-                    self.read_into(name, tensor)
-            self._handles.pop(file).__exit__(None, None, None)
-
-    def read_into(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's part of ``name`` into ``tensor`` in place, reading only those bytes."""
-        if not isinstance(tensor, DTensor) or tensor.dim() == 0:
-            value = self._handles[self.where[name]].get_tensor(name)
-            if isinstance(tensor, DTensor):
-                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
-            _local(tensor).copy_(_local(value))
-            return
-        if tensor.device_mesh.get_coordinate() is None:  # this rank holds no part of it
-            return
-        box = local_box(tensor)
-        if box is not None:
-            _local(tensor).copy_(self._slice(name)[box])
-            return
-        full = self._handles[self.where[name]].get_tensor(name).to(tensor.dtype)  # strided shards
-        tensor.to_local().copy_(
-            distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-        )
-
-    def close(self) -> None:
-        for handle in self._handles.values():
-            handle.__exit__(None, None, None)
-        self._handles.clear()
-
-    def _slice(self, name: str) -> Any:
-        return self._handles[self.where[name]].get_slice(name)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _weight_map(path: str, safe_open: Any) -> dict[str, str]:
-    """Every tensor name of the checkpoint at ``path`` -> the file holding it."""
-    if os.path.isdir(path):
-        index = os.path.join(path, INDEX_NAME)
-        if not os.path.exists(index):
-            single = os.path.join(path, SINGLE_NAME)
-            if not os.path.exists(single):
-                raise FileNotFoundError(f"neither {INDEX_NAME} nor {SINGLE_NAME} is in the directory")
-            return _weight_map(single, safe_open)
-        with open(index, encoding="utf-8") as stream:
-            weight_map = json.load(stream)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    with safe_open(path, framework="pt", device="cpu") as handle:
-        return dict.fromkeys(handle.keys(), path)
-
-
-def _problems(
-    missing: Sequence[str], unexpected: Sequence[str], shapes: Sequence[str], meta: Sequence[str]
-) -> str:
-    problems = []
-    if missing:
-        problems.append(f"names missing from the checkpoint: {list(missing)}.")
-    if unexpected:
-        problems.append(f"names in the checkpoint the model does not have: {list(unexpected)}.")
-    if shapes:
-        problems.append(f"shapes that differ: {', '.join(shapes)}.")
-    if problems:
-        problems.append(
-            "Build the model from the checkpoint's own config (transformers.AutoConfig.from_pretrained) "
-            "so names and shapes match."
-        )
-    if meta:
-        problems.append(
-            f"{list(meta)} are on the meta device: call model.to_empty(device=...) before loading."
-        )
-    return " ".join(problems)
