@@ -31,6 +31,7 @@ entry: its writer receives it whole and writes its blocks one after another, all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -84,7 +85,7 @@ def save_pretrained(
     directory: str | os.PathLike[str],
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
-    layout: str = "hub",
+    layout: str | None = None,
 ) -> None:
     """Write ``model``'s full weights as a Hugging Face checkpoint, every rank writing its own files.
 
@@ -116,16 +117,18 @@ def save_pretrained(
         max_shard_size: the largest file, in bytes or as a string (``"5GB"``, ``"500MiB"``); a tensor
             larger than it gets a file of its own. Default: the model's size over the world size (so
             every rank writes), at most 5 GB.
-        layout: ``"hub"`` (default): the names and tensors ``transformers.PreTrainedModel.save_pretrained``
+        layout: ``"hub"``: the names and tensors ``transformers.PreTrainedModel.save_pretrained``
             writes; ``"model"``: the model's own state-dict names and tensors (stacked experts as
-            stacks). Both load with ``from_pretrained`` and :func:`load_pretrained`; see
-            docs/checkpointing.md.
+            stacks); ``None`` (default): ``"hub"`` where transformers' saved layout is blocks of the
+            model's tensors (per-expert tensors cut from stacks), else ``"model"`` (several tensors
+            fused into one, a transposed stack). Both load with ``from_pretrained`` and
+            :func:`load_pretrained`; see docs/checkpointing.md.
 
     Raises:
         TypeError: a state-dict entry is not a tensor, or its dtype (or ``dtype``) cannot be stored.
-        ValueError: ``max_shard_size`` is not a positive size, ``layout`` is neither ``"hub"`` nor
-            ``"model"``, or transformers saves the model in a layout that is not blocks of its tensors
-            (several model tensors fused into one, a transposed stack; pass ``layout="model"``).
+        ValueError: ``max_shard_size`` is not a positive size, ``layout`` is neither ``"hub"``,
+            ``"model"`` nor ``None``, or ``layout="hub"`` where transformers saves the model in a layout
+            that is not blocks of its tensors (pass ``layout="model"`` or leave the default).
         OSError: (on every rank, before anything is written) a rank cannot create its files.
 
     Example:
@@ -134,7 +137,7 @@ def save_pretrained(
     """
     check_entry(model, "save_pretrained")  # debug mode: every rank is here (else DivergenceError)
     dtype = _stored_dtype(dtype)
-    if layout not in ("hub", "model"):
+    if layout not in ("hub", "model", None):
         raise ValueError(
             f"save_pretrained: layout must be 'hub' (transformers' save_pretrained names, one tensor per "
             f"expert) or 'model' (the model's state-dict names), got {layout!r}."
@@ -243,13 +246,19 @@ def _stored_dtype(dtype: object) -> torch.dtype | None:
     return dtype
 
 
-def _stored_entries(model: nn.Module, dtype: torch.dtype | None, layout: str) -> list[_Entry]:
+def _stored_entries(model: nn.Module, dtype: torch.dtype | None, layout: str | None) -> list[_Entry]:
     """The tensors to write, in state-dict order: one per tie group.
 
     Under its kept name (``layout="model"``), or as the blocks ``transformers`` saves it as (``"hub"``).
     """
     groups = _tie_groups(model, checked_state_dict(model))
-    blocks = hub_names(model, {names[0]: tuple(t.shape) for names, t in groups}) if layout == "hub" else None
+    shapes = {names[0]: tuple(t.shape) for names, t in groups}
+    blocks = None
+    if layout == "hub":
+        blocks = hub_names(model, shapes)
+    elif layout is None:  # the Hub's layout where it is blocks of the model's tensors, else the model's
+        with contextlib.suppress(ValueError):
+            blocks = hub_names(model, shapes)
     entries = []
     for names, tensor in groups:
         stored = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype

@@ -11,7 +11,8 @@ shards hold. fsdp2's export writes transformers' names and tensors (``layout="hu
 the stacks (``layout="model"``); both load with ``from_pretrained`` bit for bit. A checkpoint missing an
 expert is refused on every rank, naming it, with the parameters untouched. A conversion that is not
 stacking (HRM-text's fused ``gqkv_proj`` split by ``Chunk``) runs as transformers runs it, on whole
-tensors; fsdp2 then refuses to save it by parts (``layout="hub"``) and names ``layout="model"``.
+tensors; fsdp2 then refuses to save it by parts (``layout="hub"``) and names ``layout="model"``, which
+the default falls back to.
 """
 
 from __future__ import annotations
@@ -264,8 +265,9 @@ def _load_hrm(reference: nn.Module, path: str, out: str) -> None:
     ):
         torch.testing.assert_close(_full(got), want, **EXACT, msg=name)
     with pytest.raises(ValueError, match="pass layout='model'"):
-        fsdp2.save_pretrained(model, out)
-    fsdp2.save_pretrained(model, out, layout="model")
+        fsdp2.save_pretrained(model, out, layout="hub")
+    fsdp2.save_pretrained(model, out)  # the default: the model's names where the Hub's are not blocks
+    assert any("gqkv_proj" not in name and "q_proj" in name for name in _read_all(Path(out)))
 
 
 def test_fused_checkpoint_tensors_split_as_transformers_splits_them(tmp_path: Path) -> None:
