@@ -5,6 +5,7 @@ Threads as ranks, the models of ``tests/shared/experts_models.py``:
 - DCP (model and SGD momentum) saved at ep 2 x efsdp 2 on 4 ranks resumes at ep 4 and at ep 1 and
   trains on like the reference (to fp32 rounding: the experts' sums run in another order, which
   Adam's first steps would blow up to a full step on near-zero gradients);
+- activation checkpointing around the blocks (the token exchanges replayed in backward);
 - ``fsdp2.StackedMuon`` steps the expert stacks (and plain Muon's matrices) like the unsharded model;
 - one rank of 64 (torch's fake process group) with 160 experts at ep 8, the rank whose efsdp shard of
   20 local experts is empty: it shards, trains and steps.
@@ -121,6 +122,25 @@ def _resume(path: str) -> None:
 
 def test_dcp_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path: Path) -> None:
     run_threaded(WORLD, _resume, str(tmp_path / "ckpt"))
+
+
+def _checkpointed() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = fill_deterministic_(Net(8), scale=0.5)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    fsdp2.shard_experts(model, ep=2, mesh=mesh)
+    for index, layer in enumerate(model.layers):
+        fsdp2.fully_shard(layer, mesh=mesh)
+        model.layers[index] = checkpoint_wrapper(layer)  # the exchanges run again in backward
+    fsdp2.fully_shard(model, mesh=mesh)
+    _step([model, ref], [], 0)
+    assert_sharded_parity(ref, model, grads=True)
+
+
+def test_activation_checkpointing_replays_the_exchanges() -> None:
+    run_threaded(WORLD, _checkpointed)
 
 
 def _muon() -> None:
