@@ -88,7 +88,8 @@ def replica_slicing_problem(group: FSDPParamGroup) -> str | None:
         return "it offloads its shards to the CPU"
     for fsdp_param in group.fsdp_params:
         if fsdp_param.is_tensor_parallel or fsdp_param.layout.shard_dim != 0:
-            return f"its parameter {fsdp_param.fqn} is not sharded on dim 0 alone (tensor parallel, or Shard(d>0))"
+            name = fsdp_param.fqn
+            return f"its parameter {name} is not sharded on dim 0 alone (tensor parallel, or Shard(d>0))"
     return None
 
 
@@ -98,5 +99,5 @@ def slice_across_replicas(group: FSDPParamGroup, mesh: DeviceMesh | None) -> Non
 
 
 def replica_all_gather(group: FSDPParamGroup) -> Callable[[torch.Tensor, torch.Tensor, Any], None]:
-    """The group's all-gather across replicas, ``(output, input, process group)`` (recorded like its others)."""
+    """The group's all-gather across replicas, ``(output, input, process group)`` (recorded like the rest)."""
     return group.comms.replica_all_gather

@@ -31,7 +31,7 @@ state loaded with ``optimizer.load_state_dict``) is cut into slices at the next 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,9 @@ __all__ = ["shard_optimizer_across_replicas"]
 _ATTR = "_fsdp2_cross_replica"
 
 
-def shard_optimizer_across_replicas(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def shard_optimizer_across_replicas(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
     """Shard ``optimizer``'s state across the replicas of ``model``'s HSDP (or ``replicate``) mesh.
 
     Each rank then keeps the optimizer state (and the reduced gradient) of ``1 / (R x S)`` of every
@@ -73,10 +75,13 @@ def shard_optimizer_across_replicas(model: nn.Module, optimizer: torch.optim.Opt
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"shard_optimizer_across_replicas expects a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            "shard_optimizer_across_replicas expects a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}."
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"shard_optimizer_across_replicas expects the model first, got {type(model).__name__}.")
+        raise TypeError(
+            f"shard_optimizer_across_replicas expects the model first, got {type(model).__name__}."
+        )
     if _ATTR in optimizer.__dict__:
         return optimizer
     if kind_of(type(optimizer)) != "elementwise":
@@ -88,7 +93,7 @@ def shard_optimizer_across_replicas(model: nn.Module, optimizer: torch.optim.Opt
         )
     chosen = _groups_of(model, optimizer)
     meshes: dict[int, Any] = {}
-    for group in chosen:  # every rank builds the same meshes in the same order (collectives)
+    for group in chosen:
         info = group_mesh_info(group)
         if id(info) not in meshes:
             meshes[id(info)] = slice_mesh(info)
@@ -170,7 +175,8 @@ class _SlicedStep:
                 if isinstance(value, DTensor) and not is_slice(value, entry[1]) and value.shape == key.shape:
                     if tuple(value.placements) != tuple(key.placements):
                         raise ValueError(
-                            f"optimizer state {name!r} of a parameter of shape {tuple(key.shape)} is laid out "
+                            f"optimizer state {name!r} of a parameter of shape {tuple(key.shape)} is laid "
+                            "out "
                             f"as {tuple(value.placements)}, neither as the parameter nor as replica slices."
                         )
                     local = local_of(value).narrow(0, start, stop - start).clone()
@@ -194,7 +200,9 @@ class _SlicedStep:
                     continue
                 view = self._slice(param, entry[1])
                 if param in state:
-                    state[view] = {k: local_of(v) if isinstance(v, DTensor) else v for k, v in state[param].items()}
+                    state[view] = {
+                        k: local_of(v) if isinstance(v, DTensor) else v for k, v in state[param].items()
+                    }
                 swapped.append(view)
             self.swapped.append((params, group))
             group["params"] = swapped
@@ -205,10 +213,12 @@ class _SlicedStep:
         view = local_of(param).narrow(0, start, stop - start)
         grad = param.grad
         if grad is not None:
-            if is_slice(grad, mesh):
+            if isinstance(grad, DTensor) and is_slice(grad, mesh):
                 local_grad = local_of(grad)
             elif isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements):
-                local_grad = local_of(grad).narrow(0, start, stop - start)  # e.g. DCP's zeros, a rank-ordered sum
+                local_grad = local_of(grad).narrow(
+                    0, start, stop - start
+                )  # e.g. DCP's zeros, a rank-ordered sum
             else:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} has a gradient laid out as "
@@ -239,7 +249,11 @@ class _SlicedStep:
 
     def _gather(self, group: Any) -> None:
         """All-gather the updated slices of ``group``'s stepped parameters across the replicas."""
-        params = [p for p in sharded_params(group) if p.grad is not None and local_of(p).numel()]
+        params = [
+            cast(DTensor, p)
+            for p in sharded_params(group)
+            if p.grad is not None and local_of(cast(DTensor, p)).numel()
+        ]
         if not params:
             return
         info = group_mesh_info(group)

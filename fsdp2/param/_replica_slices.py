@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..base import MeshInfo
-from ._dtensor import local_of, make_spec, wrap_local
+from ._dtensor import DTensorSpec, local_of, make_spec, wrap_local
 from ._param import FSDPParam
 from ._rows import RowLayout
 
@@ -42,19 +42,23 @@ def slice_rows(rows: int, info: MeshInfo) -> tuple[int, int]:
 def slice_mesh(info: MeshInfo) -> DeviceMesh:
     """The mesh slices are DTensors on: ``(shard, replicate)``, or the replicate mesh alone.
 
-    Building the 2-D one is a collective (its process groups): every rank calls it, in the same order.
+    The 2-D one reuses the mesh's own shard and replicate process groups (no new group, no collective).
     """
     mesh = info.mesh
     if info.replicate_only:
         return mesh
-    assert info.shard_mesh_dim is not None and info.replicate_mesh_dim is not None, "not an HSDP mesh"
+    assert info.shard_mesh_dim is not None, "not an HSDP mesh"
+    assert info.replicate_mesh_dim is not None, "not an HSDP mesh"
+    assert info.replicate_group is not None, "an HSDP mesh info without its replicate group"
     ranks = mesh.mesh.permute(info.shard_mesh_dim, info.replicate_mesh_dim).contiguous()
     names = mesh.mesh_dim_names
     dim_names = None if names is None else (names[info.shard_mesh_dim], names[info.replicate_mesh_dim])
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=dim_names)
+    return DeviceMesh.from_group(
+        [info.shard_group, info.replicate_group], mesh.device_type, mesh=ranks, mesh_dim_names=dim_names
+    )
 
 
-def slice_spec(param: DTensor, mesh: DeviceMesh, dtype: torch.dtype) -> object:
+def slice_spec(param: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
     """The DTensor spec of a slice of ``param`` (its global shape) in ``dtype``, on the slice mesh."""
     shape = param.shape
     stride = tuple(torch.empty(shape, device="meta").stride())
@@ -87,7 +91,7 @@ def accumulate_slice_grad(fsdp_param: FSDPParam, local_grad: torch.Tensor, mesh:
     grad = param.grad
     if grad is None:
         param.grad = wrap_local(local_grad, slice_spec(param, mesh, dtype))
-    elif is_slice(grad, mesh):
+    elif isinstance(grad, DTensor) and is_slice(grad, mesh):
         local_of(grad).add_(local_grad)
     else:
         raise RuntimeError(
