@@ -262,3 +262,122 @@ def test_checkpoints_to_and_from_plain_hsdp_and_another_world_size(tmp_path: Any
     _assert_same(loaded_at_two, across_saved)
     loaded_again, _ = run_threaded(WORLD, _checkpoint, (2, 2), True, again_ckpt, None, 0)[0]
     _assert_same(loaded_again, across_saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# replicate alone: ZeRO-1/2 over plain data parallelism; check_replicas
+# ---------------------------------------------------------------------------------------------
+
+
+def _replicated(base: nn.Module, mesh: Any) -> nn.Module:
+    model = copy.deepcopy(base)
+    fsdp2.replicate(model.in_proj, mesh=mesh)
+    fsdp2.replicate(model.out_proj, mesh=mesh)
+    fsdp2.replicate(model, mesh=mesh)
+    return model
+
+
+def _zero_over_data_parallel() -> list[int]:
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("replicate",))
+    base = seeded(lambda: MLP(UNEVEN))
+    ref = copy.deepcopy(base)
+    plain, across = _replicated(base, mesh), _replicated(base, mesh)
+    optims = [_adamw(plain, False), _adamw(across, True)]
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x = _input(rank, step, UNEVEN)
+        losses = [model(x).sum() for model in (plain, across)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], **EXACT)
+        ref(x).sum().backward()
+        average_grads(ref)
+        for optim in (*optims, ref_optim):
+            optim.step()
+            optim.zero_grad()
+        fsdp2.check_replicas(across)  # the parameters agree; the optimizer slices differ by design
+    for p_plain, p_across, p_ref in zip(plain.parameters(), across.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p_across.to_local(), p_plain.to_local(), **EXACT)
+        torch.testing.assert_close(p_across.to_local(), p_ref, **TIGHT)
+    with torch.no_grad():
+        next(across.parameters()).to_local()[0, 0] += float(rank == 1)  # a real drift is still found
+    with pytest.raises(RuntimeError, match="differ"):
+        fsdp2.check_replicas(across)
+    return [_state_bytes(o) for o in optims]
+
+
+def test_replicate_alone_shards_the_optimizer_over_data_parallel_ranks() -> None:
+    results = run_threaded(WORLD, _zero_over_data_parallel)
+    plain = sum(r[0] for r in results)
+    across = sum(r[1] for r in results)
+    assert across * WORLD == plain, (plain, across)  # each rank a quarter of the state, uneven rows too
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision
+# ---------------------------------------------------------------------------------------------
+
+
+def _mixed_precision() -> None:
+    rank = dist.get_rank()
+    mesh = _mesh()
+    policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base = seeded(lambda: MLP(UNEVEN))
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        for module in (model.in_proj, model.out_proj, model):
+            fsdp2.fully_shard(module, mesh=mesh, mp_policy=policy)
+        models.append(model)
+    optims = [_adamw(models[0], False), _adamw(models[1], True)]
+    for step in range(3):
+        x = _input(rank, step, UNEVEN)
+        losses = [model(x).float().sum() for model in models]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], **EXACT)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    for p_plain, p_across in zip(*(m.parameters() for m in models), strict=True):
+        assert p_across.dtype == torch.float32
+        torch.testing.assert_close(p_across.to_local(), p_plain.to_local(), **EXACT)
+
+
+def test_mixed_precision_equals_plain_hsdp() -> None:
+    run_threaded(WORLD, _mixed_precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused, with the fix, before anything changes
+# ---------------------------------------------------------------------------------------------
+
+
+def _refusals() -> None:
+    rank = dist.get_rank()
+    base = seeded(lambda: MLP(DIM))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fsdp2.shard_optimizer_across_replicas(base, object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="no fully_shard module"):
+        fsdp2.shard_optimizer_across_replicas(base, torch.optim.AdamW(base.parameters()))
+    fsdp_only = _sharded(base, _mesh((WORLD,)))
+    with pytest.raises(ValueError, match="no replicate dim"):
+        fsdp2.shard_optimizer_across_replicas(fsdp_only, torch.optim.AdamW(fsdp_only.parameters()))
+    model = _sharded(base, _mesh())
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    with pytest.raises(ValueError, match="not an elementwise optimizer"):
+        fsdp2.shard_optimizer_across_replicas(model, torch.optim.Muon(matrices, lr=0.02))
+    weights_only = torch.optim.AdamW(matrices, lr=1e-2)
+    with pytest.raises(ValueError, match="does not step"):
+        fsdp2.shard_optimizer_across_replicas(model, weights_only)
+    with pytest.raises(ValueError, match="pass the model that holds them"):
+        fsdp2.shard_optimizer_across_replicas(model.in_proj, torch.optim.AdamW(model.parameters()))
+    # nothing changed: the gradients are still all-reduced into shards laid out like the parameters
+    model(_input(rank, 0, DIM)).sum().backward()
+    for param in model.parameters():
+        assert param.grad.placements == param.placements
+
+
+def test_refusals_name_the_problem_and_change_nothing() -> None:
+    run_threaded(WORLD, _refusals)
