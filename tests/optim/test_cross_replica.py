@@ -297,7 +297,8 @@ def _zero_over_data_parallel() -> list[int]:
             optim.step()
             optim.zero_grad()
         fsdp2.check_replicas(across)  # the parameters agree; the optimizer slices differ by design
-    for p_plain, p_across, p_ref in zip(plain.parameters(), across.parameters(), ref.parameters(), strict=True):
+    trios = zip(plain.parameters(), across.parameters(), ref.parameters(), strict=True)
+    for p_plain, p_across, p_ref in trios:
         torch.testing.assert_close(p_across.to_local(), p_plain.to_local(), **EXACT)
         torch.testing.assert_close(p_across.to_local(), p_ref, **TIGHT)
     with torch.no_grad():
@@ -357,7 +358,7 @@ def test_mixed_precision_equals_plain_hsdp() -> None:
 def _refusals() -> None:
     rank = dist.get_rank()
     base = seeded(lambda: MLP(DIM))
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         fsdp2.shard_optimizer_across_replicas(base, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="no fully_shard module"):
         fsdp2.shard_optimizer_across_replicas(base, torch.optim.AdamW(base.parameters()))
