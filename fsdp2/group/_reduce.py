@@ -34,7 +34,7 @@ from ..comm import (
 )
 from ..param import FSDPParam, accumulate_slice_grad
 from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
-from ._replica_reduce import reduce_across_replicas, slice_views
+from ._replica_reduce import reduce_across_replicas
 from ._skip import Skip
 from ._usage import UsageTail
 
@@ -293,18 +293,17 @@ class GradientReducer:
     ) -> None:
         """The optimizer sharded across replicas: reduce-scatter across them, assign the slices.
 
-        See ``_replica_reduce.py``; the post-division and the usage row as in ``assign_reduced``.
+        See ``_replica_reduce.py``; the usage row is read as in ``_assign_views``.
         """
-        info = self.mesh_info
         tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
-        reduced = reduce_across_replicas(output, params, info, tail, factors.op, comms)
-        if factors.postdivide is not None:
-            reduced.div_(factors.postdivide)
+        reduced, views = reduce_across_replicas(
+            output, params, self.mesh_info, tail, factors, comms, controls
+        )
         if self._fill_unused:
             width = self.usage.width(params)
             usage = reduced.narrow(0, reduced.numel() - width, width)
             self.usage.note_assigned(params, usage, controls.reduce_scatter_unused_params)
-        for fsdp_param, view in zip(params, slice_views(reduced, params, info), strict=True):
+        for fsdp_param, view in zip(params, views, strict=True):
             accumulate_slice_grad(fsdp_param, view, controls.replica_slices)
 
     def tail_width(self, params: list[FSDPParam], dtype: torch.dtype) -> int:

@@ -2,9 +2,9 @@
 
 Owns: ``reduce_across_replicas`` (a group's shard-reduced gradients laid out as one row per replica,
 each row holding that replica's slice of every parameter, then one reduce-scatter over the replicate
-group) and ``slice_views`` (this rank's slice of each parameter in its output). Does not own: the
-slice layout (``param._replica_slices``, see [Note: Replica slices] there), the divisions, the usage
-row's reading or the gradients' assignment (``GradientReducer``).
+group and the post-division; this rank's slice of each parameter in its output). Does not own: the
+slice layout (``param._replica_slices``, see [Note: Replica slices] there), the usage row's reading
+or the gradients' assignment (``GradientReducer``).
 
 The input row of replica ``r`` holds, per parameter, the ``r``-th ``torch.chunk`` piece of its local
 shard's rows, zero-padded to the first piece's rows, then the reduction's tail (the zeros and the
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from ..base import MeshInfo
-from ..comm import GroupComms, reduce_scatter
+from ..base import GroupControls, MeshInfo
+from ..comm import DivideFactors, GroupComms, reduce_scatter
 from ..param import FSDPParam, RowLayout
 
-__all__ = ["reduce_across_replicas", "slice_views"]
+__all__ = ["reduce_across_replicas"]
 
 
 def _slice_widths(params: list[FSDPParam], replicas: int) -> list[tuple[int, int]]:
@@ -40,14 +40,25 @@ def reduce_across_replicas(
     params: list[FSDPParam],
     info: MeshInfo,
     tail: int,
-    op: object,
+    factors: DivideFactors,
     comms: GroupComms,
-) -> torch.Tensor:
+    controls: GroupControls,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Reduce-scatter ``output`` (this rank's shard-reduced gradients, 1-D) across the replicas.
 
     ``tail``: the elements after the gradients (zeros and the usage row). Returns this rank's row of
-    the result: its slice of each parameter (padded as packed), then the tail.
+    the result (its slice of each parameter, padded as packed, then the tail), divided as
+    ``factors`` say, and each parameter's slice in it.
+
+    Raises:
+        RuntimeError: the group has an all-reduce hook (set after the optimizer was sharded).
     """
+    if controls.all_reduce_hook is not None:
+        raise RuntimeError(
+            "an all-reduce hook (set_all_reduce_hook) was set on a group whose optimizer is sharded "
+            "across replicas (shard_optimizer_across_replicas): the hook reads whole reduced shards, "
+            "and each rank holds only its slice. Remove the hook or keep this optimizer on plain HSDP."
+        )
     replicas = info.replicate_size
     assert info.replicate_group is not None, "a reduction across replicas without replicas"
     widths = _slice_widths(params, replicas)
@@ -70,10 +81,13 @@ def reduce_across_replicas(
     if tail:
         rows_in[:, column:].copy_(output.narrow(0, output.numel() - tail, tail).expand(replicas, tail))
     comm = None if comms.custom else comms.reduce_scatter  # the default one, or the recorder's
-    return reduce_scatter(rows_in.view(-1), info.replicate_group, replicas, op, None, comm)  # type: ignore[arg-type]
+    reduced = reduce_scatter(rows_in.view(-1), info.replicate_group, replicas, factors.op, None, comm)
+    if factors.postdivide is not None:
+        reduced.div_(factors.postdivide)
+    return reduced, _slice_views(reduced, params, info)
 
 
-def slice_views(reduced: torch.Tensor, params: list[FSDPParam], info: MeshInfo) -> list[torch.Tensor]:
+def _slice_views(reduced: torch.Tensor, params: list[FSDPParam], info: MeshInfo) -> list[torch.Tensor]:
     """This rank's slice of each parameter's gradient in ``reduced`` (``reduce_across_replicas``'s)."""
     replicas = info.replicate_size
     rank = info.mesh.get_local_rank(info.replicate_mesh_dim)
