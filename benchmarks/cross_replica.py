@@ -11,7 +11,6 @@ times say more about the extra copies than about a network).
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 import time
@@ -26,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fsdp2  # noqa: E402
-from fsdp2.testing import measure_memory, record_collectives, run_ranks  # noqa: E402
+import fsdp2
+from fsdp2.testing import measure_memory, record_collectives, run_ranks
 
 DIM = 512
 LAYERS = 4

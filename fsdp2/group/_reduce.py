@@ -304,7 +304,7 @@ class GradientReducer:
             usage = reduced.narrow(0, reduced.numel() - width, width)
             self.usage.note_assigned(params, usage, controls.reduce_scatter_unused_params)
         for fsdp_param, view in zip(params, views, strict=True):
-            accumulate_slice_grad(fsdp_param, view, controls.replica_slices)
+            accumulate_slice_grad(fsdp_param, view, controls.replica_slices, self.mesh_info)
 
     def tail_width(self, params: list[FSDPParam], dtype: torch.dtype) -> int:
         """Columns after ``params``' gradients in each row of a reduction: zeros, then the usage row.

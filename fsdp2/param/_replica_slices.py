@@ -75,30 +75,27 @@ def is_slice(tensor: object, mesh: DeviceMesh) -> bool:
     )
 
 
-def accumulate_slice_grad(fsdp_param: FSDPParam, local_grad: torch.Tensor, mesh: DeviceMesh) -> None:
+def accumulate_slice_grad(
+    fsdp_param: FSDPParam, local_grad: torch.Tensor, mesh: DeviceMesh, info: MeshInfo
+) -> None:
     """Set, or add in place into, ``fsdp_param``'s gradient as the replica slice ``local_grad``.
 
-    Then the parameter's post-accumulate-grad hooks run, as for a shard gradient.
-
-    Raises:
-        RuntimeError: the parameter holds a gradient of another layout (reduced without slices since
-            the last ``zero_grad``).
+    A gradient laid out like the parameter (reduced before the optimizer was sharded, with no
+    ``zero_grad`` since) gives its slice to the sum. Then the parameter's post-accumulate-grad hooks
+    run, as for a shard gradient.
     """
     param = fsdp_param.sharded_param
     dtype = fsdp_param.local.grad_dtype or fsdp_param.local.dtype
     if local_grad.dtype != dtype:
         local_grad = local_grad.to(dtype)
     grad = param.grad
-    if grad is None:
-        param.grad = wrap_local(local_grad, slice_spec(param, mesh, dtype))
-    elif isinstance(grad, DTensor) and is_slice(grad, mesh):
+    if isinstance(grad, DTensor) and is_slice(grad, mesh):
         local_of(grad).add_(local_grad)
     else:
-        raise RuntimeError(
-            f"{fsdp_param.fqn}: its gradient is laid out as {getattr(grad, 'placements', type(grad))}, "
-            "not as replica slices, and cannot take a slice reduced across replicas. Call "
-            "optimizer.zero_grad() before the first backward after shard_optimizer_across_replicas."
-        )
+        if isinstance(grad, DTensor):  # laid out like the parameter: its slice of the rows
+            start, stop = slice_rows(local_of(grad).shape[0], info)
+            local_grad = local_of(grad).narrow(0, start, stop - start) + local_grad
+        param.grad = wrap_local(local_grad, slice_spec(param, mesh, dtype))
     hooks = param._post_accumulate_grad_hooks  # noqa: SLF001 - no public accessor
     if hooks:
         for hook in tuple(hooks.values()):

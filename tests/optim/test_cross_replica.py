@@ -378,6 +378,24 @@ def _refusals() -> None:
     model(_input(rank, 0, DIM)).sum().backward()
     for param in model.parameters():
         assert param.grad.placements == param.placements
+    before = [_whole(p.grad) for p in model.parameters()]
+    optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="without a closure"):
+        optim.step(lambda: None)
+    # a gradient reduced before the call (no zero_grad since) gives its slice to the sum
+    x = _input(rank, 1, DIM)
+    model(x).sum().backward()
+    ref = copy.deepcopy(base)
+    ref(x).sum().backward()
+    average_grads(ref)
+    for param, ref_param, old in zip(model.parameters(), ref.parameters(), before, strict=True):
+        assert all(p == Shard(0) for p in param.grad.placements)
+        torch.testing.assert_close(_whole(param.grad), old + ref_param.grad, **TIGHT)
+    optim.zero_grad()
+    for module in (model.in_proj, model.out_proj):  # after the call: refused at the reduction
+        module.set_all_reduce_hook(lambda output: None)
+    with pytest.raises(RuntimeError, match="all-reduce hook"):
+        model(_input(rank, 2, DIM)).sum().backward()
 
 
 def test_refusals_name_the_problem_and_change_nothing() -> None:
