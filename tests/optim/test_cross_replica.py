@@ -133,6 +133,10 @@ def _adamw_three_steps(dim: int) -> dict[str, Any]:
     ):
         torch.testing.assert_close(p_across.to_local(), p_plain.to_local(), **EXACT)
         torch.testing.assert_close(_whole(p_across), p_ref, **TIGHT)
+    twin = copy.deepcopy(across)  # the option is the optimizer's: a copy reduces as plain HSDP
+    twin(_input(rank, 3, dim)).sum().backward()
+    for param in twin.parameters():
+        assert param.grad.placements == param.placements
     return {"bytes": [_state_bytes(o) for o in optims], "sent": sent}
 
 
