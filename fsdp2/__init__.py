@@ -25,6 +25,7 @@ from .frontend._replicate import replicate
 from .optim import enable_automatic_local_steps, enable_whole_tensor_steps
 from .optim._accumulate import Accumulation, accumulate
 from .optim._clip import clip_grad_norm_
+from .optim._cross_replica import shard_optimizer_across_replicas
 from .optim._local_optim import local_step
 from .optim._stacked_muon import StackedMuon
 from .optim._whole_tensor import declare_optimizer, whole_tensor_step
@@ -125,6 +126,7 @@ __all__ = [
     "save_timeline",
     "set_debug",
     "shard_experts",
+    "shard_optimizer_across_replicas",
     "share_comm_ctx",
     "straggler_report",
     "whole_tensor_step",

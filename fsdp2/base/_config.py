@@ -76,6 +76,10 @@ class GroupControls:
         deterministic_reduction: sum gradients in global rank order (``set_deterministic_reduction``).
         keep_gathered: once gathered, the parameters stay unsharded (``fsdp2.keep_frozen_gathered``);
             the schedule gathers them again when a shard changed in place since.
+        replica_slices: HSDP or replicate with the optimizer sharded across replicas
+            (``fsdp2.shard_optimizer_across_replicas``): the mesh of the replica slices; gradients are
+            reduce-scattered across replicas instead of all-reduced, each rank getting its slice
+            (see [Note: Replica slices] in ``param/_replica_slices.py``). ``None``: all-reduced.
     """
 
     reduce_grads: bool = True
@@ -92,6 +96,7 @@ class GroupControls:
     unshard_async_op: bool = False
     deterministic_reduction: bool = False
     keep_gathered: bool = False
+    replica_slices: Any = None  # a DeviceMesh, or None
 
     def update(self, **values: Any) -> None:
         """Set the named controls (the one way setters change them); an unknown name is a bug."""

@@ -14,7 +14,16 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 
 from ._param_group import FSDPParamGroup, build_group, split_group
 from ._pending import PendingReduceScatter, pack_gradients, reduce_scatter_key
-from ._queries import group_name, held_grad_bytes, kept_grad_bytes, set_gradient_sync
+from ._queries import (
+    group_mesh_info,
+    group_name,
+    held_grad_bytes,
+    kept_grad_bytes,
+    replica_all_gather,
+    replica_slicing_problem,
+    set_gradient_sync,
+    slice_across_replicas,
+)
 from ._reduce import ReducePart, reduce_shared
 from ._skip import Skip, UseTracker
 
@@ -25,12 +34,16 @@ __all__ = [
     "Skip",
     "UseTracker",
     "build_group",
+    "group_mesh_info",
     "group_name",
     "held_grad_bytes",
     "kept_grad_bytes",
     "pack_gradients",
     "reduce_scatter_key",
     "reduce_shared",
+    "replica_all_gather",
+    "replica_slicing_problem",
     "set_gradient_sync",
+    "slice_across_replicas",
     "split_group",
 ]

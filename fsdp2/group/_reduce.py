@@ -32,8 +32,9 @@ from ..comm import (
     same_order_tail,
     view_out_shards,
 )
-from ..param import FSDPParam
+from ..param import FSDPParam, accumulate_slice_grad
 from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
+from ._replica_reduce import reduce_across_replicas
 from ._skip import Skip
 from ._usage import UsageTail
 
@@ -272,6 +273,9 @@ class GradientReducer:
                 return
             if partial is not None:
                 output.add_(partial)
+            if controls.replica_slices is not None and info.replicate_size > 1:
+                self._finish_slices(output, params, controls, comms, factors)
+                return
             if info.replicate_size > 1:
                 comms.all_reduce(output, info.replicate_group, factors.op)
         if controls.all_reduce_hook is not None:
@@ -286,6 +290,29 @@ class GradientReducer:
         partial = self._partial_outputs.pop(output.dtype, None)
         if partial is not None:
             output.add_(partial)
+
+    def _finish_slices(
+        self,
+        output: torch.Tensor,
+        params: list[FSDPParam],
+        controls: GroupControls,
+        comms: GroupComms,
+        factors: DivideFactors,
+    ) -> None:
+        """The optimizer sharded across replicas: reduce-scatter across them, assign the slices.
+
+        See ``_replica_reduce.py``; the usage row is read as in ``_assign_views``.
+        """
+        tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
+        reduced, views = reduce_across_replicas(
+            output, params, self.mesh_info, tail, factors, comms, controls
+        )
+        if self._fill_unused:
+            width = self.usage.width(params)
+            usage = reduced.narrow(0, reduced.numel() - width, width)
+            self.usage.note_assigned(params, usage, controls.reduce_scatter_unused_params)
+        for fsdp_param, view in zip(params, views, strict=True):
+            accumulate_slice_grad(fsdp_param, view, controls.replica_slices, self.mesh_info)
 
     def tail_width(self, params: list[FSDPParam], dtype: torch.dtype) -> int:
         """Columns after ``params``' gradients in each row of a reduction: zeros, then the usage row.

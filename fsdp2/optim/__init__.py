@@ -5,7 +5,8 @@ optimizers, enabled at the first ``fully_shard``: ``fsdp2/__init__.py`` register
 steps on owner ranks for optimizers that need each whole parameter (``whole_tensor_step``: Muon,
 Adafactor, declared classes; ``declare_optimizer``), Muon over stacks of matrices (``StackedMuon``),
 gradient clipping over shards (``clip_grad_norm_``) and gradient accumulation within a memory budget
-(``accumulate``). Does not
+(``accumulate``), and optimizer state sharded across HSDP's replicas
+(``shard_optimizer_across_replicas``: ZeRO-1/2 across replicas, HSDP within). Does not
 own: the one pre- and post-step hook and the step guard (``runtime``). Reads the engine through
 ``runtime``'s and ``group``'s queries; imports the floors below.
 
@@ -15,6 +16,7 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 
 from ._accumulate import Accumulation, accumulate
 from ._clip import clip_grad_norm_
+from ._cross_replica import shard_optimizer_across_replicas
 from ._local_optim import enable_automatic_local_steps, local_step
 from ._stacked_muon import StackedMuon
 from ._whole_tensor import declare_optimizer, enable_whole_tensor_steps, whole_tensor_step
@@ -28,5 +30,6 @@ __all__ = [
     "enable_automatic_local_steps",
     "enable_whole_tensor_steps",
     "local_step",
+    "shard_optimizer_across_replicas",
     "whole_tensor_step",
 ]

@@ -27,6 +27,7 @@ from ._init import check_materialized, init_like_unsharded, warn_if_repeated_sha
 from ._late_params import LATE, check_late_parameters, watch_registrations
 from ._layout import ShardLayout
 from ._param import FSDPParam, can_pin, is_managed, padded_shard_numel
+from ._replica_slices import accumulate_slice_grad, is_slice, slice_mesh, slice_rows, slice_spec
 from ._rows import Piece, Routes, RowLayout, local_box, owners_by_load, routes, row_shard
 from ._shard import check_subclass_shardable
 
@@ -37,6 +38,7 @@ __all__ = [
     "Routes",
     "RowLayout",
     "ShardLayout",
+    "accumulate_slice_grad",
     "can_pin",
     "check_late_parameters",
     "check_materialized",
@@ -46,6 +48,7 @@ __all__ = [
     "install_deepcopy",
     "install_pickling",
     "is_managed",
+    "is_slice",
     "local_box",
     "local_in_placements",
     "local_of",
@@ -56,6 +59,9 @@ __all__ = [
     "padded_shard_numel",
     "routes",
     "row_shard",
+    "slice_mesh",
+    "slice_rows",
+    "slice_spec",
     "spec_of",
     "specs_of",
     "warn_if_repeated_shards",

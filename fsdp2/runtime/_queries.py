@@ -73,6 +73,8 @@ def copy_state_into(state: FSDPState, new_state: FSDPState, memo: dict[int, Any]
     """
     for group, new_group in zip(state.groups, new_state.groups, strict=True):
         new_group.controls = copy.copy(group.controls)
+        # the optimizer sharded across replicas is the original's: the copy reduces as plain HSDP
+        new_group.controls.update(replica_slices=None)
         for fsdp_param, new_param in zip(group.fsdp_params, new_group.fsdp_params, strict=True):
             new_param.adopt_local_shard(fsdp_param.local_shard_copy())
             memo[id(fsdp_param.sharded_param)] = new_param.sharded_param
