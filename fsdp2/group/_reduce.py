@@ -304,12 +304,10 @@ class GradientReducer:
         See ``_replica_reduce.py``; the usage row is read as in ``_assign_views``.
         """
         tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
-        reduced, views = reduce_across_replicas(
-            output, params, self.mesh_info, tail, factors, comms, controls
-        )
+        summed, views = reduce_across_replicas(output, params, self.mesh_info, tail, factors, comms, controls)
         if self._fill_unused:
             width = self.usage.width(params)
-            usage = reduced.narrow(0, reduced.numel() - width, width)
+            usage = summed.narrow(0, summed.numel() - width, width)
             self.usage.note_assigned(params, usage, controls.reduce_scatter_unused_params)
         for fsdp_param, view in zip(params, views, strict=True):
             accumulate_slice_grad(fsdp_param, view, controls.replica_slices, self.mesh_info)
