@@ -154,14 +154,14 @@ class AllReduce:
 
 
 class AllToAll:
-    """The all-to-all of a rank-ordered gradient reduction (see ``_ordered.py``)."""
+    """The all-to-alls of a tree-ordered gradient reduction: shard group, HSDP replicas (``_ordered.py``)."""
 
     def __call__(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         dist.all_to_all_single(output, input_tensor, group=group)
 
 
 class ReplicaAllGather:
-    """HSDP, rank-ordered gradient reduction: every replica's contributions (see ``_ordered.py``)."""
+    """HSDP, tree-ordered gradient reduction: the replicas' reduced chunks (see ``_ordered.py``)."""
 
     def __call__(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         _all_gather_single(output, input_tensor, group=group)
@@ -287,7 +287,8 @@ class GroupComms:
         all_gather: an ``AllGather`` (or any object with its two methods, e.g. torch's).
         reduce_scatter: a ``ReduceScatter`` (likewise).
         all_reduce: the HSDP all-reduce.
-        all_to_all / replica_all_gather: the collectives of a rank-ordered reduction (``_ordered.py``).
+        all_to_all / replica_all_to_all / replica_all_gather: the collectives of a tree-ordered
+            reduction (``_ordered.py``).
         custom: a user object replaced a default (``set_custom_*``).
         reduce_scatter_group: a process group of its own for the reduce-scatter
             (``set_separate_reduce_scatter_group``), else ``None``: the shard group.
@@ -297,6 +298,7 @@ class GroupComms:
     reduce_scatter: Any = field(default_factory=DefaultReduceScatter)
     all_reduce: AllReduce = field(default_factory=AllReduce)
     all_to_all: AllToAll = field(default_factory=AllToAll)
+    replica_all_to_all: AllToAll = field(default_factory=AllToAll)
     replica_all_gather: ReplicaAllGather = field(default_factory=ReplicaAllGather)
     custom: bool = False
     reduce_scatter_group: dist.ProcessGroup | None = None

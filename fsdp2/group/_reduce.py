@@ -33,7 +33,7 @@ from ..comm import (
     view_out_shards,
 )
 from ..param import FSDPParam, accumulate_slice_grad
-from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_order
+from ._ordered import OrderedReduction, divide_and_hook, ordered_reduce, rank_orders
 from ._replica_reduce import reduce_across_replicas
 from ._skip import Skip
 from ._usage import UsageTail
@@ -337,7 +337,7 @@ class GradientReducer:
             return None
         ordered = self._ordered.get(wire)
         if ordered is None:
-            ordered = self._ordered[wire] = OrderedReduction(wire, rank_order(self.mesh_info))
+            ordered = self._ordered[wire] = OrderedReduction(wire, *rank_orders(self.mesh_info))
         return ordered
 
     def finish_ordered(self, total: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:

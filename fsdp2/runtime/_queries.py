@@ -120,6 +120,7 @@ _COMM_KINDS = (
     ("reduce_scatter", "reduce_scatter"),
     ("all_reduce", "all_reduce"),
     ("all_to_all", "all_to_all"),
+    ("replica_all_to_all", "all_to_all"),
     ("replica_all_gather", "all_gather"),
 )
 

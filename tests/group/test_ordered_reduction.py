@@ -1,14 +1,16 @@
-"""Rank-ordered gradient reductions: ``MixedPrecisionPolicy(wire_dtype=...)`` and
+"""Tree-ordered gradient reductions: ``MixedPrecisionPolicy(wire_dtype=...)`` and
 ``FSDPModule.set_deterministic_reduction``, threads as ranks.
 
 The reference is computed from every rank's unsharded gradients: a plain copy of the model runs the same
-inputs on each rank, the ranks' gradients are gathered, summed one after another in rank order (in
-fp32) and divided by the world size. fsdp2's sharded gradients must equal it bit for bit:
+inputs on each rank, the ranks' gradients are gathered, summed by the pairwise tree in global rank order
+(in fp32: ``(g0 + g1) + (g2 + g3)`` at 4 ranks) and divided by the world size. fsdp2's sharded
+gradients must equal it bit for bit:
 
 - wire dtype: bf16 parameters, fp32 reduction, bf16 on the wire; the bytes sent per rank (recorded from
   the collectives) are half those of the fp32 reduce-scatter;
 - deterministic: the same parameters after three AdamW steps on 4 FSDP ranks (bucketed and not, with
   explicit prefetch and without resharding after forward) and on 2 x 2 HSDP ranks, and in two runs;
+  HSDP's replica step sends what the default all-reduce sends, up to padding;
 - settings it cannot honour are refused before anything changes.
 """
 
@@ -31,8 +33,8 @@ from tests.shared.ordered import (
     _batch,
     _deterministic,
     _model,
-    _rank_ordered_mean,
     _shard,
+    _tree_ordered_mean,
     _wire,
 )
 
@@ -55,7 +57,7 @@ def test_bf16_on_the_wire_with_hsdp_is_the_exact_fp32_sum_of_all_ranks() -> None
     for got, expected, _, calls in run_threaded(4, _wire, BF16, True):
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, **EXACT)
-        assert calls == 3
+        assert calls == 6  # per group: the shard group's all-to-all, then the replicas'
 
 
 def _accumulated(
@@ -78,10 +80,10 @@ def _accumulated(
             for h, p in zip(held, ref.parameters(), strict=True):
                 h.add_(p.grad)  # the fp32 sum of bf16 micro-batch gradients, as fsdp2 holds it
             if sync_each:  # each micro-batch reduced alone, the means summed in fp32
-                means = _rank_ordered_mean([p.grad for p in ref.parameters()])
+                means = _tree_ordered_mean([p.grad for p in ref.parameters()])
                 expected = means if not expected else [e + m for e, m in zip(expected, means, strict=True)]
     if not sync_each:
-        expected = _rank_ordered_mean(held)
+        expected = _tree_ordered_mean(held)
     got = [p.grad.full_tensor() for p in model.parameters()]
     return got, expected, {k: log[k] for k in ("reduce_scatter", "all_to_all")}
 
@@ -123,18 +125,43 @@ def test_deterministic_reduction_is_bit_identical_across_layouts_and_runs() -> N
                 )
 
 
-def _hsdp_sent() -> tuple[int, int, int]:
+Call = tuple[str, str, int, int]  # kind, module, input bytes, bytes sent
+
+
+def _hsdp_calls(deterministic: bool) -> list[Call]:
+    """The collectives of the second backward, in order (the first initialises lazily)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = _shard(_model(), mesh)
-    model.set_deterministic_reduction()
+    model.set_deterministic_reduction(deterministic)
+    model(_batch(0)).sum().backward()
     with record_collectives(model) as log:
-        model(_batch(0)).sum().backward()
-    return log["all_to_all"], log["reduce_scatter"], log["all_reduce"]
+        model(_batch(1)).sum().backward()
+    return [(c.kind, c.module_fqn, c.input_bytes, c.sent_bytes) for c in log.calls]
 
 
-def test_hsdp_gathers_replica_contributions_instead_of_all_reducing() -> None:
-    for all_to_all, reduce_scatter, all_reduce in run_threaded(4, _hsdp_sent):
-        assert (all_to_all, reduce_scatter, all_reduce) == (3, 0, 0)
+def _hsdp_replica_step() -> tuple[list[Call], list[Call]]:
+    return _hsdp_calls(True), _hsdp_calls(False)
+
+
+def test_hsdp_sums_replicas_with_an_all_to_all_and_a_gather_of_shard_sized_chunks() -> None:
+    # Per group: the shard group's all-to-all (the default's reduce-scatter bytes), then the replicas'
+    # all-to-all of this rank's (S,) partial sum cut into R = 2 chunks and the all-gather of the summed
+    # chunks: (R - 1) * ceil(S / R) elements each, the default all-reduce's 2 (R - 1) / R * S in all
+    # (up to one padding element a chunk), never the R * W * S contributions of every rank.
+    for ordered, default in run_threaded(4, _hsdp_replica_step):
+        plain = {fqn: (inp, sent) for kind, fqn, inp, sent in default if kind == "reduce_scatter"}
+        all_reduce = {fqn: inp for kind, fqn, inp, _ in default if kind == "all_reduce"}
+        assert sorted(plain) == sorted(all_reduce) == ["", "0", "2"]
+        assert sum(kind in ("reduce_scatter", "all_reduce") for kind, *_ in ordered) == 0
+        starts = [i for i, (kind, *_) in enumerate(ordered) if kind == "all_to_all"][::2]
+        assert len(starts) == 3
+        for i in starts:
+            (_, fqn, *shard_step), replicas, gather = ordered[i : i + 3]
+            chunk_bytes = -(-all_reduce[fqn] // 4 // 2) * 4  # ceil(S / R) fp32 elements
+            assert tuple(shard_step) == plain[fqn]  # the shard group: the reduce-scatter's bytes
+            assert replicas == ("all_to_all", fqn, 2 * chunk_bytes, chunk_bytes)
+            assert gather == ("all_gather", fqn, chunk_bytes, chunk_bytes)
+            assert 2 * chunk_bytes - all_reduce[fqn] in (0, 4)  # the all-reduce's bytes, padded
 
 
 # ---- what it cannot do ---------------------------------------------------------------------------
@@ -174,7 +201,7 @@ def _refusals() -> None:
     # Nothing changed by the refused calls: still ordered, still all-reducing, no custom collective.
     with record_collectives(model) as log:
         model(_batch(0)).sum().backward()
-    assert (log["all_to_all"], log["reduce_scatter"]) == (3, 0)
+    assert (log["all_to_all"], log["reduce_scatter"]) == (6, 0)
 
 
 def test_settings_it_cannot_honour_are_refused_before_any_change() -> None:

@@ -1,4 +1,4 @@
-"""Rank-ordered reductions' layouts and runs, shared by their thread-rank and gloo tests."""
+"""Tree-ordered reductions' layouts and runs, shared by their thread-rank and gloo tests."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 from fsdp2.testing import record_collectives
@@ -35,17 +36,42 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=gen)
 
 
-def _rank_ordered_mean(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient summed over the ranks one after another in rank order (fp32), then averaged."""
+class CountAdds(TorchDispatchMode):
+    """Counts the tensor adds (``aten.add`` / ``aten.add_``) dispatched inside the block (this thread)."""
+
+    ADDS = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adds = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.adds += func in self.ADDS
+        return func(*args, **(kwargs or {}))
+
+
+def pairwise_tree(values: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` summed in fp32 by the pairwise tree: neighbours added level by level, an odd last
+    one carried up (4 values: ``(v0 + v1) + (v2 + v3)``; 3: ``(v0 + v1) + v2``)."""
+    level = [v.to(FP32) for v in values]
+    while len(level) > 1:
+        pairs = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2 :]
+    return level[0]
+
+
+def _tree_ordered_mean(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient of every rank summed by the pairwise tree in global rank order (fp32), averaged.
+
+    What a tree-ordered reduction gives on ``W`` FSDP ranks, and on ``R x W`` HSDP ranks numbered
+    replica-major when ``W`` is a power of two (see ``fsdp2/group/_ordered.py``).
+    """
     world = dist.get_world_size()
     means = []
     for grad in grads:
         gathered = [torch.empty_like(grad) for _ in range(world)]
         dist.all_gather(gathered, grad)
-        total = gathered[0].to(FP32, copy=True)
-        for other in gathered[1:]:
-            total.add_(other)
-        means.append(total.div_(world))
+        means.append(pairwise_tree(gathered).div_(world))
     return means
 
 
@@ -61,7 +87,7 @@ def _wire(
     with record_collectives(model) as log:
         model(x).sum().backward()
     ref(x.to(BF16)).sum().backward()
-    expected = _rank_ordered_mean([p.grad for p in ref.parameters()])
+    expected = _tree_ordered_mean([p.grad for p in ref.parameters()])
     got = [p.grad.full_tensor() for p in model.parameters()]
     reduce_kind = "reduce_scatter" if wire is None else "all_to_all"
     return got, expected, log.sent_bytes(reduce_kind), log[reduce_kind]
@@ -93,7 +119,7 @@ def _deterministic(layout: str, steps: int = 3) -> tuple[list[torch.Tensor], lis
         model(x).square().sum().backward()
         if step == 0:
             ref(x).square().sum().backward()
-            expected = _rank_ordered_mean([p.grad for p in ref.parameters()])
+            expected = _tree_ordered_mean([p.grad for p in ref.parameters()])
             first_grads = [p.grad.full_tensor() for p in model.parameters()]
             for got, want in zip(first_grads, expected, strict=True):
                 torch.testing.assert_close(got, want, **EXACT)
