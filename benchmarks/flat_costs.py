@@ -14,8 +14,16 @@ of 3 runs:
 - ``check_replicas``: ``fsdp2.check_replicas`` on 16 blocks of two ``Linear(512, 512)``, HSDP on a
   (N/4 replicas, 4 shards) mesh. The fake group leaves received buffers as they were allocated, so
   every all-gather here is patched to fill them with copies of this rank's tensor (replicas that agree).
+- ``plain step`` / ``deterministic step``: one forward and backward of 4 blocks of two
+  ``Linear(128, 128)``, HSDP on a (N/4 replicas, 4 shards) mesh, without and with
+  ``set_deterministic_reduction()`` (the same reduction ``wire_dtype`` uses); ``... fsdp``: the same
+  on a 1-D mesh of all N ranks. The all-gather, reduce-scatter and all-to-all are emulated by one
+  tensor operation each (copies of the input, the sum of the input's N chunks, a copy): the fake
+  backend's own all-gather and reduce-scatter copy chunk by chunk, host work growing with N that one
+  NCCL call does not have (6.6 and 2.4 ms per call at N = 4,096). The HSDP all-reduce stays the fake
+  backend's no-op. One intra-op thread; the minimum of 10 steps.
 
-Run:  python benchmarks/flat_costs.py [--worlds 8 64 512 4096]
+Run:  python benchmarks/flat_costs.py [--worlds 8 64 512 4096] [--only steps]
 Prints a table (milliseconds).
 """
 
@@ -66,7 +74,69 @@ def _patch_gathers() -> None:
     dist.all_gather, dist.all_gather_into_tensor = all_gather, all_gather_into_tensor  # type: ignore[assignment]
 
 
-def _one(world: int) -> dict[str, float]:
+def _emulate_collectives() -> None:
+    """The step's collectives as one tensor operation each (the fake backend's all-gather and
+    reduce-scatter copy chunk by chunk: host work growing with N that one NCCL call does not have)."""
+    import torch
+    import torch.distributed as dist
+
+    def all_gather_single(output: Any, input_tensor: Any, group: Any = None, async_op: bool = False) -> None:
+        ranks = dist.get_world_size(group)
+        output.view(ranks, -1).copy_(input_tensor.reshape(1, -1).clone().expand(ranks, -1))
+
+    def reduce_scatter_single(
+        output: Any, input_tensor: Any, op: Any = None, group: Any = None, async_op: bool = False
+    ) -> None:
+        torch.sum(input_tensor.view(dist.get_world_size(group), -1), dim=0, out=output.view(-1))
+
+    def all_to_all_single(output: Any, input_tensor: Any, *args: Any, **kwargs: Any) -> None:
+        output.copy_(input_tensor)
+
+    dist.all_gather_single = all_gather_single  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = reduce_scatter_single  # type: ignore[attr-defined]
+    dist.all_to_all_single = all_to_all_single  # type: ignore[assignment]
+
+
+def _steps(world: int) -> dict[str, float]:
+    """One forward and backward, plain and deterministic, HSDP (N/4, 4) and FSDP over all N ranks."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)  # one intra-op thread: less noise from whatever else shares the cores
+    _emulate_collectives()
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)) for _ in range(4)])
+    x = torch.randn(8, 128)
+    meshes = {
+        "": init_device_mesh("cpu", (world // 4, 4), mesh_dim_names=("replicate", "shard")),
+        " fsdp": init_device_mesh("cpu", (world,)),
+    }
+    times = {}
+    for suffix, mesh in meshes.items():
+        for name, deterministic in (("plain step", False), ("deterministic step", True)):
+            model = copy.deepcopy(base)
+            for block in model:
+                fsdp2.fully_shard(block, mesh=mesh)
+            fsdp2.fully_shard(model, mesh=mesh)
+            if deterministic:
+                model.set_deterministic_reduction()
+
+            def step(model: nn.Module = model) -> None:
+                model(x).sum().backward()
+                model.zero_grad()
+
+            step()  # warm
+            times[name + suffix] = _best(step, tries=10)
+    return times
+
+
+def _one(world: int, only: str | None = None) -> dict[str, float]:
     sys.path.insert(0, str(REPO))
     import torch
     import torch.distributed as dist
@@ -78,6 +148,8 @@ def _one(world: int) -> dict[str, float]:
     from fsdp2.resilience._ring import Ring
 
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world)
+    if only == "steps":
+        return _steps(world)
     _patch_gathers()
     keys = [f"host{r // PER_NODE}:/dev/shm/x" for r in range(world)]
 
@@ -113,21 +185,24 @@ def _one(world: int) -> dict[str, float]:
         "ring": _best(ring),
         "per snapshot": _best(per_snapshot),
         "check_replicas": _best(lambda: fsdp2.check_replicas(model)),
+        **_steps(world),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--only", choices=["steps"], help="only the plain and deterministic steps")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(_one(args.one)))
+        print(json.dumps(_one(args.one, args.only)))
         return
     rows = {}
     for world in args.worlds:
+        only = ["--only", args.only] if args.only else []
         out = subprocess.run(
-            [sys.executable, __file__, "--one", str(world)], capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--one", str(world), *only], capture_output=True, text=True, check=True
         )
         rows[world] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"N={world}: {rows[world]}", file=sys.stderr, flush=True)
