@@ -1,19 +1,25 @@
 """A tree-ordered reduction's Python work grows with ``log2`` of the ranks, not with the ranks.
 
-Counted, not timed: the tensor adds (``aten.add`` / ``aten.add_``) one backward dispatches with
-``set_deterministic_reduction()``, minus those of the same backward without gradient sync (no
-reduction at all; the threaded test backend sums a plain reduce-scatter on one rank's thread, so that
-is no baseline). Each group's sum is a
-pairwise tree, one add per level: ``ceil(log2 W)`` levels over the shard group and ``ceil(log2 R)``
-over the replicas (summing every rank's row one after another took ``R * W - 1``). Checked on 8
-thread ranks (FSDP, and HSDP 2 x 4) against the value each tree gives, and, in a fresh interpreter,
-as rank 1 of 4,096 simulated ranks (torch's fake process group: nothing is exchanged, only the work
-is counted) with HSDP 1,024 x 4, where the bytes each rank sends for the replicas are also checked:
-the default all-reduce's, up to padding. Step times at such sizes: ``benchmarks/flat_costs.py``.
+- ``tree_sum`` is the pairwise tree (``tests/shared/ordered.py``'s ``pairwise_tree``, written
+  separately) for 1 to 9 rows, bf16 and fp32, in any order, bit for bit, with one add per level;
+- HSDP on 2 x 3 sums each replica's shard group by the tree, then the replicas by the tree (bit for
+  bit against that sum of every rank's unsharded gradients; the shard group is no power of two, so
+  the tree over all 6 ranks would differ);
+- counted, not timed: the tensor adds (``aten.add`` / ``aten.add_``) one backward dispatches with
+  ``set_deterministic_reduction()``, minus those of the same backward without gradient sync (no
+  reduction at all; the threaded test backend sums a plain reduce-scatter on one rank's thread, so
+  that is no baseline): one per tree level and group, ``ceil(log2 W) + ceil(log2 R)`` (summing every
+  rank's row one after another took ``R * W - 1``). On 8 thread ranks (FSDP, and HSDP 2 x 4) and, in
+  a fresh interpreter, as rank 1 of 4,096 simulated ranks (torch's fake process group: nothing is
+  exchanged, only the work is counted) with HSDP 1,024 x 4, where the bytes each rank sends for the
+  replicas are checked too: ``ceil(S / R)`` elements each way (one here: the shards are tiny).
+
+Step times at such sizes: ``benchmarks/flat_costs.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2.group._ordered import tree_sum
@@ -42,6 +49,32 @@ def test_the_tree_is_the_pairwise_tree_one_add_per_level(dtype: torch.dtype) -> 
             got = tree_sum(rows.clone(), FP32, order)
         torch.testing.assert_close(got, want, **EXACT)
         assert counter.adds == math.ceil(math.log2(count)), count
+
+
+def _two_level(shape: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """First gradients on a ``(replicas, shards)`` mesh and the two-level tree sum of every rank's."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    ref = copy.deepcopy(model)
+    _shard(model, mesh).set_deterministic_reduction()
+    model(_batch(0)).square().sum().backward()
+    ref(_batch(0)).square().sum().backward()
+    replicas, shards = shape
+    pairs = []
+    for param, grad in zip(model.parameters(), (p.grad for p in ref.parameters()), strict=True):
+        every = [torch.empty_like(grad) for _ in range(replicas * shards)]
+        dist.all_gather(every, grad)
+        per_replica = [pairwise_tree(every[r * shards : (r + 1) * shards]) for r in range(replicas)]
+        pairs.append((param.grad.full_tensor(), pairwise_tree(per_replica).div_(replicas * shards)))
+    return pairs
+
+
+def test_hsdp_sums_each_replica_by_the_tree_then_the_replicas() -> None:
+    # 2 x 3: the shard group is no power of two, so this differs from the tree over all 6 ranks
+    # ((g0 + g1) + g2) + ((g3 + g4) + g5) against ((g0 + g1) + (g2 + g3)) + (g4 + g5)
+    for pairs in run_threaded(6, _two_level, (2, 3)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT)
 
 
 def _adds(hsdp: bool, sync: bool) -> int:
