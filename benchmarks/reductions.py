@@ -19,7 +19,8 @@ recorded: it issues what ``fsdp2`` does), the unsharded gradient bytes held betw
 Run:  torchrun --nproc-per-node 2 benchmarks/reductions.py [--layers 8 --dim 256 --micro 4]
 
 With ``--memory`` (plain ``python``, no torchrun) it measures instead each fsdp2 variant's peak live
-tensor bytes per rank over a step, at world 2 on thread ranks (``fsdp2.testing.measure_memory``).
+tensor bytes per rank over a step, at world 2 (``--memory-world``) on thread ranks
+(``fsdp2.testing.measure_memory``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
-from fsdp2.frontend import _engine as engine
+from fsdp2.group import held_grad_bytes, kept_grad_bytes
+from fsdp2.runtime import groups_under
 from fsdp2.testing import record_collectives
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -64,7 +66,7 @@ def _shard(model: nn.Sequential, impl: Any, policy: Any) -> nn.Sequential:
 
 
 def _held(model: nn.Module) -> int:
-    return sum(engine.held_grad_bytes(g) for g in engine.groups_under(model))
+    return sum(held_grad_bytes(g) for g in groups_under(model))
 
 
 class Variant:
@@ -108,8 +110,8 @@ def _variant_setup(name: str, model: nn.Sequential, total: int) -> Callable[[], 
     return contextlib.nullcontext
 
 
-def measure_peaks(layers: int, dim: int, micro: int) -> dict[str, dict[str, int]]:
-    """Peak live tensor bytes of rank 0 per phase for each fsdp2 variant (world 2, thread ranks)."""
+def measure_peaks(layers: int, dim: int, micro: int, world: int = 2) -> dict[str, dict[str, int]]:
+    """Peak live tensor bytes of rank 0 per phase for each fsdp2 variant (``world`` thread ranks)."""
     from fsdp2.testing import measure_memory
 
     names = ["fsdp2", "accumulate None", "accumulate half", "wire bf16", "deterministic"]
@@ -122,7 +124,7 @@ def measure_peaks(layers: int, dim: int, micro: int) -> dict[str, dict[str, int]
 
         def build(policy: Any = policy, name: str = name, states: dict[int, Any] = states) -> nn.Module:
             model = _shard(_build(layers, dim), fsdp2.fully_shard, policy)
-            total = sum(engine.kept_grad_bytes(g) for g in engine.groups_under(model))
+            total = sum(kept_grad_bytes(g) for g in groups_under(model))
             states[dist.get_rank()] = {
                 "context": _variant_setup(name, model, total),
                 "optim": torch.optim.AdamW(model.parameters(), lr=1e-4),
@@ -138,7 +140,7 @@ def measure_peaks(layers: int, dim: int, micro: int) -> dict[str, dict[str, int]
             state["optim"].step()
             state["optim"].zero_grad()
 
-        report = measure_memory(2, build, step, steps=2)[0]
+        report = measure_memory(world, build, step, steps=2)[0]
         peaks[name] = {"peak": report.peak_bytes, **{k: v.peak_bytes for k, v in report.phases.items()}}
     return peaks
 
@@ -146,6 +148,7 @@ def measure_peaks(layers: int, dim: int, micro: int) -> dict[str, dict[str, int]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--memory", action="store_true", help="measure peak memory on thread ranks")
+    parser.add_argument("--memory-world", type=int, default=2, help="thread ranks for --memory")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--micro", type=int, default=4)
@@ -156,9 +159,9 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)
     if args.memory:
-        peaks = measure_peaks(args.layers, args.dim, args.micro)
+        peaks = measure_peaks(args.layers, args.dim, args.micro, args.memory_world)
         base = peaks["fsdp2"]["peak"]
-        print("| variant | peak bytes (rank 0, world 2) | / fsdp2 |")
+        print(f"| variant | peak bytes (rank 0, world {args.memory_world}) | / fsdp2 |")
         print("| --- | ---: | ---: |")
         for name, row in peaks.items():
             print(f"| {name} | {row['peak']} | {row['peak'] / base:.3f} |")
@@ -177,7 +180,7 @@ def main() -> None:
     def ours(p: Any = policy) -> nn.Sequential:
         return _shard(copy.deepcopy(base), fsdp2.fully_shard, p)
 
-    total = sum(engine.kept_grad_bytes(g) for g in engine.groups_under(ours()))
+    total = sum(kept_grad_bytes(g) for g in groups_under(ours()))
     acc_all, acc_half, det = ours(), ours(), ours()
     det.set_deterministic_reduction()
     variants = [

@@ -16,7 +16,9 @@ Here each rank sums the contributions to its own shard itself, in a tree fixed b
    ``j`` receives row ``j`` of every rank, ``(W, S)``, row ``i`` being rank ``i``'s contribution;
 2. the ``W`` rows, ordered by global rank, are summed in the reduce dtype by the pairwise tree
    (``tree_sum``): at each level neighbours ``(0, 1), (2, 3), ...`` are added, an odd last row is
-   carried up unchanged. One tensor operation per level: ``ceil(log2 W)`` of them;
+   carried up unchanged. One tensor operation per level: ``ceil(log2 W)`` of them, in place in the
+   received buffer; with a narrower wire dtype the first level (which promotes) writes into the
+   packed buffer, sent by then (same bytes at an even ``W``), so memory is as with a reduce-scatter;
 3. HSDP: the ``(S,)`` partial sum of each replica is cut into ``R`` chunks (padded to ``R * C``);
    one ``all_to_all_single`` over the replicate group gives every replica rank its chunk from every
    replica, ``(R, C)``; the same tree over the rows, ordered by the global rank of each replica's
@@ -90,12 +92,19 @@ def rank_orders(info: MeshInfo) -> tuple[tuple[int, ...] | None, tuple[int, ...]
     return along(shard_dim), along(info.replicate_mesh_dim)
 
 
-def tree_sum(rows: torch.Tensor, dtype: torch.dtype, order: tuple[int, ...] | None = None) -> torch.Tensor:
+def tree_sum(
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    order: tuple[int, ...] | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The pairwise tree sum in ``dtype`` of the ``(n, L)`` ``rows`` (taken in ``order``): ``(L,)``.
 
     Level by level, rows ``(0, 1), (2, 3), ...`` of what is left are added and an odd last row is
     carried up, one tensor operation per level. ``rows`` is overwritten when it is in ``dtype``
-    already; the result is a view of a buffer of at most ``n * L`` elements.
+    already; else the first level (which also promotes) writes its ``ceil(n / 2)`` rows into
+    ``scratch`` (a contiguous tensor that is no longer needed) when its bytes suffice, or into a new
+    buffer. The result is a view of one of those buffers.
     """
     if order is not None:
         rows = rows[torch.tensor(order, device=rows.device)]  # a copy, in order
@@ -104,7 +113,9 @@ def tree_sum(rows: torch.Tensor, dtype: torch.dtype, order: tuple[int, ...] | No
         if count == 1:
             return rows[0].to(dtype, copy=True)
         pairs, carried = divmod(count, 2)
-        work = torch.empty((pairs + carried, rows.shape[1]), dtype=dtype, device=rows.device)
+        work = _scratch_rows(scratch, pairs + carried, rows.shape[1], dtype)
+        if work is None:
+            work = torch.empty((pairs + carried, rows.shape[1]), dtype=dtype, device=rows.device)
         work[:pairs].copy_(rows[0 : 2 * pairs : 2]).add_(rows[1 : 2 * pairs : 2])  # added in dtype
         if carried:
             work[pairs].copy_(rows[count - 1])
@@ -114,6 +125,19 @@ def tree_sum(rows: torch.Tensor, dtype: torch.dtype, order: tuple[int, ...] | No
         rows[0 : count - step : 2 * step].add_(rows[step : count : 2 * step])
         step *= 2
     return rows[0]
+
+
+def _scratch_rows(
+    scratch: torch.Tensor | None, count: int, width: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``scratch``'s memory as ``(count, width)`` of ``dtype``, or ``None`` where it does not fit."""
+    if scratch is None or not scratch.is_contiguous():
+        return None
+    nbytes = scratch.numel() * scratch.element_size()
+    itemsize = dtype.itemsize
+    if nbytes < count * width * itemsize or nbytes % itemsize:
+        return None
+    return scratch.view(-1).view(dtype)[: count * width].view(count, width)
 
 
 def ordered_reduce(
@@ -135,12 +159,19 @@ def ordered_reduce(
     if world > 1:  # buffer: packed in the wire dtype already (GradientReducer.pack)
         received = torch.empty_like(buffer)
         comms.all_to_all(received, buffer, shard_group)
-        partial = tree_sum(received.view(world, shard_numel), sum_dtype, reduction.shard_order)
+        rows = received.view(world, shard_numel)
+        # buffer: sent, so free to hold the first tree level (narrower wire dtype, even W)
+        partial = tree_sum(rows, sum_dtype, reduction.shard_order, scratch=buffer)
     else:
         partial = buffer
     replicas = info.replicate_size if info.replicate_group is not None else 1
     if replicas == 1:
-        if world > 1 and partial.untyped_storage().nbytes() == partial.numel() * partial.element_size():
+        storage = partial.untyped_storage()
+        if (
+            world > 1
+            and storage.data_ptr() != buffer.untyped_storage().data_ptr()
+            and storage.nbytes() == partial.numel() * partial.element_size()
+        ):
             return partial  # a buffer of its own already (the tree's one row)
         return partial.to(sum_dtype, copy=True)  # not a view of the (W, S) or packed buffer
     assert info.replicate_group is not None

@@ -1,7 +1,8 @@
 """A tree-ordered reduction's Python work grows with ``log2`` of the ranks, not with the ranks.
 
 - ``tree_sum`` is the pairwise tree (``tests/shared/ordered.py``'s ``pairwise_tree``, written
-  separately) for 1 to 9 rows, bf16 and fp32, in any order, bit for bit, with one add per level;
+  separately) for 1 to 9 rows, bf16 and fp32, in any order, bit for bit, with one add per level,
+  also when the first level of bf16 rows goes into a spent buffer (the packed one, in fsdp2);
 - HSDP on 2 x 3 sums each replica's shard group by the tree, then the replicas by the tree (bit for
   bit against that sum of every rank's unsharded gradients; the shard group is no power of two, so
   the tree over all 6 ranks would differ);
@@ -49,6 +50,12 @@ def test_the_tree_is_the_pairwise_tree_one_add_per_level(dtype: torch.dtype) -> 
             got = tree_sum(rows.clone(), FP32, order)
         torch.testing.assert_close(got, want, **EXACT)
         assert counter.adds == math.ceil(math.log2(count)), count
+        # bf16 rows: the first level may go into a spent buffer of the rows' size (even counts fit)
+        scratch = torch.full_like(rows, float("nan"))
+        got = tree_sum(rows.clone(), FP32, order, scratch=scratch)
+        torch.testing.assert_close(got, want, **EXACT)
+        in_scratch = got.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+        assert in_scratch == (dtype == BF16 and count > 1 and count % 2 == 0), (count, dtype)
 
 
 def _two_level(shape: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
