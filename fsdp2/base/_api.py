@@ -26,11 +26,12 @@ class MixedPrecisionPolicy:
         output_dtype: floating-point forward outputs are cast to this dtype. ``None`` leaves them.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
         wire_dtype (fsdp2 only): gradients travel in this dtype and are summed in ``reduce_dtype`` (or
-            the gradients' dtype) where they arrive, in global rank order (an all-to-all and a local
-            sum instead of a reduce-scatter). With bf16 gradients, ``wire_dtype=torch.bfloat16`` and
-            ``reduce_dtype=torch.float32`` nothing is lost: the sharded gradient is the fp32 sum of the
-            bf16 gradients, for half the bytes of an fp32 reduce-scatter. A reduction of gradients held
-            over no-sync micro-batches (their ``reduce_dtype`` sum) travels in ``reduce_dtype``.
+            the gradients' dtype) where they arrive, by a pairwise tree over global rank order (an
+            all-to-all and local sums instead of a reduce-scatter). With bf16 gradients,
+            ``wire_dtype=torch.bfloat16`` and ``reduce_dtype=torch.float32`` nothing is lost: the
+            sharded gradient is the fp32 sum of the bf16 gradients, for half the bytes of an fp32
+            reduce-scatter. A reduction of gradients held over no-sync micro-batches (their
+            ``reduce_dtype`` sum) travels in ``reduce_dtype``.
             ``None``: the backend's reduce-scatter in ``reduce_dtype``. See docs/precision.md.
 
     Sharded parameters and their gradients always keep the original dtype.

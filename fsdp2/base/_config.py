@@ -73,7 +73,7 @@ class GroupControls:
         reduce_scatter_max_input_buffers: reduce-scatter input buffers kept in flight (CUDA; >= 1).
         unshard_async_op: the pre-forward and pre-backward all-gathers run as async ops on the current
             stream instead of the all-gather streams (``_set_unshard_async_op``).
-        deterministic_reduction: sum gradients in global rank order (``set_deterministic_reduction``).
+        deterministic_reduction: sum gradients in a fixed tree order (``set_deterministic_reduction``).
         keep_gathered: once gathered, the parameters stay unsharded (``fsdp2.keep_frozen_gathered``);
             the schedule gathers them again when a shard changed in place since.
         replica_slices: HSDP or replicate with the optimizer sharded across replicas

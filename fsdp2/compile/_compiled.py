@@ -331,7 +331,7 @@ def _problem(group: FSDPParamGroup) -> str | None:
     if controls.gradient_divide_factor is not None or controls.force_sum_reduction:
         return "a gradient divide factor or sum reduction"
     if controls.deterministic_reduction:
-        return "deterministic reduction (the compiled reduce-scatter keeps no rank order)"
+        return "deterministic reduction (the compiled reduce-scatter keeps no fixed order)"
     if controls.reduce_scatter_unused_params:
         return "reduce-scatter of unused parameters (the graph reduces only what got a gradient)"
     return None

@@ -304,12 +304,13 @@ class FSDPModule(_ModuleBase):
         self._set_controls(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_deterministic_reduction(self, enabled: bool = True, *, recurse: bool = True) -> None:
-        """Sum each sharded gradient over every rank in global rank order (bit-for-bit reproducible).
+        """Sum each sharded gradient over every rank by a pairwise tree fixed by global rank order.
 
-        The result no longer depends on the layout at one world size (bucketed or not, any prefetch or
-        reshard setting, FSDP on N ranks or HSDP on R x N/R) nor on the run. Costs an all-to-all
-        instead of the reduce-scatter (and, for HSDP, an all-gather of the replicas' contributions
-        instead of the all-reduce); see docs/precision.md, "Reproducible reductions".
+        Bit-for-bit reproducible: the result no longer depends on bucketing, prefetch or reshard
+        settings, the backend or the run; FSDP on N ranks and HSDP on R x N/R agree when N/R is a power
+        of two. Costs an all-to-all instead of the reduce-scatter (and, for HSDP, an all-to-all and an
+        all-gather of shard-sized chunks across replicas instead of the all-reduce) and
+        ``ceil(log2 N)`` local adds; see docs/precision.md, "Reproducible reductions".
         """
         if not isinstance(enabled, bool):
             raise TypeError(f"set_deterministic_reduction expects a bool, got {describe(enabled)}.")
@@ -635,7 +636,7 @@ def _refuse_ordered_conflicts(
     all_reduce: bool | None = None,
     custom: bool = False,
 ) -> None:
-    """Refuse, before any change, what a rank-ordered reduction (wire dtype, deterministic) cannot do."""
+    """Refuse, before any change, what a tree-ordered reduction (wire dtype, deterministic) cannot do."""
     for group in groups:
         controls = group.controls
         wire = group.config.mp_policy.wire_dtype
@@ -650,14 +651,14 @@ def _refuse_ordered_conflicts(
         syncs = controls.all_reduce_grads if all_reduce is None else all_reduce
         if group.mesh_info.replicate_group is not None and not syncs:
             raise RuntimeError(
-                f"{method}: {group} reduces gradients in rank order ({why}), which sums every replica's "
-                "contribution in each backward, so HSDP's set_requires_all_reduce(False) cannot hold "
-                "partial sums. Use set_requires_gradient_sync(False) to accumulate, or turn the ordered "
-                "reduction off."
+                f"{method}: {group} reduces gradients in a fixed tree order ({why}), which sums every "
+                "replica's contribution in each backward, so HSDP's set_requires_all_reduce(False) "
+                "cannot hold partial sums. Use set_requires_gradient_sync(False) to accumulate, or turn "
+                "the ordered reduction off."
             )
         if custom or group.comms.custom:
             raise RuntimeError(
-                f"{method}: {group} reduces gradients in rank order ({why}) with an all-to-all, so a "
+                f"{method}: {group} reduces gradients in a fixed tree order ({why}) with an all-to-all, so a "
                 "custom reduce-scatter (set_custom_reduce_scatter) would never run. Use one or the other."
             )
 

@@ -331,7 +331,7 @@ class GradientReducer:
         return self.wire_dtype if self._one_backward else None
 
     def ordered(self, controls: GroupControls) -> OrderedReduction | None:
-        """The rank-ordered reduction this group uses (``wire_dtype`` or deterministic), else ``None``."""
+        """The tree-ordered reduction this group uses (``wire_dtype`` or deterministic), else ``None``."""
         wire = self.wire()
         if wire is None and not controls.deterministic_reduction:
             return None
@@ -341,7 +341,7 @@ class GradientReducer:
         return ordered
 
     def finish_ordered(self, total: torch.Tensor, params: list[FSDPParam], controls: GroupControls) -> None:
-        """Divide a rank-ordered sum (``total``, 1-D), run the hook, accumulate the gradients.
+        """Divide a tree-ordered sum (``total``, 1-D), run the hook, accumulate the gradients.
 
         One division by the gradient divide factor (default: every rank, shard x replicate), before the
         all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
