@@ -83,7 +83,7 @@ def replica_slicing_problem(group: FSDPParamGroup) -> str | None:
     if group.controls.all_reduce_hook is not None:
         return "it has an all-reduce hook (set_all_reduce_hook), which reads whole reduced shards"
     if group.controls.deterministic_reduction or group.config.mp_policy.wire_dtype is not None:
-        return "its reduction is rank-ordered (set_deterministic_reduction or a wire_dtype)"
+        return "its reduction is tree-ordered (set_deterministic_reduction or a wire_dtype)"
     if isinstance(group.config.offload_policy, CPUOffloadPolicy):
         return "it offloads its shards to the CPU"
     for fsdp_param in group.fsdp_params:

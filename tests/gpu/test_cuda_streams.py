@@ -2,7 +2,7 @@
 
 Skipped without CUDA. On a GPU these check that stream ordering gives the same numbers as the
 unsharded reference, with implicit and explicit prefetch, int reshard-after-forward, async unshard,
-mixed precision, rank-ordered reductions (deterministic, bf16 on the wire), CPU offload (pinned,
+mixed precision, tree-ordered reductions (deterministic, bf16 on the wire), CPU offload (pinned,
 non-blocking gradient copies) and an all-reduce hook on a slow stream of its own. Thread ranks share
 one GPU, and the threaded backend moves data with copies on the issuing thread's stream, so NCCL's
 rules (kernels on the current stream, no tensor lifetime management) are not exercised here: that

@@ -7,7 +7,7 @@ not. The cases are the thread-rank tests' own (``tests/group/test_ordered_reduct
 
 - deterministic: parameters after three AdamW steps bit-identical for FSDP, FSDP bucketed, FSDP with
   explicit prefetch and no reshard after forward, HSDP 2 x 2, and a second FSDP run; first gradients
-  bit-equal to the rank-ordered sum of every rank's unsharded gradients;
+  bit-equal to the pairwise-tree sum of every rank's unsharded gradients;
 - wire dtype: the bf16-wire gradient is the exact fp32 sum of the bf16 gradients (FSDP and HSDP) for
   half the bytes of the fp32 reduce-scatter;
 - accumulate: a budget that keeps two groups matches syncing every micro-batch, bucketed or not, and
