@@ -1,14 +1,19 @@
 """Pipeline parallelism over ``replicate``d stages, fsdp2's ``replicate`` against torch's.
 
-Four gloo processes form a (pp 2, dp 2) mesh. GPipe, 1F1B and interleaved 1F1B each train the same
-8-block model for two AdamW steps, once with every stage's blocks and stage module replicated over
-``dp`` by torch's FSDP-based ``replicate`` and once by fsdp2's (only the name swapped). Every rank
-checks, for its own stages: the losses, the gradients and the parameters after the steps are
-bit-equal to torch's; the gradients match the unsharded model's (micro-batch gradients summed,
-scaled by the schedule's 1 / micro-batches, averaged over dp); fsdp2 issues no all-gather or
-reduce-scatter, and as many all-reduces per step as torch (one per group). Pipelining reaches the state of a
-replicated stage through torch's ``replicate.state`` and its ``ReplicateModule`` class, which fsdp2's
-modules answer. One spawned run: all three schedules and both implementations.
+Four gloo processes form a (pp 2, dp 2) mesh. Every schedule torch 2.13 has for one or two stages
+per rank (GPipe, 1F1B, interleaved 1F1B, and the zero-bubble ones, which split each backward into
+an input pass and a weight pass: interleaved zero bubble, ZBV and DualPipeV, the last two V-shaped)
+trains the same 8-block model for two AdamW steps, once with every stage's blocks and stage module
+replicated over ``dp`` by torch's FSDP-based ``replicate`` and once by fsdp2's (only the name
+swapped). Every rank checks, for its own stages: the losses, the gradients and the parameters after
+the steps are bit-equal to torch's; the gradients match the unsharded model's (micro-batch gradients
+summed, scaled by the schedule's 1 / micro-batches, averaged over dp); fsdp2 issues no all-gather or
+reduce-scatter, and as many all-reduces per step as torch (one per group); the zero-bubble plans
+hold weight passes. Unlike sharded stages, replicated ones need no ``reshard_after_forward=False``
+for zero bubble: nothing is ever resharded, so the weight pass finds the parameters the forward
+used. Pipelining reaches the state of a replicated stage through torch's ``replicate.state`` and
+its ``ReplicateModule`` class, which fsdp2's modules answer. One spawned run: every schedule and
+both implementations.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ from tests._training import fill_deterministic_
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 DIM, BLOCKS, MICROBATCHES, STEPS = 8, 8, 4, 2
-SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+SCHEDULES = [
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+]
+ZERO_BUBBLE = SCHEDULES[4:]
 _P2P = ("send", "recv_", "recv_any_source_")
 
 
@@ -84,7 +98,12 @@ def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
     schedule_cls = getattr(schedules, schedule_name)
     single = issubclass(schedule_cls, schedules.PipelineScheduleSingle)
     n_stages = pp_size if single else 2 * pp_size
-    stage_ids = [pp_rank] if single else [pp_rank + pp_size * i for i in range(2)]
+    if single:
+        stage_ids = [pp_rank]
+    elif schedule_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):  # V: rank 0 has the first and last
+        stage_ids = [pp_rank, n_stages - 1 - pp_rank]
+    else:
+        stage_ids = [pp_rank + pp_size * i for i in range(2)]
     per_stage = BLOCKS // n_stages
     full = _full_model()
     x, target = _batch(dp.get_local_rank())
@@ -103,7 +122,9 @@ def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
         )
     schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
     optim = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=1e-2)
-    out: dict[str, Any] = {"losses": [], "grads": [], "counts": []}
+    order = getattr(schedule, "pipeline_order", None) or {}  # the multi-stage schedules' action plan
+    kinds = {action.computation_type.value for action in order.get(pp_rank, []) if action is not None}
+    out: dict[str, Any] = {"losses": [], "grads": [], "counts": [], "kinds": kinds}
     for _ in range(STEPS):
         losses: list[torch.Tensor] = []
         args = (x,) if 0 in stage_ids else ()
@@ -136,6 +157,8 @@ def _compare_schedules() -> None:
     for case in SCHEDULES:
         theirs = _train("torch", case, mesh)
         ours = _train("fsdp2", case, mesh)
+        if case in ZERO_BUBBLE:  # the backward really is split: input passes, then weight passes
+            assert {"I", "W"} <= ours["kinds"], (case, ours["kinds"])
         for our_losses, their_losses in zip(ours["losses"], theirs["losses"], strict=True):
             assert len(our_losses) == len(their_losses), case
             for a, b in zip(our_losses, their_losses, strict=True):

@@ -30,6 +30,11 @@ inside the step hooks] in ``fsdp2/optim/_local_optim.py``).
 
 Every rank's loss at every step, each step's commit and participant count, and the final parameters
 equal torch's run bit for bit (same collectives on the same shards in the same order).
+
+Each run is repeated with ``replicate`` instead of ``fully_shard`` inside the groups (``KINDS``):
+fsdp2's ``replicate`` against torch's FSDP-based ``replicate_with_fsdp.replicate``. The hook then
+averages across groups the output of the group's own all-reduce, and the live group sends
+``Replicate()`` DTensors to the rejoining one.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(24
 
 torchft = pytest.importorskip("torchft")
 
+# Inside a group: fsdp2's fully_shard (behind torch's name) against torch's, and fsdp2's replicate
+# against torch's FSDP-based replicate (torchft averages the in-group all-reduce's output).
+KINDS = ["fully_shard", "replicate"]
 _STEPS = 5
 _SYNC_EVERY = 2  # DiLoCo and LocalSGD: local steps between syncs
 _FAIL_AT = 2  # group 1 dies in the backward of this step, at its first cross-group all-reduce
@@ -73,15 +81,22 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
 
 
-def _shard(model: torch.nn.Module) -> None:
-    # The names torchtitan imports (fsdp2's after patch_torch_fsdp()).
-    from torch.distributed._composable.fsdp import fully_shard
+def _wrap(model: torch.nn.Module, kind: str, impl: str) -> None:
+    """Inside a group: each layer, then the root, sharded or replicated over the group's 2 ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    if kind == "fully_shard":
+        # The names torchtitan imports (fsdp2's after patch_torch_fsdp()).
+        from torch.distributed._composable.fsdp import fully_shard as wrap
+    elif impl == "fsdp2":
+        from fsdp2 import replicate as wrap
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+    dim = "dp_shard" if kind == "fully_shard" else "dp_replicate"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(dim,))
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        wrap(layer, mesh=mesh)
+    wrap(model, mesh=mesh)
 
 
 def _manager(
@@ -141,7 +156,7 @@ def _set_all_reduce_hooks(model: torch.nn.Module, manager: Any, before: Callable
     return {path: sum(isinstance(m, cls) for m in model.modules()) for path, cls in paths.items()}
 
 
-def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> None:
+def _train(kind: str, impl: str, replica: int, life: int, lighthouse: str, out: str) -> None:
     if impl == "fsdp2":
         import fsdp2
 
@@ -150,7 +165,7 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
 
     rank = dist.get_rank()
     model = _model()
-    _shard(model)
+    _wrap(model, kind, impl)
     adam = torch.optim.Adam(model.parameters(), lr=0.05)
     # The state dict torchft sends: with the async quorum torchft reads it from its quorum thread
     # while this thread runs the forward, and that read races with the forward (both implementations
@@ -165,7 +180,7 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
 
     def crash_in_the_backward_of_fail_at() -> None:
         if replica == 1 and life == 0 and manager.current_step() == _FAIL_AT:
-            _save(out, impl, replica, life, rank, {"steps": steps, "hooked": hooked})
+            _save(out, kind, impl, replica, life, rank, {"steps": steps, "hooked": hooked})
             os._exit(0)  # a crash mid-backward: no manager shutdown, no process group teardown
 
     hooked = _set_all_reduce_hooks(model, manager, crash_in_the_backward_of_fail_at)
@@ -188,12 +203,14 @@ def _train(impl: str, replica: int, life: int, lighthouse: str, out: str) -> Non
                 }
             )
         params = {name: p.full_tensor() for name, p in model.named_parameters()}
-        _save(out, impl, replica, life, rank, {"steps": steps, "hooked": hooked, "params": params})
+        _save(out, kind, impl, replica, life, rank, {"steps": steps, "hooked": hooked, "params": params})
     finally:
         manager.shutdown(wait=False)
 
 
-def _train_semi_sync(method: str, impl: str, replica: int, life: int, lighthouse: str, out: str) -> None:
+def _train_semi_sync(
+    method: str, kind: str, impl: str, replica: int, life: int, lighthouse: str, out: str
+) -> None:
     """torchtitan's ``semi_sync_method``: local steps, then a sync in the optimizer's step post-hook.
 
     DiLoCo: an outer step on the averaged change (torchtitan's outer SGD); LocalSGD: the averaged
@@ -207,7 +224,7 @@ def _train_semi_sync(method: str, impl: str, replica: int, life: int, lighthouse
 
     rank = dist.get_rank()
     model = _model()
-    _shard(model)
+    _wrap(model, kind, impl)
     inner = torch.optim.Adam(model.parameters(), lr=0.05)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # torchtitan's
     manager = _manager(model, inner, replica, lighthouse, use_async_quorum=False)
@@ -227,17 +244,17 @@ def _train_semi_sync(method: str, impl: str, replica: int, life: int, lighthouse
                 losses.append(loss.item())
         params = {name: p.full_tensor() for name, p in model.named_parameters()}
         result = {"losses": losses, "params": params, "outer_steps": manager.current_step()}
-        _save(out, impl, replica, life, rank, result)
+        _save(out, kind, impl, replica, life, rank, result)
     finally:
         manager.shutdown(wait=False)
 
 
-def _save(out: str, impl: str, replica: int, life: int, rank: int, result: dict[str, Any]) -> None:
-    torch.save(result, Path(out) / f"{impl}-{replica}-{life}-{rank}.pt")
+def _save(out: str, kind: str, impl: str, replica: int, life: int, rank: int, result: dict[str, Any]) -> None:
+    torch.save(result, Path(out) / f"{kind}-{impl}-{replica}-{life}-{rank}.pt")
 
 
-def _load(out: str, impl: str, replica: int, life: int, rank: int) -> dict[str, Any]:
-    return torch.load(Path(out) / f"{impl}-{replica}-{life}-{rank}.pt", weights_only=True)
+def _load(out: str, kind: str, impl: str, replica: int, life: int, rank: int) -> dict[str, Any]:
+    return torch.load(Path(out) / f"{kind}-{impl}-{replica}-{life}-{rank}.pt", weights_only=True)
 
 
 def _rank_entry(
@@ -285,17 +302,18 @@ def _join(processes: list[Any], deadline: float) -> None:
     assert codes == [0] * len(processes), f"rank exit codes {codes} (negative: killed after the deadline)"
 
 
-def _run_scenario(impl: str, out: str) -> float:
+def _run_scenario(kind: str, impl: str, out: str) -> float:
     from torchft._torchft import LighthouseServer
 
     start = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         address = lighthouse.address()
-        live = _start_group(_train, impl, 0, 0, address, out)
-        failing = _start_group(_train, impl, 1, 0, address, out)
+        train = functools.partial(_train, kind)
+        live = _start_group(train, impl, 0, 0, address, out)
+        failing = _start_group(train, impl, 1, 0, address, out)
         _join(failing, time.monotonic() + _PROCESS_TIMEOUT_S)
-        rejoined = _start_group(_train, impl, 1, 1, address, out)
+        rejoined = _start_group(train, impl, 1, 1, address, out)
         deadline = time.monotonic() + _PROCESS_TIMEOUT_S
         _join(live, deadline)
         _join(rejoined, deadline)
@@ -304,7 +322,7 @@ def _run_scenario(impl: str, out: str) -> float:
     return time.monotonic() - start
 
 
-def _run_semi_sync(method: str, impl: str, out: str) -> float:
+def _run_semi_sync(method: str, kind: str, impl: str, out: str) -> float:
     from torchft._torchft import LighthouseServer
 
     start = time.monotonic()
@@ -312,7 +330,7 @@ def _run_semi_sync(method: str, impl: str, out: str) -> float:
     try:
         groups = [
             _start_group(
-                functools.partial(_train_semi_sync, method), impl, replica, 0, lighthouse.address(), out
+                functools.partial(_train_semi_sync, method, kind), impl, replica, 0, lighthouse.address(), out
             )
             for replica in (0, 1)
         ]
@@ -324,13 +342,14 @@ def _run_semi_sync(method: str, impl: str, out: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.fixture(scope="module")
-def runs() -> Any:
+@pytest.fixture(scope="module", params=KINDS)
+def runs(request: pytest.FixtureRequest) -> Any:
+    kind = request.param
     with tempfile.TemporaryDirectory() as out:
-        seconds = {impl: _run_scenario(impl, out) for impl in ("torch", "fsdp2")}
-        print(f"scenario wall time: {seconds}")
+        seconds = {impl: _run_scenario(kind, impl, out) for impl in ("torch", "fsdp2")}
+        print(f"{kind} scenario wall time: {seconds}")
         yield {
-            (impl, replica, life, rank): _load(out, impl, replica, life, rank)
+            (impl, replica, life, rank): _load(out, kind, impl, replica, life, rank)
             for impl in ("torch", "fsdp2")
             for replica, life in ((0, 0), (1, 0), (1, 1))
             for rank in range(2)
@@ -376,13 +395,14 @@ def test_failed_group_rejoins_from_the_live_group(runs: dict[Any, Any]) -> None:
         torch.testing.assert_close(live["params"], runs["torch", 0, 0, rank]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("method", ["diloco", "local_sgd"])
-def test_semi_sync_training_matches_torchs(method: str) -> None:
+def test_semi_sync_training_matches_torchs(method: str, kind: str) -> None:
     with tempfile.TemporaryDirectory() as out:
-        seconds = {impl: _run_semi_sync(method, impl, out) for impl in ("torch", "fsdp2")}
-        print(f"{method} wall time: {seconds}")
+        seconds = {impl: _run_semi_sync(method, kind, impl, out) for impl in ("torch", "fsdp2")}
+        print(f"{method} {kind} wall time: {seconds}")
         results = {
-            (impl, replica, rank): _load(out, impl, replica, 0, rank)
+            (impl, replica, rank): _load(out, kind, impl, replica, 0, rank)
             for impl in ("torch", "fsdp2")
             for replica in (0, 1)
             for rank in range(2)
