@@ -22,8 +22,20 @@ of 3 runs:
   backend's own all-gather and reduce-scatter copy chunk by chunk, host work growing with N that one
   NCCL call does not have (6.6 and 2.4 ms per call at N = 4,096). The HSDP all-reduce stays the fake
   backend's no-op. One intra-op thread; the minimum of 10 steps.
+- ``whole-tensor step``: one ``torch.optim.Muon`` step of three ``Linear(64, 64, bias=False)`` blocks
+  (FSDP over N ranks; rank 1 owns one matrix at every N), the fourth step of one run. Received bytes
+  are zeros (the fake group leaves them unwritten: garbage floats, whose denormals slow Newton-Schulz
+  by 10x and more).
+- ``save_pretrained``: ``fsdp2.save_pretrained`` of the check_replicas model, FSDP over N ranks, into
+  a temporary directory (rank 1 writes its files: fewer as N grows).
+- ``WeightSync``: the first ``WeightSync(model).updates()`` of that model, iterated to the end (every
+  parameter gathered, in bf16, in 64 MB buckets).
+- ``full_tensor``: the target for the two above, ``full_tensor()`` of every parameter of that model.
 
-Run:  python benchmarks/flat_costs.py [--worlds 8 64 512 4096] [--only steps]
+Times are this process's CPU time (``time.process_time``, one intra-op thread), the least of
+``--tries`` runs: the development VM's cores are shared, and CPU time leaves out the waits for them.
+
+Run:  python benchmarks/flat_costs.py [--worlds 8 512 4096 16384] [--tries 5] [--only steps]
 Prints a table (milliseconds).
 """
 
@@ -33,6 +45,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,12 +56,15 @@ RANK = 1
 PER_NODE = 8
 
 
-def _best(fn: Callable[[], Any], tries: int = 3) -> float:
+TRIES = 5
+
+
+def _best(fn: Callable[[], Any], tries: int | None = None) -> float:
     times = []
-    for _ in range(tries):
-        start = time.perf_counter()
+    for _ in range(tries or TRIES):
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return min(times) * 1e3
 
 
@@ -71,7 +87,16 @@ def _patch_gathers() -> None:
         )
         return work
 
+    plain_a2a = dist.all_to_all_single
+
+    def all_to_all_single(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        work = plain_a2a(output, tensor, *args, **kwargs)
+        output.zero_()  # received values: zeros, not the allocator's leftovers
+        return work
+
     dist.all_gather, dist.all_gather_into_tensor = all_gather, all_gather_into_tensor  # type: ignore[assignment]
+    dist.all_gather_single = all_gather_into_tensor  # type: ignore[attr-defined]
+    dist.all_to_all_single = all_to_all_single  # type: ignore[assignment]
 
 
 def _emulate_collectives() -> None:
@@ -147,6 +172,7 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
     import fsdp2
     from fsdp2.resilience._ring import Ring
 
+    torch.set_num_threads(1)  # CPU time = this rank's host time
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world)
     if only == "steps":
         return _steps(world)
@@ -181,35 +207,78 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
         fsdp2.fully_shard(block, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
     fsdp2.check_replicas(model)  # warm
-    return {
+    row = {
         "ring": _best(ring),
         "per snapshot": _best(per_snapshot),
         "check_replicas": _best(lambda: fsdp2.check_replicas(model)),
-        **_steps(world),
     }
+    row["whole-tensor step"] = _muon_step()
+    torch.manual_seed(0)
+    flat = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)) for _ in range(16)])
+    for block in flat:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(flat)
+    with tempfile.TemporaryDirectory() as directory:
+        row["save_pretrained"] = _best(lambda: fsdp2.save_pretrained(flat, directory))
+    row["WeightSync"] = _best(lambda: list(fsdp2.WeightSync(flat).updates()))
+    row["full_tensor"] = _best(lambda: [p.full_tensor() for p in flat.parameters()])
+    row.update(_steps(world))  # last: its emulated collectives replace the patches above
+    return row
+
+
+def _muon_step() -> float:
+    """One Muon step of three Linear(64, 64) blocks (rank 1 owns one matrix), the fourth of a run."""
+    import torch
+    from torch import nn
+
+    import fsdp2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(3)])
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.Muon(model.parameters(), lr=0.01)
+    fsdp2.whole_tensor_step(optimizer)
+    data = torch.randn(2, 64)
+    times = []
+    for step in range(3 + TRIES):
+        model(data).sum().backward()
+        start = time.process_time()
+        optimizer.step()
+        if step >= 3:
+            times.append(time.process_time() - start)
+        optimizer.zero_grad()
+    return min(times) * 1e3
 
 
 def main() -> None:
+    global TRIES
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 512, 4096])
     parser.add_argument("--only", choices=["steps"], help="only the plain and deterministic steps")
+    parser.add_argument("--tries", type=int, default=TRIES)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
+        TRIES = args.tries
         print(json.dumps(_one(args.one, args.only)))
         return
     rows = {}
     for world in args.worlds:
         only = ["--only", args.only] if args.only else []
         out = subprocess.run(
-            [sys.executable, __file__, "--one", str(world), *only], capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--one", str(world), "--tries", str(args.tries), *only],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         rows[world] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"N={world}: {rows[world]}", file=sys.stderr, flush=True)
     names = list(next(iter(rows.values())))
-    print(f"{'ranks':>7} | " + " | ".join(f"{n + ' (ms)':>19}" for n in names))
+    print(f"{'ranks':>7} | " + " | ".join(f"{n:>17}" for n in names))
     for world, row in rows.items():
-        print(f"{world:>7} | " + " | ".join(f"{row[n]:>19.3f}" for n in names))
+        print(f"{world:>7} | " + " | ".join(f"{row[n]:>17.3f}" for n in names))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,21 @@ pair agrees. One pair that disagrees always shows (the prime divides neither a n
 difference below 2 GiB); several that cancel in both sums at once are a chance of about 2^-62. Where
 some rank's sizes are wrong every rank raises, so none waits in an all-to-all that would not match.
 Without ``expect`` the counts are exchanged first (one small all-to-all) and nothing can disagree.
+
+[Note: Sparse sends]
+At thousands of ranks a rank exchanges rows with a few peers only (a chunk to its owner; an owner's
+chunks from every rank only where it owns something). ``sends`` and ``expect`` may so name only those
+peers (mappings), and ``Received`` cuts a peer's bytes out of the buffer when that peer is read: the
+Python work of an exchange follows the peers it moves bytes with. What stays per rank of the group is
+torch's own: the two lists of split sizes ``all_to_all_single`` takes (built in C from the sparse
+sizes) and the offsets of the received parts (one running sum, in C).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,25 +117,44 @@ def take(
 
 
 class Received:
-    """What one exchange brought: ``parts[r]`` the bytes from rank ``r``, all in ``buffer``."""
+    """What one exchange brought: the bytes from each rank, all in ``buffer``, read per peer in order.
+
+    A peer's bytes are cut out of ``buffer`` when first read (``part``): a receiver pays for the peers
+    it reads, not for every rank of the group (see [Note: Sparse sends]).
+    """
 
     def __init__(self, buffer: torch.Tensor, sizes: Sequence[int], align: int) -> None:
         self.buffer = buffer
-        self.parts = list(buffer.split(list(sizes)))
+        self._starts = list(itertools.accumulate(sizes, initial=0))  # in C: no view per rank
         self._align = align
-        self._offsets = [0] * len(sizes)
+        self._offsets: dict[int, int] = {}
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The bytes from every rank, in rank order (a view per rank: for callers that read them all)."""
+        return [self.part(peer) for peer in range(len(self._starts) - 1)]
+
+    def part(self, peer: int) -> torch.Tensor:
+        """The bytes ``peer`` sent (a view of ``buffer``)."""
+        return self.buffer[self._starts[peer] : self._starts[peer + 1]]
 
     def take(self, peer: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The next tensor ``peer`` packed (of ``shape`` and ``dtype``)."""
-        piece, self._offsets[peer] = take(self.parts[peer], self._offsets[peer], shape, dtype, self._align)
+        start = self._starts[peer]
+        offset = self._offsets.get(peer, 0)
+        raw = self.buffer[start : self._starts[peer + 1]]
+        piece, self._offsets[peer] = take(raw, offset, shape, dtype, self._align)
         return piece
 
 
+Sends = Sequence[Sequence[torch.Tensor]] | Mapping[int, Sequence[torch.Tensor]]
+
+
 def exchange(
-    sends: Sequence[Sequence[torch.Tensor]],
+    sends: Sends,
     group: dist.ProcessGroup | None,
     *,
-    expect: Sequence[int] | None = None,
+    expect: Sequence[int] | Mapping[int, int] | None = None,
     scratch: Scratch | None = None,
     device: torch.device | None = None,
     align: int = ALIGN,
@@ -136,42 +164,69 @@ def exchange(
     """Send the tensors ``sends[r]`` (packed, see ``pack``) to each rank ``r`` of ``group``: one all-to-all.
 
     Args:
-        sends: per rank of ``group``, the tensors for it, in the order it takes them back.
+        sends: per rank of ``group``, the tensors for it, in the order it takes them back: a list of
+            one entry per rank, or a mapping of only the ranks sent to (see [Note: Sparse sends]).
         group: the process group (``None``: the default one; one rank when none is initialized).
-        expect: the bytes (packed) each rank sends this one, when the caller knows them: no counts
-            travel, and with ``check`` one all-reduce checks them (see [Note: Counts known and
-            unknown]); ``None``: the counts are exchanged first.
+        expect: the bytes (packed) each rank sends this one, when the caller knows them (a list per
+            rank, or a mapping of only the ranks that send): no counts travel, and with ``check`` one
+            all-reduce checks them (see [Note: Counts known and unknown]); ``None``: the counts are
+            exchanged first.
         scratch: buffers reused across exchanges (their device is the exchange's).
         device: where buffers go without ``scratch`` (default: the first tensor's, else the CPU).
         align: each tensor's bytes are padded to this.
         check: check ``expect`` against what the ranks send (one all-reduce).
         mismatch: the ``RuntimeError``'s message on every rank when the sizes disagree.
     """
+    to = _sparse(sends)
     if device is None:
-        device = scratch.device if scratch is not None else _first_device(sends)
-    out_sizes = [sum(padded(t.numel() * t.element_size(), align) for t in tensors) for tensors in sends]
-    source = pack([t for tensors in sends for t in tensors], device, align, scratch)
+        device = scratch.device if scratch is not None else _first_device(to)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
+    sent = {
+        peer: sum(padded(t.numel() * t.element_size(), align) for t in tensors)
+        for peer, tensors in to.items()
+    }
+    source = pack([t for peer in sorted(to) for t in to[peer]], device, align, scratch)
     if world == 1:
         sizes = [source.numel()]
-        if expect is not None and check and list(expect) != sizes:
+        if expect is not None and check and _dense(expect, 1) != sizes:
             raise RuntimeError(mismatch)
         out = _receive_buffer(scratch, source.numel(), device)
         out.copy_(source)
         return Received(out, sizes, align)
+    out_sizes = _dense(sent, world)
     if expect is None:
         counts = torch.tensor(out_sizes, dtype=torch.int64, device=device)
         theirs = torch.empty_like(counts)
         dist.all_to_all_single(theirs, counts, group=group)
         sizes = theirs.tolist()
     else:
-        sizes = list(expect)
-        if check and not _sizes_agree(out_sizes, sizes, group, device):
+        sizes = _dense(expect, world)
+        if check and not _sizes_agree(sent, _nonzero(expect), group, device):
             raise RuntimeError(mismatch)
-    total = sum(sizes)
-    out = _receive_buffer(scratch, total, device)
+    out = _receive_buffer(scratch, sum(sizes), device)
     dist.all_to_all_single(out, source, sizes, out_sizes, group=group)
     return Received(out, sizes, align)
+
+
+def _sparse(sends: Sends) -> dict[int, Sequence[torch.Tensor]]:
+    """The peers sent to, with their tensors (a list's empty entries left out)."""
+    items = sends.items() if isinstance(sends, Mapping) else enumerate(sends)
+    return {peer: tensors for peer, tensors in items if tensors}
+
+
+def _nonzero(sizes: Sequence[int] | Mapping[int, int]) -> dict[int, int]:
+    items = sizes.items() if isinstance(sizes, Mapping) else enumerate(sizes)
+    return {peer: n for peer, n in items if n}
+
+
+def _dense(sizes: Sequence[int] | Mapping[int, int], world: int) -> list[int]:
+    """One size per rank (a mapping's absent ranks: 0)."""
+    if not isinstance(sizes, Mapping):
+        return list(sizes)
+    out = [0] * world
+    for peer, n in sizes.items():
+        out[peer] = n
+    return out
 
 
 def _receive_buffer(scratch: Scratch | None, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -180,8 +235,8 @@ def _receive_buffer(scratch: Scratch | None, nbytes: int, device: torch.device) 
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _first_device(sends: Sequence[Sequence[torch.Tensor]]) -> torch.device:
-    return next((t.device for tensors in sends for t in tensors), torch.device("cpu"))
+def _first_device(sends: Mapping[int, Sequence[torch.Tensor]]) -> torch.device:
+    return next((t.device for tensors in sends.values() for t in tensors), torch.device("cpu"))
 
 
 def _weight(base: int, sender: int, receiver: int) -> int:
@@ -189,21 +244,21 @@ def _weight(base: int, sender: int, receiver: int) -> int:
 
 
 def _sizes_agree(
-    out_sizes: Sequence[int], expect: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
+    sent: Mapping[int, int], expect: Mapping[int, int], group: dist.ProcessGroup | None, device: torch.device
 ) -> bool:
     """Whether every rank sends every other what that one expects (one all-reduce; see the Note).
 
-    Under torch's fake process group (one process standing in for a rank of a simulated world) the
-    all-reduce returns this rank's own sum, so there is nothing to compare: the sizes are taken as
-    agreed, and the exchange itself moves nothing.
+    ``sent`` and ``expect``: the nonzero sizes, by peer. Under torch's fake process group (one process
+    standing in for a rank of a simulated world) the all-reduce returns this rank's own sum, so there
+    is nothing to compare: the sizes are taken as agreed, and the exchange itself moves nothing.
     """
     if dist.get_backend(group) == "fake":
         return True
     me = dist.get_rank(group)
     sums = []
     for base in _BASES:
-        mine = sum(n * _weight(base, me, peer) for peer, n in enumerate(out_sizes) if n)
-        mine -= sum(n * _weight(base, peer, me) for peer, n in enumerate(expect) if n)
+        mine = sum(n * _weight(base, me, peer) for peer, n in sent.items() if n)
+        mine -= sum(n * _weight(base, peer, me) for peer, n in expect.items() if n)
         sums.append(mine % _PRIME)
     total = torch.tensor(sums, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=group)

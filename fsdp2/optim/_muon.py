@@ -31,6 +31,7 @@ stays a DTensor sharded like its parameter.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,11 +152,13 @@ def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.
     rows = [RowLayout.chunked(m.shape[0], world) for m in matrices]
     owners = owners_by_load([m.shape[0] * m.shape[1] * min(m.shape) for m in matrices], world)
     owned = [RowLayout.owned(m.shape[0], world, owner) for m, owner in zip(matrices, owners, strict=True)]
-    # There: each rank's rows of each update to the matrix's owner.
-    sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    expect = [0] * world
+    # There: each rank's rows of each update to the matrix's owner (only the peers bytes go to or
+    # come from are named: see comm's [Note: Sparse sends]).
+    sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+    expect: dict[int, int] = defaultdict(int)
     for i, m in enumerate(matrices):
-        sends[owners[i]].append(m.update)
+        if m.update.shape[0]:
+            sends[owners[i]].append(m.update)
         for piece in routes(rows[i], owned[i], rank).receive:
             expect[piece.peer] += nbytes_of((piece.rows, m.shape[1]), m.update.dtype)
     received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
@@ -168,13 +171,14 @@ def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.
             ]
             wholes[i] = _orthogonalise(join_rows(pieces, m.update), m.settings)
     # Back: each rank's rows of each orthogonalised update.
-    sends = [[] for _ in range(world)]
+    sends = defaultdict(list)
     for i, whole in wholes.items():
         for piece in routes(owned[i], rows[i], rank).send:
             sends[piece.peer].append(whole[piece.start : piece.stop])
-    expect = [0] * world  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
+    expect = defaultdict(int)  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
     for i, m in enumerate(matrices):
-        expect[owners[i]] += nbytes_of((rows[i].count(rank), m.shape[1]), torch.bfloat16)
+        if rows[i].count(rank):
+            expect[owners[i]] += nbytes_of((rows[i].count(rank), m.shape[1]), torch.bfloat16)
     received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
     results = []
     for i, m in enumerate(matrices):

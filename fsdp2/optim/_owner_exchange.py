@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm import exchange, nbytes_of
+from ..comm import ALIGN, Received, exchange, nbytes_of, pack
 from ..param import Piece, RowLayout, local_of, make_spec, owners_by_load, routes, row_shard, wrap_local
 
 __all__ = ["DISAGREE", "ExchangePlan", "join_rows", "owners_of", "shard_group_of", "sharded_like"]
@@ -103,11 +103,12 @@ class ExchangePlan:
 
     def _to_owners(self, state: dict[Any, Any]) -> dict[int, list[list[torch.Tensor]]]:
         """All-to-all 1: each rank's rows of the gradient, parameter and sharded state to the owner."""
-        sends: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
-        expect = [0] * self.world
+        sends: dict[int, list[torch.Tensor]] = defaultdict(list)  # only the peers bytes go to
+        expect: dict[int, int] = defaultdict(int)
         travelling = [self._travelling(param, state) for param, _ in self.params]
         for i, tensors in enumerate(travelling):
-            sends[self.owners[i]].extend(local_of(t) for t in tensors)
+            if self.rows[i].count(self.rank):
+                sends[self.owners[i]].extend(local_of(t) for t in tensors)
             for piece in self._gathered(i):
                 expect[piece.peer] += sum(nbytes_of((piece.rows, *t.shape[1:]), t.dtype) for t in tensors)
         received = exchange(sends, self.group, expect=expect, device=self.device, mismatch=DISAGREE)
@@ -173,40 +174,70 @@ class ExchangePlan:
                 self.known[i] = layout
 
     def _back(self, wholes: dict[int, Any], shadow: torch.optim.Optimizer, state: dict[Any, Any]) -> None:
-        """All-to-all 2: each rank's rows of the parameter and sharded state, copies of the rest."""
-        sends: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        """Each rank's rows of the parameter and sharded state (one all-to-all), copies of the rest."""
+        sends: dict[int, list[torch.Tensor]] = defaultdict(list)  # only the ranks holding rows
         for i, whole in wholes.items():
             layout, _ = self.known[i]  # type: ignore[misc]
-            for r in range(self.world):  # every rank: its rows (maybe none) and the whole state
-                start, stop = self.rows[i].span(r)
-                sends[r].append(whole["param"][start:stop])
+            for piece in routes(self.owned[i], self.rows[i], self.rank).send:
+                sends[piece.peer].append(whole["param"][piece.start : piece.stop])
                 for key, kind, _, _ in layout:
-                    value = whole["state"][key]
-                    sends[r].append(value[start:stop] if kind == "rows" else value)
-        expect = [0] * self.world
+                    if kind == "rows":
+                        sends[piece.peer].append(whole["state"][key][piece.start : piece.stop])
+        expect: dict[int, int] = defaultdict(int)
         for i, (param, _) in enumerate(self.params):
             layout, _ = self.known[i]  # type: ignore[misc]
             mine = self.rows[i].count(self.rank)
-            nbytes = nbytes_of((mine, *param.shape[1:]), param.dtype)
-            for _, kind, shape, dtype in layout:
-                nbytes += nbytes_of((mine, *shape[1:]) if kind == "rows" else shape, dtype)
-            expect[self.owners[i]] += nbytes
+            if mine:
+                nbytes = nbytes_of((mine, *param.shape[1:]), param.dtype)
+                for _, kind, shape, dtype in layout:
+                    nbytes += nbytes_of((mine, *shape[1:]), dtype) if kind == "rows" else 0
+                expect[self.owners[i]] += nbytes
         received = exchange(sends, self.group, expect=expect, device=self.device, mismatch=DISAGREE)
+        copies = self._copies(wholes)
         with torch.no_grad():
             for i, (param, _) in enumerate(self.params):
                 owner = self.owners[i]
                 layout, scalars = self.known[i]  # type: ignore[misc]
                 mine = self.rows[i].count(self.rank)
                 local = local_of(param)  # type: ignore[arg-type]
-                local.copy_(received.take(owner, tuple(local.shape), local.dtype))
+                local.copy_(received.take(owner, tuple(local.shape), local.dtype))  # none: empty
                 new_state: dict[str, Any] = dict(scalars)
                 old = state.get(param, {})
                 for key, kind, shape, dtype in layout:
-                    piece = received.take(owner, (mine, *shape[1:]) if kind == "rows" else shape, dtype)
-                    new_state[key] = (
-                        _rows_state(param, old.get(key), piece) if kind == "rows" else piece.clone()
-                    )
+                    if kind == "rows":
+                        rows = received.take(owner, (mine, *shape[1:]), dtype)
+                        new_state[key] = _rows_state(param, old.get(key), rows)
+                    else:
+                        new_state[key] = copies.take(owner, shape, dtype).clone()
                 state[param] = new_state
+
+    def _copies(self, wholes: dict[int, Any]) -> Received:
+        """Every owner's whole (not row-shaped) state tensors, on every rank: one all-gather.
+
+        Each owner packs those of its parameters in parameter order; every rank knows their sizes from
+        the layouts (``known``), so each owner's part is padded to the largest and no counts travel.
+        The Python work is per parameter, never per rank.
+        """
+        sizes = [0] * self.world
+        for i, known in enumerate(self.known):
+            layout, _ = known  # type: ignore[misc]
+            sizes[self.owners[i]] += sum(nbytes_of(s, d) for _, kind, s, d in layout if kind != "rows")
+        room = max(sizes)
+        mine = [
+            whole["state"][key]
+            for i, whole in sorted(wholes.items())
+            for key, kind, _, _ in self.known[i][0]  # type: ignore[index]
+            if kind != "rows"
+        ]
+        if room == 0:
+            return Received(torch.empty(0, dtype=torch.uint8, device=self.device), sizes, ALIGN)
+        part = torch.zeros(room, dtype=torch.uint8, device=self.device)
+        packed = pack(mine, self.device)
+        part[: packed.numel()].copy_(packed)
+        everyone = torch.empty(self.world * room, dtype=torch.uint8, device=self.device)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.10
+        all_gather(everyone, part, group=self.group)
+        return Received(everyone, [room] * self.world, ALIGN)
 
 
 def owners_of(params: list[torch.Tensor], world: int) -> list[int]:

@@ -22,9 +22,9 @@ parameters ``fully_shard`` sharded that have a gradient, per shard process group
 3. the owner runs the optimizer's own ``step`` on those whole plain tensors, through a shadow
    instance of the same class with the same hyperparameters: the operations of the unsharded model;
 4. back: one all-to-all gives each rank its rows of the parameter and of each parameter-shaped state
-   tensor, and a copy of every other state tensor (Adafactor's row and column factors, a step
-   count). Where the state's keys, kinds or shapes change (the first step), the owners first tell
-   the other ranks with one object all-gather;
+   tensor (only the ranks holding rows are sent any), and one all-gather a copy of every other state
+   tensor (a step count, a Gram matrix). Where the state's keys, kinds, shapes or plain values
+   change (the first step), the owners first tell the other ranks with one object all-gather;
 5. the optimizer's own step then runs with those gradients hidden (it steps only the rest, e.g.
    plain parameters), and they are given back after it.
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm import padded, take
+from ..comm import padded
 from ..param import RowLayout, row_shard
 
 __all__ = ["Item", "buckets", "full_bytes", "gather_bucket", "gather_device", "row_group"]
@@ -159,7 +159,20 @@ def _unpack(
 
 
 def _cut(parts: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype, world: int) -> torch.Tensor:
-    """The full tensor of ``shape`` whose rows each rank's part holds at ``offset``."""
-    layout = RowLayout.chunked(shape[0], world)
-    pieces = [take(parts[rank], offset, (layout.count(rank), *shape[1:]), dtype)[0] for rank in range(world)]
-    return torch.cat(pieces)
+    """The full tensor of ``shape`` whose rows each rank's part holds at ``offset``.
+
+    torch.chunk's ranks hold ``step`` rows each up to the last holder, which may hold fewer, and the
+    ranks after it none: so the full tensor is the first ranks' rooms back to back, then the last
+    holder's rows. Two byte copies out of ``parts``, whatever the world size (no piece per rank).
+    """
+    step, rows = RowLayout.chunked(shape[0], world).step, shape[0]
+    row_bytes = shape[1:].numel() * dtype.itemsize
+    full = torch.empty(shape, dtype=dtype, device=parts.device)
+    flat = full.view(-1).view(torch.uint8) if full.numel() else full.new_empty(0, dtype=torch.uint8)
+    whole = rows // step if step else 0  # ranks holding step rows each
+    room = step * row_bytes
+    flat[: whole * room].view(whole, room).copy_(parts[:whole, offset : offset + room])
+    rest = (rows - whole * step) * row_bytes  # the last holder's, when it holds fewer
+    if rest:
+        flat[whole * room :].copy_(parts[whole, offset : offset + rest])
+    return full

@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import re
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -153,11 +154,14 @@ def save_pretrained(
         problem = _open_files(directory, names, files, mine, streams)
         if rank == 0 and not problem:
             problem = _write_index(model, directory, names, files)
-        raise_everywhere(problem, None, lambda text: OSError(f"save_pretrained: {text} Nothing was written."))
-        queues = [
-            [(i, e) for i in range(len(files)) if owners[i] == r for e in files[i]] for r in range(world)
-        ]
-        _stream(queues, streams, rank, comm_device(e.tensor for e in entries))
+        device = comm_device(e.tensor for e in entries)
+        # a flag's all-reduce first: the messages are gathered (one object per rank) only on a problem
+        fail = lambda text: OSError(f"save_pretrained: {text} Nothing was written.")  # noqa: E731
+        raise_everywhere(problem, None, fail, device=device)
+        queues: dict[int, list[tuple[int, _Entry]]] = {}  # the writers' only (see [Note: Who writes what])
+        for i, file in enumerate(files):
+            queues.setdefault(owners[i], []).extend((i, e) for e in file)
+        _stream(queues, streams, rank, device)
     finally:
         for stream in streams.values():
             stream.close()
@@ -398,19 +402,36 @@ def _write_config(model: nn.Module, directory: str | os.PathLike[str], dtype: to
 
 
 def _stream(
-    queues: Sequence[Sequence[tuple[int, _Entry]]],
+    queues: dict[int, list[tuple[int, _Entry]]],
     streams: dict[int, BinaryIO],
     rank: int,
     device: torch.device,
 ) -> None:
-    """Every round: each rank's next tensor to its writer (one all-to-all), then each writes its own."""
+    """Every round: each rank's next tensor to its writer (one all-to-all), then each writes its own.
+
+    Only writers have queues; a round looks at each writer's tensor once, so its Python work follows
+    the files, never the world size (where the rows of a tensor are is found by arithmetic, ``_Places``).
+    """
     scratch = Scratch(device)
-    for k in range(max(map(len, queues))):
-        round_ = [queue[k][1] if k < len(queue) else None for queue in queues]
-        full = _exchange(round_, rank, scratch)
-        if full is not None:
-            file, entry = queues[rank][k]
-            _write(streams[file], full, entry)
+    places = _Places()
+    writers = sorted(queues)
+    mine = queues.get(rank, [])
+    for k in range(max(map(len, queues.values()))):
+        sends: dict[int, list[torch.Tensor]] = {}
+        for writer in writers:  # every rank in the same order: the strided gathers are collectives
+            if k < len(queues[writer]):
+                held = _held(queues[writer][k][1], writer, rank, places)
+                if held is not None:
+                    sends[writer] = [held.to(scratch.device)]
+        entry = mine[k][1] if k < len(mine) else None
+        senders = places.senders(entry, rank) if entry is not None else []
+        expect: dict[int, int] = defaultdict(int)
+        for sender, nbytes in senders:
+            expect[sender] += nbytes
+        received = exchange(sends, None, expect=expect, scratch=scratch, align=1, check=False)
+        del sends
+        if entry is not None:
+            _write(streams[mine[k][0]], _in_row_order(received.buffer, senders), entry)
 
 
 def _write(stream: BinaryIO, full: torch.Tensor, entry: _Entry) -> None:
@@ -423,56 +444,87 @@ def _write(stream: BinaryIO, full: torch.Tensor, entry: _Entry) -> None:
         stream.write(typed[block.index].contiguous().view(torch.uint8).numpy().data)
 
 
-def _exchange(round_: Sequence[_Entry | None], rank: int, scratch: Scratch) -> torch.Tensor | None:
-    """One all-to-all: this rank's rows of each round tensor to its writer; the bytes of its own back."""
-    held = [_held(entry, owner, rank) for owner, entry in enumerate(round_)]
-    sends = [[h.to(scratch.device)] if h is not None else [] for h in held]
-    mine = round_[rank]
-    senders = _senders(mine, rank) if mine is not None else []
-    expect = [0] * len(round_)
-    for sender, nbytes in senders:
-        expect[sender] += nbytes
-    received = exchange(sends, None, expect=expect, scratch=scratch, align=1, check=False)
-    del sends, held
-    return None if mine is None else _in_row_order(received.buffer, senders)
-
-
-def _held(entry: _Entry | None, owner: int, rank: int) -> torch.Tensor | None:
+def _held(entry: _Entry, owner: int, rank: int, places: _Places) -> torch.Tensor | None:
     """What this rank sends ``owner`` of ``entry`` (its rows, in the stored dtype), or ``None``."""
-    if entry is None:
-        return None
     tensor = entry.tensor
-    if isinstance(tensor, DTensor) and row_shard(tensor) is None and rank in _mesh_ranks(tensor):
+    on_mesh = isinstance(tensor, DTensor) and tensor.device_mesh.get_coordinate() is not None
+    if on_mesh and row_shard(tensor) is None:  # type: ignore[arg-type]
         tensor = full_tensor(tensor)  # strided shards: gathered on the mesh first
-    if all(sender != rank for sender, _ in _senders(entry, owner)):
+    if not places.sends(entry, owner, rank):
         return None
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.detach().to(entry.dtype)
 
 
-def _senders(entry: _Entry, owner: int) -> list[tuple[int, int]]:
-    """``(rank, bytes)`` of the holders sending ``entry`` to ``owner``, in row order."""
-    tensor = entry.tensor
-    if not isinstance(tensor, DTensor):
-        return [(owner, entry.nbytes)]
-    mesh = tensor.device_mesh.mesh
-    dim = row_shard(tensor)
-    at = (mesh == owner).nonzero()
-    coordinate = at[0].tolist() if len(at) else [0] * mesh.dim()  # the writer's replica, or replica 0
-    if dim is None:  # replicated on the mesh, or gathered whole there
-        return [(int(mesh[tuple(coordinate)]), entry.nbytes)]
-    rows = tensor.shape[0]
-    row_bytes = entry.nbytes // rows if rows else 0
-    layout = RowLayout.chunked(rows, mesh.size(dim))
-    senders = []
-    for index in layout.holders(0, rows):  # the shard mesh dim's ranks that hold rows, in row order
-        coordinate[dim] = index
-        senders.append((int(mesh[tuple(coordinate)]), layout.count(index) * row_bytes))
-    return senders
+class _Places:
+    """Which ranks send a tensor's rows to its writer, by arithmetic on the mesh (one export's).
 
+    A writer takes each dim-0 shard from the rank at its shard index in the writer's own replica (or
+    replica 0, when the writer is not on the tensor's mesh), and a replicated (or gathered) tensor from
+    the rank at the writer's coordinate. Each mesh's ranks are indexed once (one tensor operation), so
+    a rank's coordinate is a lookup, not a search of the mesh.
+    """
 
-def _mesh_ranks(tensor: DTensor) -> list[int]:
-    return [int(r) for r in tensor.device_mesh.mesh.flatten()]
+    def __init__(self) -> None:
+        self._index: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mesh``'s ranks (its ``mesh`` tensor, built once) and each global rank's flat position."""
+        known = self._index.get(id(mesh))
+        if known is None:
+            ranks = mesh.mesh
+            flat = ranks.flatten()
+            table = torch.full((int(flat.max()) + 1,), -1, dtype=torch.int64)
+            table[flat] = torch.arange(flat.numel())
+            known = self._index[id(mesh)] = (mesh, ranks, table)  # the mesh kept: its id stays its own
+        return known[1], known[2]
+
+    def coordinate(self, mesh: Any, rank: int) -> list[int]:
+        """``rank``'s coordinate on ``mesh``, or replica 0's (all zeros) when it is not on it."""
+        ranks, table = self._table(mesh)
+        at = int(table[rank]) if rank < table.numel() else -1
+        if at < 0:
+            return [0] * ranks.dim()
+        coordinate = []
+        for size in reversed(ranks.shape):
+            at, index = divmod(at, int(size))
+            coordinate.append(index)
+        return coordinate[::-1]
+
+    def senders(self, entry: _Entry, owner: int) -> list[tuple[int, int]]:
+        """``(rank, bytes)`` of the holders sending ``entry`` to ``owner``, in row order."""
+        tensor = entry.tensor
+        if not isinstance(tensor, DTensor):
+            return [(owner, entry.nbytes)]
+        mesh = self._table(tensor.device_mesh)[0]
+        coordinate = self.coordinate(tensor.device_mesh, owner)
+        dim = row_shard(tensor)
+        if dim is None:  # replicated on the mesh, or gathered whole there
+            return [(int(mesh[tuple(coordinate)]), entry.nbytes)]
+        rows = tensor.shape[0]
+        row_bytes = entry.nbytes // rows if rows else 0
+        layout = RowLayout.chunked(rows, mesh.size(dim))
+        senders = []
+        for index in layout.holders(0, rows):  # the shard mesh dim's ranks that hold rows, in row order
+            coordinate[dim] = index
+            senders.append((int(mesh[tuple(coordinate)]), layout.count(index) * row_bytes))
+        return senders
+
+    def sends(self, entry: _Entry, owner: int, rank: int) -> bool:
+        """Whether this rank (``rank``) is one of ``senders(entry, owner)``: no list of them built."""
+        tensor = entry.tensor
+        if not isinstance(tensor, DTensor):
+            return owner == rank
+        here = tensor.device_mesh.get_coordinate()
+        if here is None:
+            return False
+        coordinate = self.coordinate(tensor.device_mesh, owner)
+        dim = row_shard(tensor)
+        if dim is None:
+            return list(here) == coordinate
+        others_agree = all(here[d] == coordinate[d] for d in range(len(here)) if d != dim)
+        rows = RowLayout.chunked(tensor.shape[0], tensor.device_mesh.size(dim))
+        return others_agree and rows.count(here[dim]) > 0
 
 
 def _in_row_order(out: torch.Tensor, senders: Sequence[tuple[int, int]]) -> torch.Tensor:

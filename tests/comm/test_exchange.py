@@ -67,6 +67,26 @@ def test_exchange_moves_every_piece_and_counts_only_unknown_sizes(
         assert out["reused"]
 
 
+def _sparse_round() -> list[bool]:
+    """Ranks send to their next rank only, named in mappings; the same bytes as the full lists."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    peer, source = (me + 1) % world, (me - 1) % world
+    mine = [_tensor(me, peer, k) for k in range(3)]
+    theirs = [_tensor(source, me, k) for k in range(3)]
+    expect = {source: sum(nbytes_of(t.shape, t.dtype) for t in theirs)}
+    sparse = exchange({peer: mine}, None, expect=expect, mismatch="disagree")
+    full = exchange([mine if r == peer else [] for r in range(world)], None)
+    same = [torch.equal(sparse.buffer, full.buffer), torch.equal(sparse.part(source), full.parts[source])]
+    same += [torch.equal(sparse.take(source, t.shape, t.dtype), t) for t in theirs]
+    same += [sparse.part(r).numel() == 0 for r in range(world) if r != source]
+    return same
+
+
+def test_sends_and_sizes_may_name_only_the_peers_bytes_go_to() -> None:
+    for same in run_threaded(3, _sparse_round):
+        assert all(same), same
+
+
 def _wrong_size() -> None:
     me, world = dist.get_rank(), dist.get_world_size()
     sends = [[torch.ones(4)] for _ in range(world)]
