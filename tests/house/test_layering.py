@@ -111,8 +111,8 @@ FLOORS = {
     "optim": 7,
     "debug": 7,
     "plan": 7,
-    "resilience": 7,
-    "experts": 7,  # expert parallelism declared once: the expert mesh, the token exchange; calls fully_shard  # snapshots in node memory and on a buddy node; restore and reshard
+    "resilience": 7,  # snapshots in node memory and on a buddy node; restore and reshard
+    "experts": 7,  # expert parallelism declared once: the expert mesh, the token exchange; calls fully_shard
     "weights": 8,  # debug mode's agreement on entering an export or import
     "testing": 9,
 }
