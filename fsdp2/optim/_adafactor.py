@@ -1,7 +1,8 @@
 """``torch.optim.Adafactor`` on row shards: its factored statistics from small all-reduces, no matrix moved.
 
 Owns: ``factored_step``, torch 2.13's Adafactor update (``_single_tensor_adafactor``) computed on each
-rank's rows of the parameters ``fully_shard`` sharded on dim 0, and the layout of its state between
+rank's rows of the parameters ``fully_shard`` sharded on dim 0 (of its shard, or of its replica slice
+with the sums over all ``R x S`` ranks, see ``_cross_replica``), and the layout of its state between
 steps. Does not own: when it runs (``_whole_tensor``'s step hooks) or Adafactor's settings (its param
 groups).
 

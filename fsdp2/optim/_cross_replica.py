@@ -27,6 +27,23 @@ replica group sum in one order only), the same update. Between steps the optimiz
 DTensors: ``optimizer.state_dict()`` and DCP save them, and DCP loads them into any layout (plain
 HSDP, another world size) and the other way round; state laid out like the parameter (a plain-HSDP
 state loaded with ``optimizer.load_state_dict``) is cut into slices at the next step.
+
+[Note: Whole-tensor optimizers over replica slices]
+Muon (``torch.optim.Muon``, ``StackedMuon``) and Adafactor step rows, not elements: their updates
+need sums or matrix functions over each whole parameter. Over replica slices a parameter's rows lie
+on all ``R x S`` ranks, ``torch.chunk`` cut twice (``RowLayout.nested(rows, S, R)``), and one process
+group over those ranks (``slice_row_group``, made once by this call) numbers them in row order. Then
+the steps that serve row shards (``_muon``, ``_adafactor``; see their notes) serve slices as they
+are, given the slice's rows and that group: Muon's momentum and blend are elementwise on the slice,
+and each matrix's update travels slice by slice to one owner among all ``R x S`` ranks (owners
+balanced over all of them: each matrix is orthogonalised once in the job, not once per replica) and
+back; a stack's slices are whole experts, orthogonalised where they are. Adafactor's column, norm
+and row-factor sums are all-reduced over the ``R x S`` ranks. The pre-hook runs that step, then
+hides the gradients from the optimizer's own step (which steps only the rest) and the post-hook
+gives them back before the all-gather. Muon is plain HSDP's bit for bit (the same whole update, the
+same elementwise operations); Adafactor's sums add ``R x S`` pieces instead of ``S``, so it is
+within fp32 rounding of plain HSDP's. Other whole-tensor optimizers (the general owner step) are
+refused.
 """
 
 from __future__ import annotations

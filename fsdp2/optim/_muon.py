@@ -1,7 +1,9 @@
 """``torch.optim.Muon`` (and ``StackedMuon``) on shards: only the Newton-Schulz input and output travel.
 
 Owns: ``muon_step``, torch 2.13's Muon update (``_single_tensor_muon``) for the matrices and stacks of
-matrices ``fully_shard`` sharded, and ``rows_group_of`` (the layouts it serves). Does not own: when it
+matrices ``fully_shard`` sharded, ``muon_rows_step`` (the same over given rows: a shard's, or a
+replica slice's spread over all ``R x S`` ranks, see ``_cross_replica``) and ``rows_group_of`` (the
+layouts it serves). Does not own: when it
 runs (``_whole_tensor``'s step hooks), the routes and the exchange (``param._rows``,
 ``comm._exchange``), the Newton-Schulz iteration and the learning-rate adjustment (torch's own
 functions, called as they are).
