@@ -8,6 +8,7 @@ as HSDP does (bit for bit). Muon's matrices are orthogonalised whole on one owne
 ranks (the update's slices travel there and back): plain HSDP's numbers and the reference's, bit for
 bit. Adafactor sums its statistics over the four ranks' slices instead of the two shards: within
 fp32 rounding. Each rank keeps half of plain HSDP's momentum and of Adafactor's row statistics.
+Also: checkpoints to and from plain HSDP, ``replicate`` alone (4 replicas), and the refusals.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -128,6 +130,36 @@ def test_whole_tensor_optimizers_across_replicas_equal_plain_hsdp_and_the_unshar
         assert across < plain, (plain, across)
     else:
         assert across * 2 == plain, (plain, across)
+
+
+def _over_replicate(base: nn.Module, kind: str) -> None:
+    """``replicate`` alone (4 replicas, no shard dim): each rank steps a quarter of each parameter."""
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("replicate",))
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fsdp2.replicate(block, mesh=mesh)
+        fsdp2.replicate(model, mesh=mesh)
+        models.append(model)
+    optims = [_optimizers(m, kind) for m in models]
+    fsdp2.shard_optimizer_across_replicas(models[1], optims[1])
+    tol = CLOSE if kind == "adafactor" else EXACT
+    for step in range(3):
+        for model in models:
+            model(_batch(dist.get_rank(), step)).pow(2).mean().backward()
+        for group in optims:
+            for optim in group:
+                optim.step()
+                optim.zero_grad()
+    for (name, p_plain), p_across in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p_across.to_local(), p_plain.to_local(), **tol, msg=name)
+    fsdp2.check_replicas(models[1])
+
+
+@pytest.mark.parametrize("kind", ["stacked_muon", "adafactor"])
+def test_over_replicate_alone(kind: str) -> None:
+    run_threaded(WORLD, _over_replicate, _base(), kind)
 
 
 # ---------------------------------------------------------------------------------------------
