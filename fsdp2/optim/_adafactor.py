@@ -1,7 +1,8 @@
 """``torch.optim.Adafactor`` on row shards: its factored statistics from small all-reduces, no matrix moved.
 
 Owns: ``factored_step``, torch 2.13's Adafactor update (``_single_tensor_adafactor``) computed on each
-rank's rows of the parameters ``fully_shard`` sharded on dim 0, and the layout of its state between
+rank's rows of the parameters ``fully_shard`` sharded on dim 0 (of its shard, or of its replica slice
+with the sums over all ``R x S`` ranks, see ``_cross_replica``), and the layout of its state between
 steps. Does not own: when it runs (``_whole_tensor``'s step hooks) or Adafactor's settings (its param
 groups).
 
@@ -30,30 +31,31 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..param import local_of
-from ._owner_exchange import sharded_like
+from ._step_rows import StepRows
 
 __all__ = ["factored_step"]
 
 
-def factored_step(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], group: dist.ProcessGroup
-) -> None:
-    """One Adafactor step of ``params`` (row-sharded DTensors with gradients, one shard group)."""
+def factored_step(optimizer: torch.optim.Optimizer, parts: list[StepRows], group: dist.ProcessGroup) -> None:
+    """One Adafactor step of each parameter's rows in ``parts``, its rows spread over ``group``.
+
+    ``parts``: the rows of local shards (``group``: their shard group), or of replica slices
+    (``group``: all ``R x S`` ranks).
+    """
     settings = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    device = params[0].device
+    device = parts[0].local.device
     entries = []
-    for param in params:
-        grad = local_of(param.grad)  # type: ignore[arg-type]
-        g = settings[id(param)]
-        grad = -grad if g["maximize"] else grad
-        state = _state_of(optimizer, param, grad)
+    for part in parts:
+        g = settings[id(part.param)]
+        grad = -part.grad if g["maximize"] else part.grad
+        state = _state_of(optimizer, part, grad)
         state["step"] += 1
-        entries.append((param, grad, state, g))
+        entries.append((part, grad, state, g))
     # Round 1: squared parameter norms (before weight decay), and for matrices the column sums of the
     # squared gradient and the row factor's sum (after its update, which needs only this rank's rows).
     first: list[torch.Tensor] = []
-    for param, grad, state, g in entries:
-        first.append(local_of(param).float().pow(2).sum().reshape(1))  # type: ignore[arg-type]
+    for part, grad, state, g in entries:
+        first.append(part.local.float().pow(2).sum().reshape(1))
         if grad.dim() == 2:
             step_float = state["step"].item()
             row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
@@ -63,8 +65,8 @@ def factored_step(
     sums = iter(_all_reduce(first, device, group))
     second: list[torch.Tensor] = []
     updates = []
-    for param, grad, state, g in entries:
-        local = local_of(param)  # type: ignore[arg-type]
+    for part, grad, state, g in entries:
+        param, local = part.param, part.local
         eps1, eps2 = g["eps"]
         eps1 = torch.finfo(local.dtype).eps if eps1 is None else eps1
         lr = float(g["lr"])
@@ -113,25 +115,25 @@ def _all_reduce(
     return list(flat.split([t.numel() for t in tensors]))
 
 
-def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
-    """``param``'s Adafactor state, made as torch's ``_init_group`` makes it, laid out on rows."""
+def _state_of(optimizer: torch.optim.Optimizer, part: StepRows, grad: torch.Tensor) -> dict[str, Any]:
+    """The Adafactor state of ``part``'s parameter, made as torch's ``_init_group`` makes it, on rows."""
+    param = part.param
     state: dict[str, Any] = optimizer.state[param]
     if state:
         return state
-    assert isinstance(param, DTensor)
     state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
     if grad.dim() > 1:
         row_shape = list(param.shape)
         row_shape[-1] = 1
         col_shape = list(param.shape)
         col_shape[-2] = 1
-        state["row_var"] = _zero_rows(param, grad, row_shape)
+        state["row_var"] = _zero_rows(part, grad, row_shape)
         if grad.dim() == 2:
             state["col_var"] = grad.new_zeros(col_shape)  # every column: the same on every rank
         else:
-            state["col_var"] = _zero_rows(param, grad, col_shape)
+            state["col_var"] = _zero_rows(part, grad, col_shape)
     else:
-        state["variance"] = _zero_rows(param, grad, list(param.shape))
+        state["variance"] = _zero_rows(part, grad, list(param.shape))
     return state
 
 
@@ -140,6 +142,6 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _zero_rows(param: torch.Tensor, grad: torch.Tensor, shape: list[int]) -> DTensor:
-    """Zeros of global ``shape`` over this rank's rows, sharded on dim 0 as ``param`` is."""
-    return sharded_like(param, grad.new_zeros([grad.shape[0], *shape[1:]]), tuple(shape))
+def _zero_rows(part: StepRows, grad: torch.Tensor, shape: list[int]) -> DTensor:
+    """Zeros of global ``shape`` over this rank's rows of ``part``, kept as its state is."""
+    return part.wrap(grad.new_zeros([grad.shape[0], *shape[1:]]), tuple(shape))

@@ -27,11 +27,30 @@ replica group sum in one order only), the same update. Between steps the optimiz
 DTensors: ``optimizer.state_dict()`` and DCP save them, and DCP loads them into any layout (plain
 HSDP, another world size) and the other way round; state laid out like the parameter (a plain-HSDP
 state loaded with ``optimizer.load_state_dict``) is cut into slices at the next step.
+
+[Note: Whole-tensor optimizers over replica slices]
+Muon (``torch.optim.Muon``, ``StackedMuon``) and Adafactor step rows, not elements: their updates
+need sums or matrix functions over each whole parameter. Over replica slices a parameter's rows lie
+on all ``R x S`` ranks, ``torch.chunk`` cut twice (``RowLayout.nested(rows, S, R)``), and one process
+group over those ranks (``slice_row_group``, made once by this call) numbers them in row order. Then
+the steps that serve row shards (``_muon``, ``_adafactor``; see their notes) serve slices as they
+are, given the slice's rows and that group: Muon's momentum and blend are elementwise on the slice,
+and each matrix's update travels slice by slice to one owner among all ``R x S`` ranks (owners
+balanced over all of them: each matrix is orthogonalised once in the job, not once per replica) and
+back; a stack's slices are whole experts, orthogonalised where they are. Adafactor's column, norm
+and row-factor sums are all-reduced over the ``R x S`` ranks. The pre-hook runs that step, then
+hides the gradients from the optimizer's own step (which steps only the rest) and the post-hook
+gives them back before the all-gather. Muon is plain HSDP's bit for bit (the same whole update, the
+same elementwise operations); Adafactor's sums add ``R x S`` pieces instead of ``S``, so it is
+within fp32 rounding of plain HSDP's. Other whole-tensor optimizers (the general owner step) are
+refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import functools
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -39,19 +58,33 @@ from torch.distributed.tensor import DTensor
 
 from ..comm import take
 from ..group import group_mesh_info, replica_all_gather, replica_slicing_problem, slice_across_replicas
-from ..param import RowLayout, is_managed, is_slice, local_of, slice_mesh, slice_rows, slice_spec, wrap_local
+from ..param import (
+    RowGroup,
+    RowLayout,
+    is_managed,
+    is_slice,
+    local_of,
+    slice_mesh,
+    slice_row_group,
+    slice_rows,
+    slice_spec,
+    wrap_local,
+)
 from ..runtime import groups_under, sharded_params
+from ._adafactor import factored_step
 from ._local_optim import mark_decided
-from ._whole_tensor import kind_of
+from ._muon import ROWS_AVAILABLE, muon_rows_step
+from ._stacked_muon import StackedMuon
+from ._step_rows import StepRows
+from ._whole_tensor import kind_of, whole_tensor_step
 
 __all__ = ["shard_optimizer_across_replicas"]
 
 _ATTR = "_fsdp2_cross_replica"
+Optimizers = TypeVar("Optimizers", bound="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]")
 
 
-def shard_optimizer_across_replicas(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> torch.optim.Optimizer:
+def shard_optimizer_across_replicas(model: nn.Module, optimizer: Optimizers) -> Optimizers:
     """Shard ``optimizer``'s state across the replicas of ``model``'s HSDP (or ``replicate``) mesh.
 
     Each rank then keeps the optimizer state (and the reduced gradient) of ``1 / (R x S)`` of every
@@ -62,59 +95,86 @@ def shard_optimizer_across_replicas(
 
         optimizer = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
 
+    ``optimizer`` may be a list of optimizers that together step the groups' parameters (Muon for the
+    matrices, AdamW for the rest; returned as given). Elementwise optimizers step their slices as they
+    would the whole; ``torch.optim.Muon``, ``fsdp2.StackedMuon`` and ``torch.optim.Adafactor`` step
+    them over all ``R x S`` ranks (see [Note: Whole-tensor optimizers over replica slices]).
+
     Each parameter's ``.grad`` is then this rank's slice (a DTensor on the ``(shard, replicate)`` mesh
     whose ``full_tensor()`` is the whole gradient); ``fsdp2.clip_grad_norm_`` and DCP take it.
 
     Raises:
         TypeError: ``model`` or ``optimizer`` is not what it should be.
-        ValueError: the optimizer is not elementwise; a ``fully_shard`` group of ``model`` that holds
-            parameters of ``optimizer`` cannot reduce across replicas (no replicate dim, an all-reduce
-            hook, a rank-ordered reduction, CPU offload, tensor parallelism) or also holds trainable
-            parameters of no such optimizer; or the optimizer steps sharded parameters of no group of
-            ``model``. Nothing is changed then.
+        ValueError: an optimizer is neither elementwise nor Muon, StackedMuon or Adafactor; a
+            ``fully_shard`` group of ``model`` that holds parameters of the optimizers cannot reduce
+            across replicas (no replicate dim, an all-reduce hook, a rank-ordered reduction, CPU
+            offload, tensor parallelism) or also holds trainable parameters none of them steps; or an
+            optimizer steps sharded parameters of no group of ``model``. Nothing is changed then.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "shard_optimizer_across_replicas expects a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}."
-        )
+    given: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for one in given:
+        if not isinstance(one, torch.optim.Optimizer):
+            raise TypeError(
+                "shard_optimizer_across_replicas expects a torch.optim.Optimizer (or a list of them), got "
+                f"{type(one).__name__}."
+            )
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"shard_optimizer_across_replicas expects the model first, got {type(model).__name__}."
         )
-    if _ATTR in optimizer.__dict__:
-        return optimizer
-    if kind_of(type(optimizer)) != "elementwise":
-        raise ValueError(
-            f"shard_optimizer_across_replicas: {type(optimizer).__name__} is not an elementwise optimizer, "
-            "and only those step slices of a parameter as they step the whole (AdamW, Adam, SGD, ...; "
-            "fsdp2.declare_optimizer(cls, 'elementwise') for your own). Muon and Adafactor need whole "
-            "matrices: keep them on plain HSDP."
-        )
-    chosen = _groups_of(model, optimizer)
+    todo = [one for one in given if _ATTR not in one.__dict__]
+    steps = {id(one): _rows_step_of(one) for one in todo}  # raises for other kinds
+    chosen = _groups_of(model, given) if todo else []
     meshes: dict[int, Any] = {}
+    rings: dict[int, RowGroup] = {}
     for group in chosen:
         info = group_mesh_info(group)
         if id(info) not in meshes:
             meshes[id(info)] = slice_mesh(info)
-    step = _SlicedStep(optimizer, [(group, meshes[id(group_mesh_info(group))]) for group in chosen])
-    for group, mesh in step.groups:
-        slice_across_replicas(group, mesh)
-    optimizer.__dict__[_ATTR] = step
-    mark_decided(optimizer)  # not the automatic local-shard step: this one
-    step.to_slices()
+        if id(info) not in rings and any(steps.values()):
+            rings[id(info)] = slice_row_group(info)  # collective: the same order on every rank
+    for one in todo:
+        own = {id(p) for g in one.param_groups for p in g["params"]}
+        mine = [g for g in chosen if any(id(p) in own for p in sharded_params(g))]
+        mesh_of = [meshes[id(group_mesh_info(g))] for g in mine]
+        ring_of = [rings.get(id(group_mesh_info(g))) for g in mine]
+        step = _SlicedStep(one, list(zip(mine, mesh_of, ring_of, strict=True)), steps[id(one)])
+        for group, mesh, _ in step.groups:
+            slice_across_replicas(group, mesh)
+        if steps[id(one)] is not None:
+            whole_tensor_step(one, enabled=False)  # its owner-step hooks (if any) would see slices
+        one.__dict__[_ATTR] = step
+        mark_decided(one)  # not the automatic local-shard step: this one
+        step.to_slices()
     return optimizer
 
 
-def _groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """``model``'s groups holding parameters of ``optimizer``, checked (see the function's Raises)."""
+def _rows_step_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """How ``optimizer`` steps replica slices: its own step (``None``: elementwise), or fsdp2's on rows."""
+    cls = type(optimizer)
+    if cls in (torch.optim.Muon, StackedMuon) and ROWS_AVAILABLE:
+        return "muon"
+    if cls is torch.optim.Adafactor:
+        return "adafactor"
+    if kind_of(cls) != "elementwise":
+        raise ValueError(
+            f"shard_optimizer_across_replicas: {cls.__name__} is neither an elementwise optimizer (AdamW, "
+            "Adam, SGD, ...; fsdp2.declare_optimizer(cls, 'elementwise') for your own), which steps "
+            "slices of a parameter as it steps the whole, nor torch.optim.Muon, fsdp2.StackedMuon or "
+            "torch.optim.Adafactor, whose steps fsdp2 runs over replica slices. Keep it on plain HSDP."
+        )
+    return None
+
+
+def _groups_of(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+    """``model``'s groups holding parameters of ``optimizers``, checked (see the function's Raises)."""
     groups = groups_under(model)
     if not groups:
         raise TypeError(
             f"shard_optimizer_across_replicas: {type(model).__name__} has no fully_shard module; call "
             "fully_shard (with an HSDP mesh) or replicate on it first."
         )
-    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stepped = {id(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]}
     covered: set[int] = set()
     chosen = []
     for group in groups:
@@ -125,19 +185,25 @@ def _groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
         covered.update(id(p) for p in mine)
         problem = replica_slicing_problem(group)
         if problem is None and len(mine) != len(trainable):
-            problem = "it also holds trainable parameters this optimizer does not step"
+            problem = "it also holds trainable parameters none of these optimizers steps"
         if problem is not None:
             raise ValueError(
                 f"shard_optimizer_across_replicas: a fully_shard group of {type(model).__name__} cannot "
                 f"shard its optimizer state across replicas: {problem}. Give the group an HSDP mesh "
-                "(replicate, shard) and this optimizer all its trainable parameters, or leave the "
-                "optimizer on plain HSDP."
+                "(replicate, shard) and these optimizers (a list) all its trainable parameters, or "
+                "leave the optimizer on plain HSDP."
             )
         chosen.append(group)
-    stray = [p for g in optimizer.param_groups for p in g["params"] if is_managed(p) and id(p) not in covered]
+    stray = [
+        p
+        for optimizer in optimizers
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if is_managed(p) and id(p) not in covered
+    ]
     if stray:
         raise ValueError(
-            f"shard_optimizer_across_replicas: the optimizer steps {len(stray)} sharded parameter(s) of "
+            f"shard_optimizer_across_replicas: the optimizers step {len(stray)} sharded parameter(s) of "
             f"no fully_shard group of {type(model).__name__} (e.g. of shape {tuple(stray[0].shape)}); pass "
             "the model that holds them."
         )
@@ -147,12 +213,20 @@ def _groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
 class _SlicedStep:
     """One optimizer's steps over replica slices: its own step hooks (after torch's global ones)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[tuple[Any, Any]]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: list[tuple[Any, Any, RowGroup | None]],
+        rows_step: str | None,
+    ) -> None:
         self.optimizer = optimizer
-        self.groups = groups  # (fully_shard group, its slice mesh)
-        self.meshes = {id(p): (group, mesh) for group, mesh in groups for p in sharded_params(group)}
+        self.groups = groups  # (fully_shard group, its slice mesh, its ranks in row order)
+        self.meshes = {id(p): (group, mesh) for group, mesh, _ in groups for p in sharded_params(group)}
+        self.rings = {id(p): ring for group, _, ring in groups for p in sharded_params(group)}
+        self.rows_step = rows_step  # "muon" or "adafactor": fsdp2's step over rows; None: the optimizer's
         self.swapped: list[tuple[list[Any], Any]] = []  # (param group's own list, its dict)
         self.slices: list[tuple[DTensor, torch.Tensor, Any]] = []  # (param, slice view, slice mesh)
+        self.hidden: list[tuple[torch.Tensor, Any]] = []  # (param, gradient) the rows step stepped
         self.handles = (
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),
@@ -172,7 +246,7 @@ class _SlicedStep:
             start, stop = self._rows(key)
             values = state[key]
             for name, value in list(values.items()):
-                if isinstance(value, DTensor) and not is_slice(value, entry[1]) and value.shape == key.shape:
+                if isinstance(value, DTensor) and not is_slice(value, entry[1]) and _of_rows(value, key):
                     if tuple(value.placements) != tuple(key.placements):
                         raise ValueError(
                             f"optimizer state {name!r} of a parameter of shape {tuple(key.shape)} is laid "
@@ -180,7 +254,8 @@ class _SlicedStep:
                             f"as {tuple(value.placements)}, neither as the parameter nor as replica slices."
                         )
                     local = local_of(value).narrow(0, start, stop - start).clone()
-                    values[name] = wrap_local(local, slice_spec(key, entry[1], local.dtype))
+                    spec = slice_spec(key, entry[1], local.dtype, tuple(value.shape))
+                    values[name] = wrap_local(local, spec)
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
@@ -189,6 +264,9 @@ class _SlicedStep:
                 "the forward and backward yourself, then step() without a closure."
             )
         self.to_slices()
+        if self.rows_step is not None:
+            self._step_rows(optimizer, self.rows_step)
+            return
         state = optimizer.state
         for group in optimizer.param_groups:
             params = group["params"]
@@ -207,24 +285,41 @@ class _SlicedStep:
             self.swapped.append((params, group))
             group["params"] = swapped
 
+    def _step_rows(self, optimizer: torch.optim.Optimizer, rows_step: str) -> None:
+        """Muon's or Adafactor's step over this rank's slices; their gradients hidden from its own step.
+
+        Muon moves a matrix's slices to its owner over all ``R x S`` ranks (a stack's slices are whole
+        experts: nothing moves); Adafactor sums its statistics over them.
+        """
+        parts = []
+        by_ring: dict[RowGroup, list[StepRows]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                entry = self.meshes.get(id(param))
+                if entry is None or param.grad is None:
+                    continue
+                start, stop = self._rows(param)
+                local = local_of(param).narrow(0, start, stop - start)
+                ring = self.rings[id(param)]
+                assert ring is not None, "a rows step without the slices' ranks"
+                wrap = functools.partial(_wrap_slice, param, entry[1])
+                grad = _slice_grad(param, entry[1], start, stop)
+                parts.append(StepRows(param, local, grad, None if param.ndim == 3 else ring, wrap))
+                by_ring.setdefault(ring, []).append(parts[-1])
+        if rows_step == "muon" and parts:
+            muon_rows_step(optimizer, parts)
+        for ring, members in by_ring.items() if rows_step == "adafactor" else ():
+            factored_step(optimizer, members, ring.group)
+        self.hidden = [(part.param, part.param.grad) for part in parts]
+        for part in parts:
+            part.param.grad = None  # the optimizer's own step skips what the rows step stepped
+
     def _slice(self, param: DTensor, mesh: Any) -> torch.Tensor:
         """The slice of ``param``'s local shard this rank steps (a view), holding its slice gradient."""
         start, stop = self._rows(param)
         view = local_of(param).narrow(0, start, stop - start)
-        grad = param.grad
-        if grad is not None:
-            if isinstance(grad, DTensor) and is_slice(grad, mesh):
-                local_grad = local_of(grad)
-            elif isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements):
-                local_grad = local_of(grad).narrow(
-                    0, start, stop - start
-                )  # e.g. DCP's zeros, a rank-ordered sum
-            else:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} has a gradient laid out as "
-                    f"{getattr(grad, 'placements', type(grad).__name__)}, neither as replica slices nor as "
-                    "the parameter; step after a backward through fully_shard."
-                )
+        if param.grad is not None:
+            local_grad = _slice_grad(param, mesh, start, stop)
             if local_grad.dtype != view.dtype:
                 view.grad_dtype = local_grad.dtype
             view.grad = local_grad
@@ -232,6 +327,9 @@ class _SlicedStep:
         return view
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for param, grad in self.hidden:
+            param.grad = grad
+        self.hidden = []
         for params, group in self.swapped:
             group["params"] = params
         self.swapped = []
@@ -244,15 +342,16 @@ class _SlicedStep:
             old = state.get(param, {})
             state[param] = {k: _wrapped(v, old.get(k), param, view, mesh) for k, v in updated.items()}
         self.slices = []
-        for group, _ in self.groups:
-            self._gather(group)
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for group, _, _ in self.groups:
+            self._gather(group, own)
 
-    def _gather(self, group: Any) -> None:
-        """All-gather the updated slices of ``group``'s stepped parameters across the replicas."""
+    def _gather(self, group: Any, own: set[int]) -> None:
+        """All-gather across the replicas the updated slices of ``group``'s parameters in ``own``."""
         params = [
             cast(DTensor, p)
             for p in sharded_params(group)
-            if p.grad is not None and local_of(cast(DTensor, p)).numel()
+            if id(p) in own and p.grad is not None and local_of(cast(DTensor, p)).numel()
         ]
         if not params:
             return
@@ -285,6 +384,30 @@ class _SlicedStep:
                         shape = (stop - start, *local.shape[1:])
                         piece, _ = take(base, offset, shape, local.dtype, align)
                         local.narrow(0, start, stop - start).copy_(piece)
+
+
+def _slice_grad(param: DTensor, mesh: Any, start: int, stop: int) -> torch.Tensor:
+    """This rank's slice of ``param``'s gradient (rows ``[start, stop)`` of its local shard)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and is_slice(grad, mesh):
+        return local_of(grad)
+    if isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements):
+        return local_of(grad).narrow(0, start, stop - start)  # e.g. DCP's zeros, a rank-ordered sum
+    raise ValueError(
+        f"a parameter of shape {tuple(param.shape)} has a gradient laid out as "
+        f"{getattr(grad, 'placements', type(grad).__name__)}, neither as replica slices nor as "
+        "the parameter; step after a backward through fully_shard."
+    )
+
+
+def _of_rows(value: DTensor, param: DTensor) -> bool:
+    """Whether state ``value`` is over ``param``'s rows (its shape, or Adafactor's factor of them)."""
+    return value.ndim == param.ndim and value.ndim > 0 and value.shape[0] == param.shape[0]
+
+
+def _wrap_slice(param: DTensor, mesh: Any, local: torch.Tensor, shape: tuple[int, ...] | None) -> DTensor:
+    """State over this rank's slice rows of ``param`` as a slice DTensor (``shape``: its global one)."""
+    return wrap_local(local, slice_spec(param, mesh, local.dtype, shape))
 
 
 def _wrapped(value: Any, old: Any, param: DTensor, view: torch.Tensor, mesh: Any) -> Any:

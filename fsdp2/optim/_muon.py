@@ -1,7 +1,9 @@
 """``torch.optim.Muon`` (and ``StackedMuon``) on shards: only the Newton-Schulz input and output travel.
 
 Owns: ``muon_step``, torch 2.13's Muon update (``_single_tensor_muon``) for the matrices and stacks of
-matrices ``fully_shard`` sharded, and ``rows_group_of`` (the layouts it serves). Does not own: when it
+matrices ``fully_shard`` sharded, ``muon_rows_step`` (the same over given rows: a shard's, or a
+replica slice's spread over all ``R x S`` ranks, see ``_cross_replica``) and ``rows_group_of`` (the
+layouts it serves). Does not own: when it
 runs (``_whole_tensor``'s step hooks), the routes and the exchange (``param._rows``,
 ``comm._exchange``), the Newton-Schulz iteration and the learning-rate adjustment (torch's own
 functions, called as they are).
@@ -32,6 +34,7 @@ stays a DTensor sharded like its parameter.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +42,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..comm import exchange, nbytes_of
-from ..param import RowLayout, local_of, owners_by_load, routes
-from ._owner_exchange import DISAGREE, join_rows, sharded_like
+from ..comm import Received, exchange, nbytes_of
+from ..param import RowGroup, RowLayout, local_of, owners_by_load, routes
+from ._owner_exchange import DISAGREE, join_rows
+from ._step_rows import StepRows, shard_rows
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 except ImportError:  # another torch: the general owner step serves Muon instead
     _adjust_lr = _zeropower_via_newtonschulz = None  # type: ignore[assignment]  # reason: absent
 
-__all__ = ["ROWS_AVAILABLE", "muon_step", "rows_group_of"]
+__all__ = ["ROWS_AVAILABLE", "muon_rows_step", "muon_step", "rows_group_of"]
 
 ROWS_AVAILABLE = _zeropower_via_newtonschulz is not None
 
@@ -108,28 +112,32 @@ def rows_group_of(param: DTensor) -> dist.ProcessGroup | None:
 def muon_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """One Muon step of ``params`` (sharded DTensor matrices and stacks of them, with gradients)."""
     groups = [rows_group_of(p) for p in params]  # type: ignore[arg-type]  # raises before anything changes
+    muon_rows_step(optimizer, [shard_rows(p, g) for p, g in zip(params, groups, strict=True)])
+
+
+def muon_rows_step(optimizer: torch.optim.Optimizer, parts: list[StepRows]) -> None:
+    """One Muon step of each parameter's rows in ``parts`` (its shard's, or its replica slice's)."""
     settings = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    by_group: dict[dist.ProcessGroup | None, list[_Matrix]] = {}
+    by_ring: dict[RowGroup | None, list[_Matrix]] = {}
     with torch.no_grad():
-        for param, group in zip(params, groups, strict=True):
-            g = settings[id(param)]
-            grad = local_of(param.grad)  # type: ignore[arg-type]
-            buffer = local_of(_momentum(optimizer, param, grad))
+        for part in parts:
+            g = settings[id(part.param)]
+            grad = part.grad
+            buffer = local_of(_momentum(optimizer, part))
             buffer.lerp_(grad, 1 - g["momentum"])
             update = grad.lerp(buffer, g["momentum"]) if g["nesterov"] else buffer
-            shape = (int(param.shape[-2]), int(param.shape[-1]))
-            local = local_of(param)  # type: ignore[arg-type]
-            for rows, target in zip(_matrices(update), _matrices(local), strict=True):
-                by_group.setdefault(group, []).append(_Matrix(rows, target, shape, g))
+            shape = (int(part.param.shape[-2]), int(part.param.shape[-1]))
+            for rows, target in zip(_matrices(update), _matrices(part.local), strict=True):
+                by_ring.setdefault(part.ring, []).append(_Matrix(rows, target, shape, g))
         results: list[tuple[_Matrix, torch.Tensor]] = []
-        for group, matrices in by_group.items():
-            if group is None:
+        for ring, matrices in by_ring.items():
+            if ring is None:
                 results.extend((m, _orthogonalise(m.update, m.settings)) for m in matrices)
             else:
-                results.extend(zip(matrices, _on_owners(matrices, group), strict=True))
-        for param in params:
-            g = settings[id(param)]
-            local_of(param).mul_(1 - float(g["lr"]) * g["weight_decay"])  # type: ignore[arg-type]
+                results.extend(zip(matrices, _on_owners(matrices, ring), strict=True))
+        for part in parts:
+            g = settings[id(part.param)]
+            part.local.mul_(1 - float(g["lr"]) * g["weight_decay"])
         for matrix, result in results:
             g = matrix.settings
             lr = _adjust_lr(float(g["lr"]), g["adjust_lr_fn"], torch.Size(matrix.shape))
@@ -145,11 +153,14 @@ def _orthogonalise(update: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
     return _zeropower_via_newtonschulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"])
 
 
-def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Each matrix orthogonalised on its owner rank of ``group``; this rank's rows of each result."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def _on_owners(matrices: list[_Matrix], ring: RowGroup) -> list[torch.Tensor]:
+    """Each matrix orthogonalised on its owner rank of ``ring``; this rank's rows of each result.
+
+    Ranks are ``ring``'s layout ranks (row order) here, the group's only in the exchanges.
+    """
+    world, rank = len(ring.peers), ring.position
     device = matrices[0].update.device
-    rows = [RowLayout.chunked(m.shape[0], world) for m in matrices]
+    rows = [ring.layout(m.shape[0]) for m in matrices]
     owners = owners_by_load([m.shape[0] * m.shape[1] * min(m.shape) for m in matrices], world)
     owned = [RowLayout.owned(m.shape[0], world, owner) for m, owner in zip(matrices, owners, strict=True)]
     # There: each rank's rows of each update to the matrix's owner (only the peers bytes go to or
@@ -161,12 +172,12 @@ def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.
             sends[owners[i]].append(m.update)
         for piece in routes(rows[i], owned[i], rank).receive:
             expect[piece.peer] += nbytes_of((piece.rows, m.shape[1]), m.update.dtype)
-    received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
+    received = _exchange(sends, expect, ring, device)
     wholes: dict[int, torch.Tensor] = {}
     for i, m in enumerate(matrices):
         if owners[i] == rank:
             pieces = [
-                received.take(piece.peer, (piece.rows, m.shape[1]), m.update.dtype)
+                received.take(ring.peers[piece.peer], (piece.rows, m.shape[1]), m.update.dtype)
                 for piece in routes(rows[i], owned[i], rank).receive
             ]
             wholes[i] = _orthogonalise(join_rows(pieces, m.update), m.settings)
@@ -179,10 +190,10 @@ def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.
     for i, m in enumerate(matrices):
         if rows[i].count(rank):
             expect[owners[i]] += nbytes_of((rows[i].count(rank), m.shape[1]), torch.bfloat16)
-    received = exchange(sends, group, expect=expect, device=device, mismatch=DISAGREE)
+    received = _exchange(sends, expect, ring, device)
     results = []
     for i, m in enumerate(matrices):
-        result = received.take(owners[i], (rows[i].count(rank), m.shape[1]), torch.bfloat16)
+        result = received.take(ring.peers[owners[i]], (rows[i].count(rank), m.shape[1]), torch.bfloat16)
         if m.shape[0] > m.shape[1]:
             # torch's Newton-Schulz returns a tall matrix as a transposed view, and the add takes
             # another kernel for such an operand (in bf16, another rounding): lay the rows out alike.
@@ -191,11 +202,25 @@ def _on_owners(matrices: list[_Matrix], group: dist.ProcessGroup) -> list[torch.
     return results
 
 
-def _momentum(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> DTensor:
-    """``param``'s momentum buffer, made as torch's ``_init_group`` makes it, sharded like ``param``."""
-    state: dict[str, Any] = optimizer.state[param]
+def _exchange(
+    sends: Mapping[int, list[torch.Tensor]], expect: Mapping[int, int], ring: RowGroup, device: torch.device
+) -> Received:
+    """``exchange`` over ``ring``'s group; ``sends`` and ``expect`` by layout rank, only the peers named."""
+    peers = ring.peers
+    return exchange(
+        {peers[p]: tensors for p, tensors in sends.items()},
+        ring.group,
+        expect={peers[p]: n for p, n in expect.items()},
+        device=device,
+        mismatch=DISAGREE,
+    )
+
+
+def _momentum(optimizer: torch.optim.Optimizer, part: StepRows) -> DTensor:
+    """The momentum buffer of ``part``'s parameter, made as torch's ``_init_group`` does, over its rows."""
+    state: dict[str, Any] = optimizer.state[part.param]
     buffer = state.get("momentum_buffer")
     if buffer is None:
-        buffer = sharded_like(param, torch.zeros_like(grad, memory_format=torch.preserve_format))
+        buffer = part.wrap(torch.zeros_like(part.grad, memory_format=torch.preserve_format), None)
         state["momentum_buffer"] = buffer
     return buffer

@@ -50,6 +50,7 @@ from ._local_optim import decide_others_with, declare_elementwise, is_elementwis
 from ._muon import ROWS_AVAILABLE, muon_step
 from ._owner_exchange import ExchangePlan, shard_group_of
 from ._stacked_muon import StackedMuon
+from ._step_rows import shard_rows
 
 __all__ = ["declare_optimizer", "whole_tensor_step"]
 
@@ -190,7 +191,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     if type(optimizer) is torch.optim.Adafactor:  # factored: small all-reduces, no matrix moved
         for group, params in _by_shard_group(stepped):
-            factored_step(optimizer, params, group)
+            factored_step(optimizer, [shard_rows(p, group) for p in params], group)
     elif type(optimizer) in (torch.optim.Muon, StackedMuon) and ROWS_AVAILABLE:  # only NS's input moves
         muon_step(optimizer, stepped)
     else:

@@ -27,8 +27,15 @@ from ._init import check_materialized, init_like_unsharded, warn_if_repeated_sha
 from ._late_params import LATE, check_late_parameters, watch_registrations
 from ._layout import ShardLayout
 from ._param import FSDPParam, can_pin, is_managed, padded_shard_numel
-from ._replica_slices import accumulate_slice_grad, is_slice, slice_mesh, slice_rows, slice_spec
-from ._rows import Piece, Routes, RowLayout, local_box, owners_by_load, routes, row_shard
+from ._replica_slices import (
+    accumulate_slice_grad,
+    is_slice,
+    slice_mesh,
+    slice_row_group,
+    slice_rows,
+    slice_spec,
+)
+from ._rows import Piece, Routes, RowGroup, RowLayout, local_box, owners_by_load, routes, row_shard
 from ._shard import check_subclass_shardable
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "FSDPParam",
     "Piece",
     "Routes",
+    "RowGroup",
     "RowLayout",
     "ShardLayout",
     "accumulate_slice_grad",
@@ -60,6 +68,7 @@ __all__ = [
     "routes",
     "row_shard",
     "slice_mesh",
+    "slice_row_group",
     "slice_rows",
     "slice_spec",
     "spec_of",

@@ -1,21 +1,26 @@
 """Row layouts: where the rows of a tensor live across ranks, and the routes between two layouts.
 
-Owns: ``RowLayout`` (rows over W ranks as ``torch.chunk`` cuts them, or all rows on one owner rank),
-``routes`` (which rows each rank sends to and receives from which rank, going from one layout to
-another), ``owners_by_load`` (an owner per item: the heaviest first, each to the least loaded rank),
-``row_shard`` (the mesh dim sharding a DTensor's rows, when that is its only sharding) and
-``local_box`` (this rank's block of a DTensor in the global tensor). Pure arithmetic on sizes and
-placements: no tensors move here (the exchange is ``comm._exchange``'s).
-Does not own: the padded shard sizes of the engine (``_layout``), what travels or how it is packed.
+Owns: ``RowLayout`` (rows over W ranks as ``torch.chunk`` cuts them, or cut twice: into ``W / I``
+chunks, each cut again into ``I``; or all rows on one owner rank), ``RowGroup`` (a process group
+whose ranks hold rows as such a layout says, numbered in row order), ``routes`` (which rows each
+rank sends to and receives from which rank, going from one layout to another), ``owners_by_load``
+(an owner per item: the heaviest first, each to the least loaded rank), ``row_shard`` (the mesh dim
+sharding a DTensor's rows, when that is its only sharding) and ``local_box`` (this rank's block of a
+DTensor in the global tensor). Pure arithmetic on sizes and placements: no tensors move here (the
+exchange is ``comm._exchange``'s). Does not own: the padded shard sizes of the engine
+(``_layout``), what travels or how it is packed.
 
 [Note: Routes cost what they move]
-A layout is three integers, never a list of W entries: rank ``r``'s rows are ``[r c, (r + 1) c)``
+A layout is four integers, never a list of W entries: rank ``r``'s rows are ``[r c, (r + 1) c)``
 clipped to the row count (``c = ceil(rows / W)``), so the ranks of another layout that a span meets
-are one ``range`` found by two divisions. ``routes(a, b, rank)`` so lists only the ranks this rank
-really exchanges rows with: one piece for a chunk going to its owner, W pieces only on the owner
-that gathers W chunks. Routes are cached per ``(a, b, rank)``; layouts used every step cost nothing
-after the first. Owners come off a heap of at most ``min(items, W)`` ranks (a rank past the item
-count is never the least loaded one with the lowest number).
+are one ``range`` found by two divisions. A layout cut twice (HSDP's shards cut again into replica
+slices, ``param._replica_slices``) numbers its ``W`` ranks in row order (``s I + i``: the ``i``-th
+piece of chunk ``s``); the ranks a span meets are still one ``range``, some of them holding no rows
+(a short chunk's empty pieces), which ``routes`` leaves out. ``routes(a, b, rank)`` so lists only
+the ranks this rank really exchanges rows with: one piece for a chunk going to its owner, W pieces
+only on the owner that gathers W chunks. Routes are cached per ``(a, b, rank)``; layouts used every
+step cost nothing after the first. Owners come off a heap of at most ``min(items, W)`` ranks (a rank
+past the item count is never the least loaded one with the lowest number).
 """
 
 from __future__ import annotations
@@ -24,19 +29,27 @@ import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["Piece", "Routes", "RowLayout", "local_box", "owners_by_load", "routes", "row_shard"]
+T = TypeVar("T")
+
+__all__ = ["Piece", "Routes", "RowGroup", "RowLayout", "local_box", "owners_by_load", "routes", "row_shard"]
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """``rows`` rows over ``world`` ranks: ``torch.chunk``'s pieces, or all of them on rank ``owner``."""
+    """``rows`` rows over ``world`` ranks: ``torch.chunk``'s pieces, or all of them on rank ``owner``.
+
+    ``inner > 1``: cut twice, into ``world / inner`` chunks, each chunk into ``inner`` pieces; rank
+    ``s * inner + i`` holds the ``i``-th piece of chunk ``s``.
+    """
 
     rows: int
     world: int
     owner: int | None = None
+    inner: int = 1
 
     @classmethod
     def chunked(cls, rows: int, world: int) -> RowLayout:
@@ -46,15 +59,25 @@ class RowLayout:
     def owned(cls, rows: int, world: int, owner: int) -> RowLayout:
         return cls(rows, world, owner)
 
+    @classmethod
+    def nested(cls, rows: int, outer: int, inner: int) -> RowLayout:
+        """``torch.chunk``'s ``outer`` pieces, each cut into ``inner`` (``outer * inner`` ranks)."""
+        return cls(rows, outer * inner, None, inner)
+
     @property
     def step(self) -> int:
-        """Rows of every chunk but the last ones (``ceil(rows / world)``; 0 for no rows)."""
+        """Rows of every chunk but the last ones (``ceil(rows / world)``; 0 for no rows; cut once)."""
         return -(-self.rows // self.world)
 
     def span(self, rank: int) -> tuple[int, int]:
         """``[start, stop)``: the rows ``rank`` holds."""
         if self.owner is not None:
             return (0, self.rows) if rank == self.owner else (0, 0)
+        if self.inner > 1:
+            chunk, piece = divmod(rank, self.inner)
+            low, high = RowLayout(self.rows, self.world // self.inner).span(chunk)
+            start, stop = RowLayout(high - low, self.inner).span(piece)
+            return low + start, low + stop
         start = min(rank * self.step, self.rows)
         return start, min(start + self.step, self.rows)
 
@@ -69,7 +92,16 @@ class RowLayout:
             return range(0)
         if self.owner is not None:
             return range(self.owner, self.owner + 1)
+        if self.inner > 1:
+            return range(self._holder(start), self._holder(stop - 1) + 1)
         return range(start // self.step, (stop - 1) // self.step + 1)
+
+    def _holder(self, row: int) -> int:
+        """The rank holding ``row`` of a layout cut twice."""
+        outer = RowLayout(self.rows, self.world // self.inner)
+        chunk = row // outer.step
+        low, high = outer.span(chunk)
+        return chunk * self.inner + (row - low) // RowLayout(high - low, self.inner).step
 
 
 @dataclass(frozen=True)
@@ -113,8 +145,34 @@ def _pieces(span: tuple[int, int], other: RowLayout) -> tuple[Piece, ...]:
     out = []
     for peer in other.holders(start, stop):
         low, high = other.span(peer)
-        out.append(Piece(peer, max(start, low), min(stop, high)))
+        if min(stop, high) > max(start, low):  # a rank of a short chunk may hold no rows
+            out.append(Piece(peer, max(start, low), min(stop, high)))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """A process group whose ranks hold rows as ``RowLayout.nested(rows, outer, inner)`` says.
+
+    ``peers[p]``: the group rank of layout rank ``p`` (row order need not be the group's rank order);
+    ``position``: this rank's layout rank. One shard group is ``outer`` its size, ``inner`` 1.
+    """
+
+    group: Any  # a torch.distributed ProcessGroup
+    outer: int
+    inner: int
+    peers: tuple[int, ...]
+    position: int
+
+    def layout(self, rows: int) -> RowLayout:
+        return RowLayout.nested(rows, self.outer, self.inner)
+
+    def by_rank(self, per_position: Sequence[T]) -> list[T]:
+        """``per_position`` (indexed by layout rank) reordered by group rank."""
+        out = list(per_position)
+        for position, value in enumerate(per_position):
+            out[self.peers[position]] = value
+        return out
 
 
 def owners_by_load(loads: Sequence[int], world: int) -> list[int]:

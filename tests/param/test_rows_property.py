@@ -26,8 +26,11 @@ worlds = st.integers(min_value=1, max_value=7)
 @st.composite
 def layouts(draw: st.DrawFn, rows: int) -> RowLayout:
     world = draw(worlds)
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["owned", "chunked", "nested"]))
+    if kind == "owned":
         return RowLayout.owned(rows, world, draw(st.integers(min_value=0, max_value=world - 1)))
+    if kind == "nested":  # HSDP's shards cut again into replica slices
+        return RowLayout.nested(rows, draw(st.integers(1, 4)), draw(st.integers(2, 3)))
     return RowLayout.chunked(rows, world)
 
 
@@ -35,6 +38,11 @@ def _expected(tensor: torch.Tensor, dim: int, layout: RowLayout, rank: int) -> t
     """``rank``'s rows under ``layout``: its ``torch.chunk`` piece, the whole tensor, or none."""
     if layout.owner is not None:
         return tensor if rank == layout.owner else tensor.narrow(dim, 0, 0)
+    if layout.inner > 1:  # torch.chunk's piece of torch.chunk's piece
+        chunk, piece = divmod(rank, layout.inner)
+        outer = RowLayout.chunked(layout.rows, layout.world // layout.inner)
+        part = _expected(tensor, dim, outer, chunk)
+        return _expected(part, dim, RowLayout.chunked(part.size(dim), layout.inner), piece)
     pieces = torch.chunk(tensor, layout.world, dim) if tensor.size(dim) else ()
     return pieces[rank] if rank < len(pieces) else tensor.narrow(dim, 0, 0)
 
