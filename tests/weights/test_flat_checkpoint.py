@@ -1,0 +1,131 @@
+"""``fsdp2.ShardedCheckpointer`` / ``fsdp2.save_sharded``: DCP checkpoints planned from the layout alone.
+
+- model and AdamW state saved at 4 ranks (synchronously, and in the background within a staging budget)
+  load with torch's ``dcp.load`` at 4, 2 and 1 ranks into fsdp2 and at 2 into torch's ``fully_shard``,
+  equal to the saved values exactly, and the next step equals an unsharded reference;
+- the files hold the same entries as ``dcp.save``'s (keys, shapes, dtypes, chunks);
+- an async save never holds more than its budget in staged copies, and returns before writing;
+- a failed write leaves no ``.metadata`` and raises on every rank; bad input raises before any file.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Partial
+
+import fsdp2
+from tests._harness import run_threaded
+from tests._training import seeded
+from tests.shared.checkpoint_net import Net, adamw, dcp_load, shard, snapshot, train
+
+
+def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+
+def _save(path: str, mode: str, out: dict[str, Any]) -> None:
+    model = shard(seeded(Net))
+    optim = adamw(model)
+    train(model, optim, range(2))
+    state = _state(model, optim)
+    saved = snapshot(model, optim)
+    if mode == "sync":
+        fsdp2.save_sharded(state, path)
+    else:
+        saver = fsdp2.ShardedCheckpointer(staging_bytes=256)
+        pending = saver.save_async(state, path)
+        assert not (Path(path) / ".metadata").exists()  # written only at wait()
+        train(model, optim, range(2, 3))  # the caller may change the tensors once save_async returned
+        pending.wait()
+        largest = max(v.to_local().nbytes for v in state["model"].values() if isinstance(v, DTensor))
+        assert pending.peak_staged_bytes <= max(256, largest)
+    if dist.get_rank() == 0:
+        out.update(saved)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_saved_at_4_loads_with_dcp_at_4_2_1_and_into_torch(mode: str, tmp_path: Path) -> None:
+    expected: dict[str, Any] = {}
+    path = str(tmp_path / "ckpt")
+    run_threaded(4, _save, path, mode, expected)
+    for world, impl in [(2, "fsdp2"), (1, "fsdp2"), (2, "torch")] if mode == "sync" else [(4, "fsdp2")]:
+        run_threaded(world, dcp_load, impl, path, expected)
+
+
+def _both(path: str) -> None:
+    model = shard(seeded(Net))
+    optim = adamw(model)
+    train(model, optim, range(1))
+    state = _state(model, optim)
+    saver = fsdp2.ShardedCheckpointer()
+    saver.save(state, path + "/flat")
+    saver.save(state, path + "/flat2")  # the plan is reused: built once
+    assert saver.plans_built == 1
+    dcp.save(state, checkpoint_id=path + "/dcp")
+
+
+def _entries(path: Path) -> dict[str, Any]:
+    with open(path / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)
+    found: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if all(c.sizes))
+            found[key] = (tuple(entry.size), entry.properties.dtype, chunks)
+        else:
+            found[key] = "bytes"
+    return found
+
+
+def test_metadata_matches_dcp_save(tmp_path: Path) -> None:
+    run_threaded(4, _both, str(tmp_path))
+    assert _entries(tmp_path / "flat") == _entries(tmp_path / "dcp")
+    assert sorted(p.name for p in (tmp_path / "flat").iterdir()) == [
+        ".metadata",
+        *(f"__{rank}_0.distcp" for rank in range(4)),
+    ]
+
+
+def _failing(path: str) -> None:
+    model = shard(seeded(Net))
+    state = {"model": get_model_state_dict(model)}
+    target = Path(path)
+    target.mkdir(exist_ok=True)
+    if dist.get_rank() == 1:  # rank 1 cannot create its file: a directory is in the way
+        (target / "__1_0.distcp").mkdir(exist_ok=True)
+    dist.barrier()
+    with pytest.raises(OSError, match="__1_0.distcp"):
+        fsdp2.save_sharded(state, path)
+    assert not (target / ".metadata").exists()
+
+
+def test_a_failed_write_raises_everywhere_and_leaves_no_metadata(tmp_path: Path) -> None:
+    run_threaded(2, _failing, str(tmp_path / "ckpt"))
+
+
+def _bad_input(path: str) -> None:
+    model = shard(seeded(Net))
+    mesh = next(model.parameters()).device_mesh
+    partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+    with pytest.raises(ValueError, match="Partial.*torch.distributed.checkpoint.save"):
+        fsdp2.save_sharded({"x": partial}, path)
+    with pytest.raises(ValueError, match="flatten to the key 'a.b'"):
+        fsdp2.save_sharded({"a": {"b": 1}, "a.b": 2}, path)
+    with pytest.raises(TypeError, match="dict of state dicts"):
+        fsdp2.save_sharded([model.state_dict()], path)  # type: ignore[arg-type]
+    assert not Path(path).exists()
+
+
+def test_bad_input_raises_before_any_file(tmp_path: Path) -> None:
+    run_threaded(2, _bad_input, str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="staging_bytes must be a positive int"):
+        fsdp2.ShardedCheckpointer(staging_bytes=0)
