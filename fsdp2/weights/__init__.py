@@ -5,8 +5,9 @@ gathered or scattered one group at a time), Hugging Face checkpoints (``save_pre
 ``load_pretrained``: sharded safetensors files, each written or read in parts by every rank, in the
 names and layout ``transformers`` saves, per-expert tensors of expert stacks included), weight
 sync to an inference engine (``WeightSync``: each call only what changed, gathered in buckets; or each
-rank's shards with their places, ``LocalShard``) ``copy.deepcopy`` of ``fully_shard`` modules, and DCP-format sharded checkpoints planned from the
-layout alone (``ShardedCheckpointer`` / ``save_sharded``: no gather of plans, async with bounded staging).
+rank's shards with their places, ``LocalShard``), ``copy.deepcopy`` of ``fully_shard`` modules, and
+DCP-format sharded checkpoints planned from the layout alone (``ShardedCheckpointer`` /
+``save_sharded``: no gather of plans; in the background within a host staging budget).
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below (``debug``:
 every rank agrees to enter an export or import in debug mode).
 

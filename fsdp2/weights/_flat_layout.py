@@ -57,7 +57,7 @@ def slot_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """DCP's flattening: nested mappings and tensor-holding lists become dotted keys; other values are leaves."""
+    """DCP's flattening: nested mappings and lists holding tensors become dotted keys; the rest are leaves."""
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
 
@@ -127,7 +127,9 @@ class TensorLayout:
 def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
     """The layout of one tensor leaf; raises ``ValueError`` for a placement the arithmetic cannot place."""
     if tensor.is_meta:
-        raise ValueError(f"save_sharded: {key!r} is on the meta device (no values to save); materialize it first.")
+        raise ValueError(
+            f"save_sharded: {key!r} is on the meta device (no values to save); materialize it first."
+        )
     if not isinstance(tensor, DTensor):
         return TensorLayout(key, tuple(tensor.shape), tensor.dtype, (), ())
     for placement in tensor.placements:
@@ -137,7 +139,9 @@ def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
                 "their chunks by arithmetic. Use torch.distributed.checkpoint.save for this state dict."
             )
     mesh = tensor.device_mesh
-    return TensorLayout(key, tuple(tensor.shape), tensor.dtype, tuple(mesh.mesh.shape), tuple(tensor.placements))
+    return TensorLayout(
+        key, tuple(tensor.shape), tensor.dtype, tuple(mesh.mesh.shape), tuple(tensor.placements)
+    )
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,9 @@ class LocalItem:
     slot: int
 
 
-def local_items(layouts: list[TensorLayout], coordinates: list[tuple[int, ...] | None], rank: int) -> list[LocalItem]:
+def local_items(
+    layouts: list[TensorLayout], coordinates: list[tuple[int, ...] | None], rank: int
+) -> list[LocalItem]:
     """This rank's chunks in key order with their file offsets: one ``chunk`` call per tensor leaf.
 
     ``coordinates[i]``: this rank's coordinate on leaf ``i``'s mesh (``None``: not on that mesh).
@@ -177,7 +183,9 @@ def _own_chunk(
     return None if coordinate is None else layout.chunk(coordinate)
 
 
-def _all_chunks(layout: TensorLayout, mesh_ranks: torch.Tensor | None) -> Iterator[tuple[int, tuple[Any, Any]]]:
+def _all_chunks(
+    layout: TensorLayout, mesh_ranks: torch.Tensor | None
+) -> Iterator[tuple[int, tuple[Any, Any]]]:
     """Every ``(rank, chunk)`` of one leaf, in mesh order (rank 0's only for a plain tensor)."""
     if mesh_ranks is None:
         yield 0, ((0,) * len(layout.shape), layout.shape)
@@ -208,7 +216,9 @@ def tensor_metadata(
             storage[MetadataIndex(layout.key, offsets)] = _StorageInfo(file_name(rank), position, slot)
             ends[rank] = position + slot
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-        entries[layout.key] = TensorStorageMetadata(TensorProperties(dtype=layout.dtype), torch.Size(layout.shape), chunks)
+        entries[layout.key] = TensorStorageMetadata(
+            TensorProperties(dtype=layout.dtype), torch.Size(layout.shape), chunks
+        )
     return entries, storage, ends
 
 
@@ -238,4 +248,6 @@ def full_metadata(
         storage[MetadataIndex(key)] = _StorageInfo(file_name(0), position, length)
         position += length
     ordered = {key: entries[key] for key in order}
-    return Metadata(state_dict_metadata=ordered, planner_data=dict(paths), storage_data=storage, version=DCP_VERSION)
+    return Metadata(
+        state_dict_metadata=ordered, planner_data=dict(paths), storage_data=storage, version=DCP_VERSION
+    )

@@ -59,7 +59,7 @@ class PendingSave:
         return self._done
 
     def wait(self) -> None:
-        """Wait for this rank's file, then commit: rank 0 writes ``.metadata`` once every rank's file is whole.
+        """Wait for this rank's file, then commit: rank 0 writes ``.metadata`` once every file is whole.
 
         A collective (two one-integer all-reduces). Raises ``OSError`` on every rank when any rank
         failed to write; the checkpoint then has no ``.metadata`` and DCP will not load it.
@@ -71,7 +71,7 @@ class PendingSave:
 
 
 class ShardedCheckpointer:
-    """Saves sharded state dicts as DCP checkpoints with no gather of plans, synchronously or in the background.
+    """Saves sharded state dicts as DCP checkpoints with no gather of plans, in place or in the background.
 
     Args:
         staging_bytes: the host memory an async save may hold in staged copies at once (a chunk larger
@@ -82,8 +82,10 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, *, staging_bytes: int = _DEFAULT_STAGING) -> None:
-        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or staging_bytes <= 0:
-            raise ValueError(f"ShardedCheckpointer: staging_bytes must be a positive int, got {staging_bytes!r}.")
+        if type(staging_bytes) is not int or staging_bytes <= 0:
+            raise ValueError(
+                f"ShardedCheckpointer: staging_bytes must be a positive int, got {staging_bytes!r}."
+            )
         self.staging_bytes = staging_bytes
         self._key: tuple[Any, ...] | None = None
         self._local: list[LocalItem] = []
@@ -103,7 +105,9 @@ class ShardedCheckpointer:
         """
         return self._start(state, path, background=True)
 
-    def _start(self, state: Mapping[str, Any], path: str | os.PathLike[str], *, background: bool) -> PendingSave:
+    def _start(
+        self, state: Mapping[str, Any], path: str | os.PathLike[str], *, background: bool
+    ) -> PendingSave:
         if not isinstance(state, Mapping):
             raise TypeError(f"save_sharded: state must be a dict of state dicts, got {type(state).__name__}.")
         flat, paths = flatten(state)
@@ -117,7 +121,11 @@ class ShardedCheckpointer:
             self._pending.wait()
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        objects = {key: object_bytes(value) for key, value in flat.items() if key not in tensors} if rank == 0 else {}
+        objects = (
+            {key: object_bytes(value) for key, value in flat.items() if key not in tensors}
+            if rank == 0
+            else {}
+        )
         writer = StagedWriter(folder / file_name(rank), self.staging_bytes if background else 0)
         for item in self._local:
             writer.put(item, tensors[item.key], stage=background)
@@ -129,7 +137,9 @@ class ShardedCheckpointer:
             raise_everywhere(problem, None, OSError, device=device)
             written = ""
             if rank == 0:
-                written = self._write_metadata(folder, full_metadata(self._tensors, lengths, paths, list(flat)))
+                written = self._write_metadata(
+                    folder, full_metadata(self._tensors, lengths, paths, list(flat))
+                )
             raise_everywhere(written, None, OSError, device=device)
 
         self._pending = PendingSave(writer, commit)

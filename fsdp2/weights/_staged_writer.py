@@ -56,7 +56,7 @@ class StagedWriter:
         self._queue.put((item, staged, size))
 
     def close(self, end: int, objects: list[bytes]) -> None:
-        """No more chunks: append ``objects`` at ``end`` (the tensors' planned length) and cut the file there."""
+        """No more chunks: append ``objects`` at ``end`` (the tensors' planned length), cut the file there."""
         if self._thread is None:
             self._finish_file(end, objects)
         else:
@@ -103,7 +103,8 @@ class StagedWriter:
         if used > item.slot:
             self._problem = (
                 f"{item.key!r}: torch.save wrote {used} bytes, more than the {item.slot} planned for it; "
-                "this torch's serialization is larger than fsdp2 allows for. Use torch.distributed.checkpoint.save."
+                "this torch's serialization is larger than fsdp2 allows for. "
+                "Use torch.distributed.checkpoint.save."
             )
 
     def _finish_file(self, end: int, objects: list[bytes]) -> None:

@@ -103,7 +103,7 @@ def _failing(path: str) -> None:
     if dist.get_rank() == 1:  # rank 1 cannot create its file: a directory is in the way
         (target / "__1_0.distcp").mkdir(exist_ok=True)
     dist.barrier()
-    with pytest.raises(OSError, match="__1_0.distcp"):
+    with pytest.raises(OSError, match=r"__1_0\.distcp"):
         fsdp2.save_sharded(state, path)
     assert not (target / ".metadata").exists()
 
@@ -116,9 +116,9 @@ def _bad_input(path: str) -> None:
     model = shard(seeded(Net))
     mesh = next(model.parameters()).device_mesh
     partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
-    with pytest.raises(ValueError, match="Partial.*torch.distributed.checkpoint.save"):
+    with pytest.raises(ValueError, match=r"Partial.*torch\.distributed\.checkpoint\.save"):
         fsdp2.save_sharded({"x": partial}, path)
-    with pytest.raises(ValueError, match="flatten to the key 'a.b'"):
+    with pytest.raises(ValueError, match=r"flatten to the key 'a\.b'"):
         fsdp2.save_sharded({"a": {"b": 1}, "a.b": 2}, path)
     with pytest.raises(TypeError, match="dict of state dicts"):
         fsdp2.save_sharded([model.state_dict()], path)  # type: ignore[arg-type]
