@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -183,41 +183,48 @@ def _own_chunk(
     return None if coordinate is None else layout.chunk(coordinate)
 
 
-def _all_chunks(
-    layout: TensorLayout, mesh_ranks: torch.Tensor | None
-) -> Iterator[tuple[int, tuple[Any, Any]]]:
-    """Every ``(rank, chunk)`` of one leaf, in mesh order (rank 0's only for a plain tensor)."""
+def _all_chunks(layout: TensorLayout, mesh_ranks: list[int] | None) -> list[tuple[int, Any, Any]]:
+    """Every ``(rank, offsets, sizes)`` of one leaf, in mesh order (rank 0's only for a plain tensor)."""
     if mesh_ranks is None:
-        yield 0, ((0,) * len(layout.shape), layout.shape)
-        return
-    for coordinate in product(*(range(size) for size in layout.mesh_shape)):
-        found = layout.chunk(coordinate)
-        if found is not None:
-            yield int(mesh_ranks[coordinate]), found
+        return [(0, (0,) * len(layout.shape), layout.shape)]
+    found = []
+    for position, coordinate in enumerate(product(*(range(size) for size in layout.mesh_shape))):
+        chunk = layout.chunk(coordinate)
+        if chunk is not None:
+            found.append((mesh_ranks[position], *chunk))
+    return found
 
 
 def tensor_metadata(
-    layouts: list[TensorLayout], mesh_ranks: list[torch.Tensor | None]
+    layouts: list[TensorLayout], mesh_ranks: list[list[int] | None]
 ) -> tuple[dict[str, Any], dict[MetadataIndex, _StorageInfo], dict[int, int]]:
     """Rank 0's view of every rank's tensor chunks: DCP entries, storage places, each file's tensor bytes.
 
     Walks the leaves in key order and, within each, the mesh in order, so each file's offsets come out
-    in the order its rank writes them (``local_items``). ``mesh_ranks[i]``: leaf ``i``'s mesh as a
-    tensor of global ranks (``None``: a plain tensor).
+    in the order its rank writes them (``local_items``). ``mesh_ranks[i]``: leaf ``i``'s mesh as the
+    list of its global ranks in mesh order, one list object per mesh (``None``: a plain tensor). Leaves
+    of one shape, placements and mesh share their chunks: computed once (a model's layers repeat).
     """
     entries: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     ends: dict[int, int] = {}
+    shared: dict[tuple[Any, ...], tuple[list[tuple[int, Any, int]], list[ChunkStorageMetadata]]] = {}
     for layout, ranks in zip(layouts, mesh_ranks, strict=True):
-        chunks = []
-        for rank, (offsets, sizes) in _all_chunks(layout, ranks):
-            slot = slot_bytes(sizes, layout.dtype)
+        alike = (layout.shape, layout.dtype, layout.mesh_shape, layout.placements, id(ranks))
+        if alike not in shared:
+            found = _all_chunks(layout, ranks)
+            places = [(rank, offsets, slot_bytes(sizes, layout.dtype)) for rank, offsets, sizes in found]
+            chunks = [
+                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for _, offsets, sizes in found
+            ]
+            shared[alike] = places, chunks
+        places, chunks = shared[alike]
+        for rank, offsets, slot in places:
             position = ends.get(rank, 0)
             storage[MetadataIndex(layout.key, offsets)] = _StorageInfo(file_name(rank), position, slot)
             ends[rank] = position + slot
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         entries[layout.key] = TensorStorageMetadata(
-            TensorProperties(dtype=layout.dtype), torch.Size(layout.shape), chunks
+            TensorProperties(dtype=layout.dtype), torch.Size(layout.shape), list(chunks)
         )
     return entries, storage, ends
 

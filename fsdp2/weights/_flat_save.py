@@ -36,7 +36,7 @@ from ._flat_layout import (
     tensor_metadata,
 )
 from ._safetensors import comm_device
-from ._staged_writer import StagedWriter
+from ._staged_writer import StagedWriter, StagingPool
 
 _DEFAULT_STAGING = 1 << 30
 
@@ -87,6 +87,7 @@ class ShardedCheckpointer:
                 f"ShardedCheckpointer: staging_bytes must be a positive int, got {staging_bytes!r}."
             )
         self.staging_bytes = staging_bytes
+        self._pool = StagingPool(staging_bytes)
         self._key: tuple[Any, ...] | None = None
         self._local: list[LocalItem] = []
         self._tensors: Any = None
@@ -126,7 +127,7 @@ class ShardedCheckpointer:
             if rank == 0
             else {}
         )
-        writer = StagedWriter(folder / file_name(rank), self.staging_bytes if background else 0)
+        writer = StagedWriter(folder / file_name(rank), self._pool if background else None)
         for item in self._local:
             writer.put(item, tensors[item.key], stage=background)
         end = self._local[-1].file_offset + self._local[-1].slot if self._local else 0
@@ -153,7 +154,10 @@ class ShardedCheckpointer:
         coordinates = [None if mesh is None else _coordinate(mesh) for mesh in meshes]
         self._local = local_items(layouts, coordinates, rank)
         if rank == 0:
-            self._tensors = tensor_metadata(layouts, [None if mesh is None else mesh.mesh for mesh in meshes])
+            ranks = {id(mesh): mesh.mesh.flatten().tolist() for mesh in meshes if mesh is not None}
+            self._tensors = tensor_metadata(
+                layouts, [None if mesh is None else ranks[id(mesh)] for mesh in meshes]
+            )
         self._key = key
         self.plans_built += 1
 

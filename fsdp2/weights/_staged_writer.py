@@ -3,7 +3,8 @@
 Owns: ``StagedWriter``: each chunk ``torch.save``-d into its slot of the rank's file (the layout's
 offsets), rank 0's objects appended after its tensors, the file cut to its planned length; with a
 staging budget, the caller copies chunks to host memory while a background thread writes them, and the
-caller waits only while the staged bytes would pass the budget.
+caller waits only while the staged bytes would pass the budget; the thread starts writing when the
+budget is full or staging is done, so a state within the budget is copied without competing writes.
 Does not own: where the chunks go (``_flat_layout.py``), the commit (``_flat_save.py``).
 Invariants: at most ``budget`` staged bytes are held at once (or one chunk, when a chunk is larger);
 a failed write never stops the writer draining the queue, so the caller is never left waiting.
@@ -22,12 +23,41 @@ from torch.distributed.tensor import DTensor
 from ._flat_layout import LocalItem
 
 
-class StagedWriter:
-    """Writes one rank's chunks into its file: inline (``budget`` 0) or from a background thread."""
+class StagingPool:
+    """Host buffers kept between saves (a layout's chunk sizes repeat), at most ``budget`` bytes in all.
 
-    def __init__(self, path: Path, budget: int) -> None:
+    Buffers are byte tensors of exactly a chunk's size (``torch.save`` writes a whole storage), pinned
+    when the chunks come from a GPU, so a later save copies into memory already mapped.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((nbytes, pinned))
+            if free:
+                self._kept -= nbytes
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._kept + buffer.numel() <= self.budget:
+                self._free.setdefault((buffer.numel(), buffer.is_pinned()), []).append(buffer)
+                self._kept += buffer.numel()
+
+
+class StagedWriter:
+    """Writes one rank's chunks into its file: inline (no ``pool``) or from a background thread."""
+
+    def __init__(self, path: Path, pool: StagingPool | None) -> None:
         self._path = path
-        self._budget = budget
+        self._pool = pool
+        self._budget = pool.budget if pool is not None else 0
         self._held = 0
         self.peak_bytes = 0
         self._room = threading.Condition()
@@ -35,7 +65,8 @@ class StagedWriter:
         self._handle: BinaryIO | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        if budget:
+        self._go = threading.Event()  # the thread writes once staging is done or the budget is full
+        if pool is not None:
             self._thread = threading.Thread(target=self._drain, name="fsdp2-checkpoint-writer", daemon=True)
             self._thread.start()
 
@@ -48,12 +79,23 @@ class StagedWriter:
         size = local.numel() * local.element_size()
         with self._room:
             while self._held and self._held + size > self._budget:
+                self._go.set()
                 self._room.wait()
             self._held += size
             self.peak_bytes = max(self.peak_bytes, self._held)
-        staged = torch.empty(local.shape, dtype=local.dtype, device="cpu")
-        staged.copy_(local)
-        self._queue.put((item, staged, size))
+        assert self._pool is not None
+        buffer = self._pool.take(size, local.is_cuda)
+        staged = (
+            buffer.view(local.dtype).view(local.shape)
+            if size
+            else torch.empty(local.shape, dtype=local.dtype)
+        )
+        staged.copy_(local, non_blocking=local.is_cuda)
+        copied = None
+        if local.is_cuda:  # the thread waits for the copy; later kernels on this stream run after it
+            copied = torch.cuda.Event()
+            copied.record()
+        self._queue.put((item, staged, buffer, copied))
 
     def close(self, end: int, objects: list[bytes]) -> None:
         """No more chunks: append ``objects`` at ``end`` (the tensors' planned length), cut the file there."""
@@ -61,6 +103,7 @@ class StagedWriter:
             self._finish_file(end, objects)
         else:
             self._queue.put((end, objects))
+            self._go.set()
 
     def finish(self) -> str:
         """Wait for the file to be complete; the problem met while writing (``""``: none)."""
@@ -69,16 +112,21 @@ class StagedWriter:
         return self._problem
 
     def _drain(self) -> None:
+        self._go.wait()  # copies first: the caller's staging does not compete with the writes
         while True:
             entry = self._queue.get()
             if len(entry) == 2:
                 self._finish_file(*entry)
                 return
-            item, staged, size = entry
+            item, staged, buffer, copied = entry
+            if copied is not None:
+                copied.synchronize()
             self._write(item, staged)
             del staged
+            assert self._pool is not None
+            self._pool.give(buffer)
             with self._room:
-                self._held -= size
+                self._held -= buffer.numel()
                 self._room.notify_all()
 
     def _open(self) -> BinaryIO | None:

@@ -2,9 +2,9 @@
 
 Counts, no timing: a rank other than 0 places one chunk per sharded tensor at the first save whatever
 the world size, and none at later saves (the plan is reused); rank 0 places every rank's chunks once
-(its ``.metadata`` lists them) and none at later saves. The chunk each rank writes is the rows
-``torch.chunk`` gives it, checked against the ``.metadata`` rank 0 writes. Times per rank at these
-sizes are measured in ``benchmarks/flat_checkpoint.py``.
+per distinct tensor shape (its ``.metadata`` lists them) and none at later saves. The chunk each rank
+writes is the rows ``torch.chunk`` gives it, checked against the ``.metadata`` rank 0 writes. Times
+per rank at these sizes are measured in ``benchmarks/flat_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def test_planning_per_rank_does_not_grow_with_the_world() -> None:
     assert out["8/1"]["counts"] == [sharded, 0]
     assert out["4096/1"]["counts"] == [sharded, 0]
     assert out["4097/4096"]["counts"] == [sharded, 0]  # the last rank: no rows, nothing written
-    assert out["16/0"]["counts"] == [sharded * (1 + 16), 0]  # rank 0: its own, then every rank's, once
-    assert out["4098/0"]["counts"] == [sharded * (1 + 4098), 0]
+    # rank 0: its own, then every rank's, once per shape (64 x 64 weights, 64 biases)
+    assert out["16/0"]["counts"] == [sharded + 2 * 16, 0]
+    assert out["4098/0"]["counts"] == [sharded + 2 * 4098, 0]
     # torch.chunk of 64 rows: 4 rows each at 16 ranks; one row for each of the first 64 of 4,098 ranks
     assert out["16/0"]["chunks"] == [[[4, 64]] * 16, [[4]] * 16] * 3
     assert out["4098/0"]["chunks"] == [[[1, 64]] * 64, [[1]] * 64] * 3
