@@ -133,14 +133,13 @@ class ShardedCheckpointer:
         end = self._local[-1].file_offset + self._local[-1].slot if self._local else 0
         writer.close(end, list(objects.values()))
         lengths = {key: len(data) for key, data in objects.items()}
+        planned = self._tensors  # this save's layout, even if a later save plans another
 
         def commit(problem: str) -> None:
             raise_everywhere(problem, None, OSError, device=device)
             written = ""
             if rank == 0:
-                written = self._write_metadata(
-                    folder, full_metadata(self._tensors, lengths, paths, list(flat))
-                )
+                written = self._write_metadata(folder, full_metadata(planned, lengths, paths, list(flat)))
             raise_everywhere(written, None, OSError, device=device)
 
         self._pending = PendingSave(writer, commit)

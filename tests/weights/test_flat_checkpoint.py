@@ -6,11 +6,13 @@
 - the files hold the same entries as ``dcp.save``'s (keys, shapes, dtypes, chunks);
 - an async save never holds more than its budget in staged copies, and returns before writing; a
   second one reuses the staging buffers and saves the new values;
+- HSDP: only the first replica writes; every slot holds ``torch.save``'s output of its chunk;
 - a failed write leaves no ``.metadata`` and raises on every rank; bad input raises before any file.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import fsdp2
+from fsdp2.weights._flat_layout import slot_bytes
 from tests._harness import run_threaded
 from tests._training import seeded
 from tests.shared.checkpoint_net import Net, adamw, dcp_load, shard, snapshot, train
@@ -68,6 +72,40 @@ def test_saved_at_4_loads_with_dcp_at_4_2_1_and_into_torch(mode: str, tmp_path: 
         run_threaded(world, dcp_load, impl, path, expected["saved"])
     if mode == "async":
         run_threaded(2, dcp_load, "fsdp2", path + "-2", expected["later"])
+
+
+def _save_hsdp(path: str, out: dict[str, Any]) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = seeded(Net)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    optim = adamw(model)
+    train(model, optim, range(2))
+    assert get_model_state_dict(model)["head.weight"].placements == (Replicate(), Shard(0))
+    fsdp2.save_sharded(_state(model, optim), path)
+    saved = snapshot(model, optim)
+    if dist.get_rank() == 0:
+        out.update(saved)
+
+
+def test_hsdp_first_replica_writes_and_loads_at_2(tmp_path: Path) -> None:
+    """(2 replicas, 2 shards): only replica 0's ranks write chunks; dcp.load at 2 (plain FSDP) reads them."""
+    expected: dict[str, Any] = {}
+    path = str(tmp_path / "ckpt")
+    run_threaded(4, _save_hsdp, path, expected)
+    assert sorted(p.name for p in Path(path).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    run_threaded(2, dcp_load, "fsdp2", path, expected)
+
+
+def test_slots_hold_torch_save_of_any_shape() -> None:
+    """A chunk's slot (its bytes plus the archive's framing) holds ``torch.save``'s output of it."""
+    shapes = [(), (0,), (1,), (3, 5), (70000, 1), (1,) * 8, (2, 3, 4, 5, 1, 2)]
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn):
+            buffer = io.BytesIO()
+            torch.save(torch.zeros(shape, dtype=dtype), buffer)
+            assert len(buffer.getvalue()) <= slot_bytes(shape, dtype), (shape, dtype)
 
 
 def _both(path: str) -> None:
