@@ -1,9 +1,10 @@
 """Sharded checkpoints whose coordination does not grow with the world size: ``ShardedCheckpointer``.
 
 Owns: ``ShardedCheckpointer`` (``save`` and ``save_async``: every rank writes its own chunks into one
-DCP-format file, rank 0 writes the ``.metadata`` it computed alone, two one-integer all-reduces per
-save decide whether the checkpoint is complete), ``PendingSave`` (an async save's handle) and
-``save_sharded``. The files load with torch's ``dcp.load`` at any world size.
+DCP-format file, rank 0 writes the ``.metadata`` it computed alone; three all-reduces of at most three
+integers per save: the ranks agree on the layout, then on whether the checkpoint is complete),
+``PendingSave`` (an async save's handle) and ``save_sharded``. The files load with torch's
+``dcp.load`` at any world size.
 Does not own: the chunk arithmetic and the metadata (``_flat_layout.py``); the staged writer thread
 (``_staged_writer.py``).
 Invariants: a rank plans only its own chunks; rank 0 builds the tensor metadata once per layout and
@@ -13,6 +14,7 @@ then every rank raises.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from collections.abc import Mapping
@@ -61,7 +63,7 @@ class PendingSave:
     def wait(self) -> None:
         """Wait for this rank's file, then commit: rank 0 writes ``.metadata`` once every file is whole.
 
-        A collective (two one-integer all-reduces). Raises ``OSError`` on every rank when any rank
+        A collective (two all-reduces of one integer). Raises ``OSError`` on every rank when any rank
         failed to write; the checkpoint then has no ``.metadata`` and DCP will not load it.
         """
         if self._done:
@@ -89,6 +91,7 @@ class ShardedCheckpointer:
         self.staging_bytes = staging_bytes
         self._pool = StagingPool(staging_bytes)
         self._key: tuple[Any, ...] | None = None
+        self._signature = 0
         self._local: list[LocalItem] = []
         self._tensors: Any = None
         self._pending: PendingSave | None = None
@@ -117,7 +120,7 @@ class ShardedCheckpointer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         self._plan(layouts, list(tensors.values()), rank)
         device = comm_device(tensors.values())
-        raise_everywhere(self._shape_problem(tensors), None, ValueError, device=device)
+        self._agree(self._shape_problem(tensors), device)
         if self._pending is not None:
             self._pending.wait()
         folder = Path(path)
@@ -158,7 +161,26 @@ class ShardedCheckpointer:
                 layouts, [None if mesh is None else ranks[id(mesh)] for mesh in meshes]
             )
         self._key = key
+        self._signature = int.from_bytes(
+            hashlib.blake2b(repr(layouts).encode(), digest_size=7).digest(), "big"
+        )
         self.plans_built += 1
+
+    def _agree(self, problem: str, device: torch.device) -> None:
+        """One all-reduce: no rank has a ``problem``, every rank holds one layout (rank 0 plans for all)."""
+        if not dist.is_initialized():
+            return
+        found = torch.tensor([1 if problem else 0, self._signature, -self._signature], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if int(found[0]):
+            raise_everywhere(problem, None, ValueError)  # every rank's message; nothing is written
+        if int(found[1]) != -int(found[2]):
+            self._key = None  # plan again at the next call
+            raise ValueError(
+                "save_sharded: the ranks' state dicts differ in keys, shapes, dtypes or placements (rank 0 "
+                "computes every rank's chunks from its own). Every rank must pass the same entries; a "
+                "pipeline stage's own parameters need torch.distributed.checkpoint.save. Nothing was written."
+            )
 
     def _shape_problem(self, tensors: dict[str, torch.Tensor]) -> str:
         for item in self._local:

@@ -169,6 +169,9 @@ def _bad_input(path: str) -> None:
         fsdp2.save_sharded({"a": {"b": 1}, "a.b": 2}, path)
     with pytest.raises(TypeError, match="dict of state dicts"):
         fsdp2.save_sharded([model.state_dict()], path)  # type: ignore[arg-type]
+    name = "x" if dist.get_rank() == 0 else "y"  # rank 0 could not place rank 1's entries
+    with pytest.raises(ValueError, match="state dicts differ in keys"):
+        fsdp2.save_sharded({"model": {name: torch.ones(2)}}, path)
     assert not Path(path).exists()
 
 
