@@ -142,7 +142,7 @@ def test_metadata_matches_dcp_save(tmp_path: Path) -> None:
     ]
 
 
-def _failing(path: str) -> None:
+def _failing(path: str, mode: str) -> None:
     model = shard(seeded(Net))
     state = {"model": get_model_state_dict(model)}
     target = Path(path)
@@ -150,13 +150,19 @@ def _failing(path: str) -> None:
     if dist.get_rank() == 1:  # rank 1 cannot create its file: a directory is in the way
         (target / "__1_0.distcp").mkdir(exist_ok=True)
     dist.barrier()
-    with pytest.raises(OSError, match=r"__1_0\.distcp"):
-        fsdp2.save_sharded(state, path)
+    if mode == "sync":
+        with pytest.raises(OSError, match=r"__1_0\.distcp"):
+            fsdp2.save_sharded(state, path)
+    else:  # the writer thread fails; wait() raises on every rank
+        pending = fsdp2.ShardedCheckpointer(staging_bytes=64).save_async(state, path)
+        with pytest.raises(OSError, match=r"__1_0\.distcp"):
+            pending.wait()
     assert not (target / ".metadata").exists()
 
 
-def test_a_failed_write_raises_everywhere_and_leaves_no_metadata(tmp_path: Path) -> None:
-    run_threaded(2, _failing, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_write_raises_everywhere_and_leaves_no_metadata(mode: str, tmp_path: Path) -> None:
+    run_threaded(2, _failing, str(tmp_path / "ckpt"), mode)
 
 
 def _bad_input(path: str) -> None:
