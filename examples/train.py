@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ckpt-dir", default=None, help="directory for DCP checkpoints (DIR/step_<n>)")
     p.add_argument(
+        "--ckpt-dcp",
+        action="store_true",
+        help="save with torch's dcp.save (default: fsdp2.ShardedCheckpointer: same format, no plan gather)",
+    )
+    p.add_argument(
         "--ckpt-every", type=int, default=0, help="save every N steps and after the last step (0: never)"
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
@@ -413,6 +418,7 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         print(f"{n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, {world_size} rank(s), {device}")
 
     snapshots = None
+    saver = None if args.ckpt_dcp else fsdp2.ShardedCheckpointer()  # plans once, reused at every save
     if args.snapshot_every:
         # In node memory and on the next node (docs/resilience.md): a restart after a lost node reads no disk.
         snapshots = fsdp2.Snapshots(
@@ -453,7 +459,7 @@ def train(args: argparse.Namespace, device: torch.device) -> list[float]:
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
             # every N steps and after the last one, on the cadence or not (as torchtitan's
             # CheckpointManager does): the end of a run can always be resumed with more --steps
-            save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule)
+            save_checkpoint(Path(args.ckpt_dir), step + 1, model, optimizer, schedule, saver)
         if recording is not None and step == trace_steps[1]:
             recording.__exit__(None, None, None)
             recording = None
@@ -614,9 +620,18 @@ def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
 
 
 def save_checkpoint(
-    root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    saver: fsdp2.ShardedCheckpointer | None = None,
 ) -> None:
-    """DIR/step_<n>: model and optimizer with DCP (each rank writes its shards), the schedule, COMPLETE."""
+    """DIR/step_<n>: model and optimizer in DCP's format (each rank writes its shards), schedule, COMPLETE.
+
+    ``saver``: fsdp2's checkpointer (every rank's chunks placed from the layout, no gather of plans);
+    ``None``: torch's ``dcp.save``. Either loads with ``dcp.load``.
+    """
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -628,7 +643,10 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
     dist.barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(partial))
+    if saver is None:
+        dcp.save(state, checkpoint_id=str(partial))
+    else:
+        saver.save(state, partial)
     checkpoint_stage("dcp_written")
     if rank == 0:
         torch.save(

@@ -44,6 +44,7 @@ from .trace._report import CommunicationReport, CommunicationRow, communication_
 from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
 from .weights._copy import deepcopy_fsdp
+from .weights._flat_save import PendingSave, ShardedCheckpointer, save_sharded
 from .weights._full_state import load_full_state_dict, save_full_state_dict
 from .weights._local_shards import LocalShard
 from .weights._pretrained import load_pretrained, save_pretrained
@@ -81,6 +82,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PendingSave",
     "PhaseMemory",
     "Plan",
     "PlanError",
@@ -88,6 +90,7 @@ __all__ = [
     "ReplicateModule",
     "Restored",
     "ShardPlacementResult",
+    "ShardedCheckpointer",
     "SimulatedValueError",
     "SnapshotStats",
     "Snapshots",
@@ -123,6 +126,7 @@ __all__ = [
     "save_chrome_trace",
     "save_full_state_dict",
     "save_pretrained",
+    "save_sharded",
     "save_timeline",
     "set_debug",
     "shard_experts",

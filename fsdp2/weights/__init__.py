@@ -5,7 +5,9 @@ gathered or scattered one group at a time), Hugging Face checkpoints (``save_pre
 ``load_pretrained``: sharded safetensors files, each written or read in parts by every rank, in the
 names and layout ``transformers`` saves, per-expert tensors of expert stacks included), weight
 sync to an inference engine (``WeightSync``: each call only what changed, gathered in buckets; or each
-rank's shards with their places, ``LocalShard``) and ``copy.deepcopy`` of ``fully_shard`` modules.
+rank's shards with their places, ``LocalShard``), ``copy.deepcopy`` of ``fully_shard`` modules, and
+DCP-format sharded checkpoints planned from the layout alone (``ShardedCheckpointer`` /
+``save_sharded``: no gather of plans; in the background within a host staging budget).
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below (``debug``:
 every rank agrees to enter an export or import in debug mode).
 
@@ -14,6 +16,7 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 """
 
 from ._copy import deepcopy_fsdp
+from ._flat_save import PendingSave, ShardedCheckpointer, save_sharded
 from ._full_state import load_full_state_dict, save_full_state_dict
 from ._local_shards import LocalShard
 from ._pretrained import load_pretrained, save_pretrained
@@ -21,10 +24,13 @@ from ._weight_sync import WeightSync
 
 __all__ = [
     "LocalShard",
+    "PendingSave",
+    "ShardedCheckpointer",
     "WeightSync",
     "deepcopy_fsdp",
     "load_full_state_dict",
     "load_pretrained",
     "save_full_state_dict",
     "save_pretrained",
+    "save_sharded",
 ]

@@ -237,6 +237,15 @@ def _check_checkpointing(ns: dict[str, Any]) -> None:
         set(index["weight_map"].values())
     )
     assert (root / "step100" / ".metadata").exists()
+    # ShardedCheckpointer: both saves complete (their .metadata), one plan for both, one file per rank
+    assert ns["saver"].plans_built == 1
+    assert ns["pending"].done()
+    for step in ("step100", "step200"):
+        assert sorted(p.name for p in Path("flat", step).iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     assert (root / "step_100" / "COMPLETE").read_text() == "step 100\n"
     assert torch.load(root / "step_100" / "train_state.pt", weights_only=False)["step"] == 100
     # save() again to the same step (a rerun, a resume) after a step that changed the weights: the

@@ -195,9 +195,9 @@ def test_ctrl_c_ends_the_main_job_with_one_line_per_rank(tmp_path: Path) -> None
         assert f"[rank{rank}]: Traceback" not in output, output[-3000:]
 
 
-def _resume_and_check(ckpt_dir: str, export: str) -> None:
+def _resume_and_check(ckpt_dir: str, export: str, *extra: str) -> None:
     train = _load_train()
-    common = ["--steps", "6", *SMALL, "--ckpt-dir", ckpt_dir]
+    common = ["--steps", "6", *SMALL, "--ckpt-dir", ckpt_dir, *extra]
     uninterrupted = train.main([*common, "--ckpt-every", "3"])  # saves step_3 and step_6 (the last)
     if dist.get_rank() == 0:
         shutil.rmtree(Path(ckpt_dir) / "step_6")  # as if killed after step 3's save
@@ -205,6 +205,11 @@ def _resume_and_check(ckpt_dir: str, export: str) -> None:
     resumed = train.main([*common, "--resume", "--export", export])
     assert resumed == uninterrupted[3:], (uninterrupted, resumed)  # bit for bit
     gc.collect()
+
+
+def test_checkpoint_resume_with_torchs_dcp_save(tmp_path: Path) -> None:
+    """``--ckpt-dcp``: torch's ``dcp.save`` instead of ``fsdp2.ShardedCheckpointer``, resumed bit for bit."""
+    run_multiprocess(2, _resume_and_check, str(tmp_path / "ckpt"), str(tmp_path / "weights"), "--ckpt-dcp")
 
 
 def test_checkpoint_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -> None:

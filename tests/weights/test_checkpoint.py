@@ -27,133 +27,39 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from tests._harness import assert_sharded_parity, run_threaded
-from tests._impls import get_impl
-from tests._training import EXACT, average_grads, seeded
-from tests.models import make_input
+from tests._harness import run_threaded
+from tests._training import EXACT, seeded
+from tests.shared.checkpoint_net import (
+    Net,
+    adamw,
+    assert_matches,
+    dcp_load,
+    full_value,
+    inputs,
+    perturbed,
+    shard,
+    snapshot,
+    train,
+)
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-
-class _Block(nn.Module):
-    """A residual MLP with a buffer; 13 hidden rows so that world 2 and 4 pad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 13)
-        self.down = nn.Linear(13, 8)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.relu(self.up(h))) * self.scale
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(5, 8)
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-        self.head = nn.Linear(8, 3)
-        self.register_buffer("offset", torch.arange(3.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h) + self.offset
-
-
-def _inputs(rank: int, step: int) -> torch.Tensor:
-    return make_input((4, 5), rank, seed=step)
-
-
-def _perturbed() -> _Net:
-    """Other values than ``seeded(_Net)``'s, so that a load has to overwrite every tensor."""
-    model = seeded(_Net)
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.mul_(-2.0).add_(0.25)
-    return model
-
-
-def _shard(model: nn.Module, impl: str = "fsdp2") -> nn.Module:
-    fully_shard = get_impl(impl).fully_shard
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[torch.Tensor]:
-    losses = []
-    for step in steps:
-        loss = model(_inputs(dist.get_rank(), step)).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
-def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """Full values of every parameter, buffer and AdamW state entry (same on every rank)."""
-    return {
-        "model": {k: _full(v) for k, v in model.state_dict().items()},
-        "optim": {
-            name: {k: _full(v) for k, v in optim.state[param].items()}
-            for name, param in model.named_parameters()
-        },
-    }
-
-
-def _assert_matches(model: nn.Module, optim: torch.optim.Optimizer, expected: dict[str, Any]) -> None:
-    """Parameters, buffers and optimizer state equal ``expected``; the next step equals the reference's."""
-    got = _snapshot(model, optim)
-    torch.testing.assert_close(got, expected, **EXACT)
-    # Unsharded reference with the same weights and AdamW state, gradients averaged over ranks.
-    ref = _Net()
-    ref.load_state_dict(expected["model"])
-    ref_optim = _adamw(ref)
-    for name, param in ref.named_parameters():
-        ref_optim.state[param] = {k: v.clone() for k, v in expected["optim"][name].items()}
-    x = _inputs(dist.get_rank(), 100)
-    loss, ref_loss = model(x).sum(), ref(x).sum()
-    torch.testing.assert_close(loss, ref_loss)
-    loss.backward()
-    ref_loss.backward()
-    average_grads(ref)
-    optim.step()
-    ref_optim.step()
-    assert_sharded_parity(ref, model)
-    x = _inputs(dist.get_rank(), 101)
-    torch.testing.assert_close(model(x).sum(), ref(x).sum())
 
 
 # ---- state_dict() and load_state_dict() ----------------------------------------------------------
 
 
 def _state_dict_layout() -> None:
-    ref = seeded(_Net)
-    model = _shard(copy.deepcopy(ref))
+    ref = seeded(Net)
+    model = shard(copy.deepcopy(ref))
     state = model.state_dict()
     assert list(state) == list(ref.state_dict())
     for key, value in state.items():
@@ -162,12 +68,12 @@ def _state_dict_layout() -> None:
         else:
             assert isinstance(value, DTensor), key
             assert value.placements == (Shard(0),), key
-        torch.testing.assert_close(_full(value), ref.state_dict()[key], **EXACT)
+        torch.testing.assert_close(full_value(value), ref.state_dict()[key], **EXACT)
     # The plain model's full-size tensors load directly: fsdp2 keeps each rank's shard.
-    fresh = _shard(_perturbed())
+    fresh = shard(perturbed())
     fresh.load_state_dict(ref.state_dict())
     torch.testing.assert_close(
-        {k: _full(v) for k, v in fresh.state_dict().items()}, ref.state_dict(), **EXACT
+        {k: full_value(v) for k, v in fresh.state_dict().items()}, ref.state_dict(), **EXACT
     )
 
 
@@ -191,10 +97,10 @@ def _pickled(state: dict[str, Any]) -> tuple[bytes, int]:
 
 
 def _torch_save_round_trip(out: dict[str, int]) -> None:
-    model = _shard(seeded(_Net))
-    optim = _adamw(model)
-    _train(model, optim, range(2))
-    expected = _snapshot(model, optim)
+    model = shard(seeded(Net))
+    optim = adamw(model)
+    train(model, optim, range(2))
+    expected = snapshot(model, optim)
     saved, data = _pickled(model.state_dict())
     optim_buffer = io.BytesIO()
     torch.save(optim.state_dict(), optim_buffer)
@@ -211,13 +117,13 @@ def _torch_save_round_trip(out: dict[str, int]) -> None:
             value.to_local() if isinstance(value, DTensor) else value,
             **EXACT,
         )
-    fresh = _shard(_perturbed())
-    fresh_optim = _adamw(fresh)
+    fresh = shard(perturbed())
+    fresh_optim = adamw(fresh)
     fresh.load_state_dict(loaded)
     fresh_optim.load_state_dict(torch.load(io.BytesIO(optim_buffer.getvalue()), weights_only=False))
-    _assert_matches(fresh, fresh_optim, expected)
+    assert_matches(fresh, fresh_optim, expected)
     # The same model under torch's fully_shard: fsdp2's file is no larger (torch's carries padding).
-    torch_saved, _ = _pickled(_shard(seeded(_Net), "torch").state_dict())
+    torch_saved, _ = _pickled(shard(seeded(Net), "torch").state_dict())
     if dist.get_rank() == 0:
         out.update(fsdp2=len(saved), data=data, torch=len(torch_saved))
 
@@ -235,24 +141,14 @@ def test_torch_save_of_a_sharded_state_dict() -> None:
 
 
 def _dcp_save(impl: str, path: str, out: dict[str, Any]) -> None:
-    model = _shard(seeded(_Net), impl)
-    optim = _adamw(model)
-    _train(model, optim, range(2))
+    model = shard(seeded(Net), impl)
+    optim = adamw(model)
+    train(model, optim, range(2))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
     dcp.save(state, checkpoint_id=path)
-    snapshot = _snapshot(model, optim)
+    saved = snapshot(model, optim)
     if dist.get_rank() == 0:
-        out.update(snapshot)
-
-
-def _dcp_load(impl: str, path: str, expected: dict[str, Any]) -> None:
-    model = _shard(_perturbed(), impl)
-    optim = _adamw(model)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
-    _assert_matches(model, optim, expected)
+        out.update(saved)
 
 
 @pytest.mark.first_case_in_quick_loop
@@ -273,15 +169,15 @@ def test_dcp_round_trip(
 ) -> None:
     expected: dict[str, Any] = {}
     run_threaded(save_world, _dcp_save, save_impl, str(tmp_path / "ckpt"), expected)
-    run_threaded(load_world, _dcp_load, load_impl, str(tmp_path / "ckpt"), expected)
+    run_threaded(load_world, dcp_load, load_impl, str(tmp_path / "ckpt"), expected)
 
 
 # ---- full state dicts on the CPU --------------------------------------------------------------------
 
 
 def _full_on_cpu() -> None:
-    ref = seeded(_Net)
-    model = _shard(copy.deepcopy(ref))
+    ref = seeded(Net)
+    model = shard(copy.deepcopy(ref))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
@@ -293,10 +189,10 @@ def _full_on_cpu() -> None:
     # (Loading rank 0's dict alone, broadcast_from_rank0=True, needs gloo processes.)
     everywhere = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.testing.assert_close(everywhere, ref.state_dict(), **EXACT)
-    fresh = _shard(_perturbed())
+    fresh = shard(perturbed())
     set_model_state_dict(fresh, everywhere, options=StateDictOptions(full_state_dict=True))
     torch.testing.assert_close(
-        {k: _full(v) for k, v in fresh.state_dict().items()}, ref.state_dict(), **EXACT
+        {k: full_value(v) for k, v in fresh.state_dict().items()}, ref.state_dict(), **EXACT
     )
 
 
@@ -308,28 +204,28 @@ def test_full_state_dict_on_cpu_rank0_only() -> None:
 
 
 def _export(path: str, out: dict[str, Any]) -> None:
-    model = _shard(seeded(_Net))
-    optim = _adamw(model)
-    _train(model, optim, range(2))
+    model = shard(seeded(Net))
+    optim = adamw(model)
+    train(model, optim, range(2))
     fsdp2.save_full_state_dict(model, path)
-    expected = {k: _full(v) for k, v in model.state_dict().items()}
+    expected = {k: full_value(v) for k, v in model.state_dict().items()}
     if dist.get_rank() == 0:
         out.update(expected)
 
 
 def _import(path: str, expected: dict[str, torch.Tensor]) -> None:
-    model = _shard(_perturbed())
+    model = shard(perturbed())
     params = {name: (param, param.to_local()) for name, param in model.named_parameters()}
     fsdp2.load_full_state_dict(model, path)
     for name, param in model.named_parameters():
         # In place: the same parameter and local tensor (an optimizer built before keeps working).
         assert param is params[name][0], name
         assert param.to_local().data_ptr() == params[name][1].data_ptr(), name
-    torch.testing.assert_close({k: _full(v) for k, v in model.state_dict().items()}, expected, **EXACT)
-    ref = _Net()
+    torch.testing.assert_close({k: full_value(v) for k, v in model.state_dict().items()}, expected, **EXACT)
+    ref = Net()
     ref.load_state_dict(expected)
     for step in range(2):
-        x = _inputs(dist.get_rank(), step)
+        x = inputs(dist.get_rank(), step)
         torch.testing.assert_close(model(x).sum(), ref(x).sum())
 
 
@@ -340,9 +236,9 @@ def test_save_full_state_dict_loads_anywhere(load_world: int, tmp_path: Path) ->
     run_threaded(2, _export, path, expected)
     # The file is an ordinary safetensors file of the unsharded model.
     loaded = safetensors_torch.load_file(path)
-    assert sorted(loaded) == sorted(_Net().state_dict())
+    assert sorted(loaded) == sorted(Net().state_dict())
     torch.testing.assert_close(loaded, expected, **EXACT)
-    plain = _Net()
+    plain = Net()
     plain.load_state_dict(loaded)
     run_threaded(load_world, _import, path, expected)
 
@@ -350,20 +246,20 @@ def test_save_full_state_dict_loads_anywhere(load_world: int, tmp_path: Path) ->
 def test_load_full_state_dict_reads_save_file(tmp_path: Path) -> None:
     path = str(tmp_path / "plain.safetensors")
     torch.manual_seed(3)
-    plain = _Net()
+    plain = Net()
     expected = {k: v.clone() for k, v in plain.state_dict().items()}
     safetensors_torch.save_file(plain.state_dict(), path)
     run_threaded(4, _import, path, expected)
 
 
 def _bad_file(path: str, strict: bool) -> None:
-    model = _shard(seeded(_Net))
-    before = {k: _full(v) for k, v in model.state_dict().items()}
+    model = shard(seeded(Net))
+    before = {k: full_value(v) for k, v in model.state_dict().items()}
     shape = r"blocks\.1\.up\.weight: expected the full shape \(13, 8\), got \(7, 8\)\. Nothing was loaded"
     keys = r"missing keys \['head\.bias'\], unexpected keys \['extra'\].*"
     with pytest.raises(ValueError, match=keys + shape if strict else shape):
         fsdp2.load_full_state_dict(model, path, strict=strict)
-    torch.testing.assert_close({k: _full(v) for k, v in model.state_dict().items()}, before, **EXACT)
+    torch.testing.assert_close({k: full_value(v) for k, v in model.state_dict().items()}, before, **EXACT)
     if strict:
         return
     # Without the bad entry (and with one missing), strict=False loads what is there.
@@ -374,14 +270,14 @@ def _bad_file(path: str, strict: bool) -> None:
         safetensors_torch.save_file(tensors, good)
     dist.barrier()
     fsdp2.load_full_state_dict(model, good, strict=False)
-    after = {k: _full(v) for k, v in model.state_dict().items()}
+    after = {k: full_value(v) for k, v in model.state_dict().items()}
     torch.testing.assert_close(after["blocks.1.up.weight"], before["blocks.1.up.weight"], **EXACT)
     torch.testing.assert_close(after["head.weight"], torch.ones(3, 8), **EXACT)
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_load_full_state_dict_refuses_bad_file(strict: bool, tmp_path: Path) -> None:
-    tensors = {k: torch.ones_like(v) for k, v in _Net().state_dict().items()}
+    tensors = {k: torch.ones_like(v) for k, v in Net().state_dict().items()}
     tensors["blocks.1.up.weight"] = torch.zeros(7, 8)
     tensors.pop("head.bias")
     tensors["extra"] = torch.zeros(1)
@@ -392,7 +288,7 @@ def test_load_full_state_dict_refuses_bad_file(strict: bool, tmp_path: Path) -> 
 
 def test_load_full_state_dict_without_safetensors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    model = _Net()
+    model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ImportError, match="pip install safetensors"):
         fsdp2.load_full_state_dict(model, str(tmp_path / "none.safetensors"))
@@ -400,14 +296,14 @@ def test_load_full_state_dict_without_safetensors(monkeypatch: pytest.MonkeyPatc
 
 
 def _unreadable(directory: str) -> None:
-    model = _shard(seeded(_Net))
-    before = {k: _full(v) for k, v in model.state_dict().items()}
+    model = shard(seeded(Net))
+    before = {k: full_value(v) for k, v in model.state_dict().items()}
     missing = str(Path(directory) / "missing.safetensors")
     with pytest.raises(ValueError, match=r"rank 0 cannot read it: .*Nothing was loaded"):
         fsdp2.load_full_state_dict(model, missing)
     with pytest.raises(OSError, match=r"rank 0 cannot write .*Nothing was written"):
         fsdp2.save_full_state_dict(model, str(Path(directory) / "no-such-dir" / "model.safetensors"))
-    torch.testing.assert_close({k: _full(v) for k, v in model.state_dict().items()}, before, **EXACT)
+    torch.testing.assert_close({k: full_value(v) for k, v in model.state_dict().items()}, before, **EXACT)
 
 
 def test_unreadable_or_unwritable_path_raises_on_every_rank(tmp_path: Path) -> None:

@@ -1,0 +1,222 @@
+"""Sharded checkpoints whose coordination does not grow with the world size: ``ShardedCheckpointer``.
+
+Owns: ``ShardedCheckpointer`` (``save`` and ``save_async``: every rank writes its own chunks into one
+DCP-format file, rank 0 writes the ``.metadata`` it computed alone; three all-reduces of at most three
+integers per save: the ranks agree on the layout, then on whether the checkpoint is complete),
+``PendingSave`` (an async save's handle) and ``save_sharded``. The files load with torch's
+``dcp.load`` at any world size.
+Does not own: the chunk arithmetic and the metadata (``_flat_layout.py``); the staged writer thread
+(``_staged_writer.py``).
+Invariants: a rank plans only its own chunks; rank 0 builds the tensor metadata once per layout and
+reuses it; the ``.metadata`` appears only after every rank's file is complete, or not at all, and
+then every rank raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..comm import raise_everywhere
+from ._flat_layout import (
+    LocalItem,
+    TensorLayout,
+    file_name,
+    flatten,
+    full_metadata,
+    local_items,
+    object_bytes,
+    tensor_layout,
+    tensor_metadata,
+)
+from ._safetensors import comm_device
+from ._staged_writer import StagedWriter, StagingPool
+
+_DEFAULT_STAGING = 1 << 30
+
+
+class PendingSave:
+    """An async save in flight: ``wait()`` finishes it (every rank must call it)."""
+
+    def __init__(self, writer: StagedWriter, commit: Any) -> None:
+        self._writer = writer
+        self._commit = commit
+        self._done = False
+
+    @property
+    def peak_staged_bytes(self) -> int:
+        """The most host bytes this rank held staged at once (bounded by the staging budget)."""
+        return self._writer.peak_bytes
+
+    def done(self) -> bool:
+        """Whether ``wait()`` has finished this save."""
+        return self._done
+
+    def wait(self) -> None:
+        """Wait for this rank's file, then commit: rank 0 writes ``.metadata`` once every file is whole.
+
+        A collective (two all-reduces of one integer). Raises ``OSError`` on every rank when any rank
+        failed to write; the checkpoint then has no ``.metadata`` and DCP will not load it.
+        """
+        if self._done:
+            return
+        self._done = True
+        self._commit(self._writer.finish())
+
+
+class ShardedCheckpointer:
+    """Saves sharded state dicts as DCP checkpoints with no gather of plans, in place or in the background.
+
+    Args:
+        staging_bytes: the host memory an async save may hold in staged copies at once (a chunk larger
+            than this is staged alone). The training thread blocks only while this budget is full.
+
+    Keep one instance for a run: the layout's metadata is computed at the first save and reused while
+    the state dict's keys, shapes, dtypes and placements stay the same.
+    """
+
+    def __init__(self, *, staging_bytes: int = _DEFAULT_STAGING) -> None:
+        if type(staging_bytes) is not int or staging_bytes <= 0:
+            raise ValueError(
+                f"ShardedCheckpointer: staging_bytes must be a positive int, got {staging_bytes!r}."
+            )
+        self.staging_bytes = staging_bytes
+        self._pool = StagingPool(staging_bytes)
+        self._key: tuple[Any, ...] | None = None
+        self._signature = 0
+        self._local: list[LocalItem] = []
+        self._tensors: Any = None
+        self._pending: PendingSave | None = None
+        self.plans_built = 0  # how often the layout was planned (once while it stays the same)
+
+    def save(self, state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+        """Write ``state`` to the checkpoint folder ``path`` and return once it is complete on every rank."""
+        self._start(state, path, background=False).wait()
+
+    def save_async(self, state: Mapping[str, Any], path: str | os.PathLike[str]) -> PendingSave:
+        """Stage ``state`` within the budget and write it in the background; ``wait()`` the result.
+
+        Returns once every chunk has been copied to host memory (so the caller may change the
+        tensors); a save still in flight from an earlier call is waited for first.
+        """
+        return self._start(state, path, background=True)
+
+    def _start(
+        self, state: Mapping[str, Any], path: str | os.PathLike[str], *, background: bool
+    ) -> PendingSave:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"save_sharded: state must be a dict of state dicts, got {type(state).__name__}.")
+        flat, paths = flatten(state)
+        tensors = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
+        layouts = [tensor_layout(key, value) for key, value in tensors.items()]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._plan(layouts, list(tensors.values()), rank)
+        device = comm_device(tensors.values())
+        self._agree(self._shape_problem(tensors), device)
+        if self._pending is not None:
+            self._pending.wait()
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        objects = (
+            {key: object_bytes(value) for key, value in flat.items() if key not in tensors}
+            if rank == 0
+            else {}
+        )
+        writer = StagedWriter(folder / file_name(rank), self._pool if background else None)
+        for item in self._local:
+            writer.put(item, tensors[item.key], stage=background)
+        end = self._local[-1].file_offset + self._local[-1].slot if self._local else 0
+        writer.close(end, list(objects.values()))
+        lengths = {key: len(data) for key, data in objects.items()}
+        planned = self._tensors  # this save's layout, even if a later save plans another
+
+        def commit(problem: str) -> None:
+            raise_everywhere(problem, None, OSError, device=device)
+            written = ""
+            if rank == 0:
+                written = self._write_metadata(folder, full_metadata(planned, lengths, paths, list(flat)))
+            raise_everywhere(written, None, OSError, device=device)
+
+        self._pending = PendingSave(writer, commit)
+        return self._pending
+
+    def _plan(self, layouts: list[TensorLayout], values: list[torch.Tensor], rank: int) -> None:
+        meshes = [value.device_mesh if isinstance(value, DTensor) else None for value in values]
+        key = (rank, tuple(layouts), tuple(id(mesh) for mesh in meshes))
+        if key == self._key:
+            return
+        coordinates = [None if mesh is None else _coordinate(mesh) for mesh in meshes]
+        self._local = local_items(layouts, coordinates, rank)
+        if rank == 0:
+            ranks = {id(mesh): mesh.mesh.flatten().tolist() for mesh in meshes if mesh is not None}
+            self._tensors = tensor_metadata(
+                layouts, [None if mesh is None else ranks[id(mesh)] for mesh in meshes]
+            )
+        self._key = key
+        self._signature = int.from_bytes(
+            hashlib.blake2b(repr(layouts).encode(), digest_size=7).digest(), "big"
+        )
+        self.plans_built += 1
+
+    def _agree(self, problem: str, device: torch.device) -> None:
+        """One all-reduce: no rank has a ``problem``, every rank holds one layout (rank 0 plans for all)."""
+        if not dist.is_initialized():
+            return
+        found = torch.tensor([1 if problem else 0, self._signature, -self._signature], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if int(found[0]):
+            raise_everywhere(problem, None, ValueError)  # every rank's message; nothing is written
+        if int(found[1]) != -int(found[2]):
+            self._key = None  # plan again at the next call
+            raise ValueError(
+                "save_sharded: the ranks' state dicts differ in keys, shapes, dtypes or placements (rank 0 "
+                "computes every rank's chunks from its own). Every rank must pass the same entries; a "
+                "pipeline stage's own parameters need torch.distributed.checkpoint.save. Nothing was written."
+            )
+
+    def _shape_problem(self, tensors: dict[str, torch.Tensor]) -> str:
+        for item in self._local:
+            value = tensors[item.key]
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if tuple(local.shape) != item.sizes:
+                return (
+                    f"{item.key!r}: the local shard has shape {tuple(local.shape)}, but its placements "
+                    f"{getattr(value, 'placements', ())} give this rank {item.sizes} (torch.chunk rows); "
+                    "save it with torch.distributed.checkpoint.save."
+                )
+        return ""
+
+    @staticmethod
+    def _write_metadata(folder: Path, metadata: Any) -> str:
+        temporary = folder / ".metadata.tmp"
+        try:
+            with open(temporary, "wb") as handle:
+                pickle.dump(metadata, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, folder / ".metadata")
+        except OSError as error:
+            return f"rank 0 could not write {folder / '.metadata'}: {error}"
+        return ""
+
+
+def _coordinate(mesh: Any) -> tuple[int, ...] | None:
+    found = mesh.get_coordinate()
+    return None if found is None else tuple(found)
+
+
+def save_sharded(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Save ``state`` (e.g. ``{"model": ..., "optim": ...}``) as a DCP checkpoint without gathering plans.
+
+    Every rank must call it. A one-off ``ShardedCheckpointer().save(state, path)``; keep a
+    ``ShardedCheckpointer`` to reuse the plan across saves or to save in the background.
+    """
+    ShardedCheckpointer().save(state, path)
