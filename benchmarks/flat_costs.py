@@ -170,7 +170,7 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp2
-    from fsdp2.resilience._ring import Ring
+    from fsdp2.resilience._ring import Ring, key_hash
 
     torch.set_num_threads(1)  # CPU time = this rank's host time
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world)
@@ -178,9 +178,13 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
         return _steps(world)
     _patch_gathers()
     keys = [f"host{r // PER_NODE}:/dev/shm/x" for r in range(world)]
+    # What the all-gather of Snapshots() brings: every rank's key hash, one int64 each (the gather
+    # itself is one tensor; the fake group cannot carry it, so its result is given here).
+    hashes = torch.tensor([key_hash(key) for key in keys], dtype=torch.int64)
 
     def ring() -> None:
-        _per_rank(Ring.of(keys))
+        key_hash(keys[RANK])  # this rank's own key, the only one it hashes
+        _per_rank(Ring.of_hashes(hashes))
 
     def _per_rank(built: Any) -> None:
         buddy = built.buddy_of(RANK) if hasattr(built, "buddy_of") else built.buddy[RANK]

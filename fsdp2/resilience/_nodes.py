@@ -22,6 +22,7 @@ import os
 import secrets
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..base import warn_user
@@ -45,37 +46,39 @@ def check_restartable() -> None:
 
 
 def check_separate_storage(
-    store: NodeStore, ring: Ring, keys: list[str], rank: int, group: dist.ProcessGroup
+    store: NodeStore, ring: Ring, key: str, rank: int, group: dist.ProcessGroup
 ) -> None:
     """Raise on every rank when a node cannot write its directory or sees another node's in its own.
 
-    Each node's first rank leaves a marker (named by a token of this call) in its job directory; after
-    every node has (the first ``raise_everywhere`` gathers from every rank), a node that finds another
-    node's marker shares its storage with it. Each check raises the lowest rank's problem.
+    Each node's first rank leaves a marker (named by a token of this call, holding its node's ``key``) in
+    its job directory; after every node has (the first ``raise_everywhere`` gathers from every rank), a
+    node that finds another node's marker shares its storage with it (and reads that node's key from
+    it). Each check raises the lowest rank's problem.
     """
     token: list[Any] = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    node, leader = ring.node_of[rank], ring.is_leader(rank)
+    node, leader = ring.node(rank), ring.is_leader(rank)
     marker = store.directory / f".node-{token[0]}-{node}"
     problem = ""
     if leader:
         try:
             store.directory.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            marker.write_text(key)
         except OSError as error:
             problem = (
-                f"fsdp2.Snapshots cannot write in its snapshot directory on {keys[rank]}: {error}. Set "
+                f"fsdp2.Snapshots cannot write in its snapshot directory on {key}: {error}. Set "
                 "FSDP2_SNAPSHOT_DIR (or directory=) to a writable node-local directory."
             )
     try:
-        raise_everywhere(problem, group, RuntimeError, combine=_first)
+        raise_everywhere(problem, group, RuntimeError, device=_CPU, combine=_first)
         seen: list[int] = []
         if leader:
             names = [path.name for path in store.directory.glob(f".node-{token[0]}-*")]
             seen = sorted(int(name.rsplit("-", 1)[1]) for name in names if name != marker.name)
         shared = ""
         if seen:
-            ours, theirs = keys[ring.members(node)[0]], keys[ring.members(seen[0])[0]]
+            theirs = (store.directory / f".node-{token[0]}-{seen[0]}").read_text()
+            ours = key
             shared = (
                 f"fsdp2.Snapshots: nodes {ours} and {theirs} keep their snapshots in one "
                 f"storage ({store.directory} is the same directory on both: a network file system?), so a "
@@ -83,10 +86,13 @@ def check_separate_storage(
                 "two are counted. Give each node a directory in its own memory: FSDP2_SNAPSHOT_DIR (or "
                 "directory=) on a node-local file system such as /dev/shm."
             )
-        raise_everywhere(shared, group, ValueError, combine=_first)
+        raise_everywhere(shared, group, ValueError, device=_CPU, combine=_first)
     finally:
         if leader and not problem:  # only a marker put down (unlinking under a file would raise anew)
             marker.unlink(missing_ok=True)  # after every rank has looked (the second gather), or raised
+
+
+_CPU = torch.device("cpu")  # the snapshots' gloo group: a flag first, messages only on a problem
 
 
 def _first(problems: list[str]) -> str:

@@ -35,7 +35,7 @@ from ..base import warn_user
 from ._format import RankSnapshot, capture, check_layouts, encode_header, host_bytes
 from ._nodes import check_restartable, check_separate_storage, warn_other_jobs
 from ._restore import apply, reshard_newest
-from ._ring import Ring
+from ._ring import Ring, key_hash
 from ._store import ENV_DIR, NodeStore, default_root, job_identity
 
 
@@ -130,12 +130,12 @@ class Snapshots:
         check_restartable()
         self.group = dist.new_group(backend="gloo")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        keys: list[Any] = [None] * self.world
-        dist.all_gather_object(
-            keys, f"{socket.gethostname()}:{self.store.directory.resolve()}", group=self.group
-        )
-        self.ring = Ring.of(keys)
-        check_separate_storage(self.store, self.ring, keys, self.rank, self.group)
+        key = f"{socket.gethostname()}:{self.store.directory.resolve()}"
+        hashes = torch.empty(self.world, dtype=torch.int64)  # every rank's key, one integer each
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.10
+        all_gather(hashes, torch.tensor([key_hash(key)], dtype=torch.int64), group=self.group)
+        self.ring = Ring.of_hashes(hashes)
+        check_separate_storage(self.store, self.ring, key, self.rank, self.group)
         if self.ring.is_leader(self.rank):
             warn_other_jobs(self.store)
         self.last: SnapshotStats | None = None

@@ -151,7 +151,7 @@ def test_a_node_that_cannot_write_its_directory_is_refused_on_every_rank(tmp_pat
         store = NodeStore(root, "train", "job")
         keys = [f"host{r}:{NodeStore(tmp_path / f'n{r}', 'train', 'job').directory}" for r in range(2)]
         with pytest.raises(RuntimeError, match=r"cannot write in its snapshot directory on host1:"):
-            check_separate_storage(store, Ring.of(keys), keys, rank, dist.group.WORLD)
+            check_separate_storage(store, Ring.of(keys), keys[rank], rank, dist.group.WORLD)
 
     run_threaded(2, body)
     assert [p.name for p in (tmp_path / "node0").rglob("*") if p.is_file()] == []  # no marker left behind

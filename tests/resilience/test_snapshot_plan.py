@@ -21,7 +21,7 @@ from fsdp2.param._layout import chunk_rows
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill
 from fsdp2.resilience._reshard import Reshard
 from fsdp2.resilience._restore import choose
-from fsdp2.resilience._ring import Ring
+from fsdp2.resilience._ring import Ring, key_hash
 from fsdp2.resilience._store import Listed, NodeStore
 
 
@@ -209,3 +209,46 @@ def test_a_ranks_ring_entries_come_from_three_nodes_at_16384_ranks() -> None:
     assert ring.members.cache_info().currsize == 3  # its own node, the next and the previous
     assert ring.buddy_of(16383) == 7
     assert ring.kept_for(0) == [16376]
+
+
+def _reference_nodes(keys: list[str]) -> tuple[int, ...]:
+    """Each rank's node, nodes numbered by their lowest rank: the plain Python way, for comparison."""
+    number: dict[str, int] = {}
+    return tuple(number.setdefault(key, len(number)) for key in keys)
+
+
+@given(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_the_ring_from_key_hashes_numbers_nodes_by_their_lowest_rank(keys: list[str]) -> None:
+    hashes = torch.tensor([key_hash(key) for key in keys], dtype=torch.int64)
+    ring = Ring.of_hashes(hashes)
+    assert ring.node_of == _reference_nodes(keys)
+    assert ring.nodes == len(set(keys))
+
+
+def test_building_the_ring_runs_no_python_per_rank() -> None:
+    """The same lines of the ring's code at 64 and at 16,384 ranks (counted, not timed)."""
+    import sys
+
+    import fsdp2.resilience._ring as ring_module
+
+    def lines(world: int) -> int:
+        hashes = torch.tensor([key_hash(f"host{rank // 8}") for rank in range(world)], dtype=torch.int64)
+        count = [0]
+
+        def local(frame: object, event: str, arg: object) -> object:
+            count[0] += event == "line"
+            return local
+
+        def trace(frame: object, event: str, arg: object) -> object:
+            return local if frame.f_code.co_filename == ring_module.__file__ else None  # type: ignore[attr-defined]
+
+        sys.settrace(trace)
+        try:
+            ring = Ring.of_hashes(hashes)
+            ring.buddy_of(1), ring.kept_for(1), ring.is_leader(1)
+        finally:
+            sys.settrace(None)
+        return count[0]
+
+    assert lines(16384) == lines(64)  # (at 8 ranks, one node: no buddy, fewer lines)
