@@ -81,6 +81,7 @@ def _transformers(kind: str, built: torch.nn.Module, directory: str) -> int:
     return sharded
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_transformers_moe_with_one_line_expert_parallelism(kind: str, tmp_path: Any) -> None:
     built = _transformers_model(kind)
@@ -112,6 +113,7 @@ def _titan(built: torch.nn.Module) -> dict[str, float]:
     return worst
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_torchtitan_moe_with_one_line_expert_parallelism() -> None:
     stand_in_for_triton_kernels()
     import torchtitan.models.qwen3 as qwen3

@@ -85,6 +85,7 @@ def _seen_rows(ep: int) -> list[int]:
     return seen
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("ep", [2, 4])
 def test_each_rank_gathers_only_its_experts(ep: int) -> None:
     for seen in run_threaded(WORLD, _seen_rows, ep):
@@ -120,6 +121,7 @@ def _resume(path: str) -> None:
         assert_sharded_parity(reference, model)
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_dcp_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path: Path) -> None:
     run_threaded(WORLD, _resume, str(tmp_path / "ckpt"))
 
@@ -162,6 +164,7 @@ def _muon() -> None:
         torch.testing.assert_close(param.full_tensor(), ref_param, rtol=0, atol=2e-3, msg=name)
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_stacked_muon_steps_shard_experts_stacks() -> None:
     run_threaded(WORLD, _muon)
 

@@ -189,6 +189,7 @@ def _torch_over_ours(ours: nn.Module, theirs: nn.Module) -> dict[str, float]:
     return ratios
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("experts", "placement"),
     [(4, Shard(0)), (4, Shard(1)), (2, Shard(0))],  # the last: one local expert over 2 efsdp ranks
@@ -216,6 +217,7 @@ def test_experts_on_ep_mesh_train_like_the_reference(experts: int, placement: Sh
             assert ratio == pytest.approx(expected, rel=1e-5), (name, ratio)
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 @pytest.mark.parametrize("titan", [False, True], ids=["default-division", "torchtitan-division-off"])
 def test_experts_on_ep_mesh_with_hsdp_train_like_the_reference(titan: bool) -> None:
     """Dense parameters HSDP over (rep 2, dp 2), experts over (rep 2, efsdp 1) and ep 2."""

@@ -119,11 +119,13 @@ def _train_three(layout: str, bf16: bool, args: ModelArgs = ARGS) -> None:
         _assert_same(ours, ref, grads=False)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_trains_like_torch_replicate_and_the_reference(layout: str) -> None:
     run_threaded(2, _train_three, layout, False)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mixed_precision_matches_torch(layout: str) -> None:
     run_threaded(2, _train_three, layout, True)
@@ -194,6 +196,7 @@ def _accumulate(mode: str) -> None:
     _assert_same(model, ref, grads=True)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("mode", ["no_sync", "divide_by_one", "no_all_reduce"])
 def test_accumulation_without_sync(mode: str) -> None:
     run_threaded(2, _accumulate, mode)
@@ -280,6 +283,7 @@ def _bucketed(mode: str) -> None:
     _assert_same(ours, theirs, grads=False)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("mode", ["plain", "no_all_reduce", "bf16", "mixed"])
 def test_bucketed_all_reduces_match_torch(mode: str) -> None:
     run_threaded(2, _bucketed, mode)
@@ -317,6 +321,7 @@ def _load(path: str, expected: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(_full(value), expected[key], rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("load_world", [1, 2])
 def test_dcp_saved_at_two_ranks_loads_at_any_world(load_world: int, tmp_path: Path) -> None:
     expected: dict[str, torch.Tensor] = {}

@@ -603,6 +603,7 @@ def _compare(name: str) -> None:
     _assert_records_equal(ours, theirs)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_torch_replicate(name: str) -> None:
     run_threaded(2, _compare, name)

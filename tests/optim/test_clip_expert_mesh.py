@@ -55,6 +55,7 @@ def _clip(experts: int, norm_type: float) -> dict[str, int]:
     }
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2-norm", "inf-norm"])
 @pytest.mark.parametrize("experts", [4, 2], ids=["rows-everywhere", "empty-shard"])
 def test_fsdp2_clip_over_dense_and_expert_meshes_matches_reference(experts: int, norm_type: float) -> None:

@@ -113,6 +113,7 @@ def _adamw_three_steps(dim: int) -> dict[str, Any]:
     return {"bytes": [_state_bytes(o) for o in optims], "sent": sent}
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("dim", [DIM, UNEVEN], ids=["even", "uneven"])
 def test_adamw_equals_plain_hsdp_and_the_unsharded_model(dim: int) -> None:
     results = run_threaded(WORLD, _adamw_three_steps, dim)
@@ -171,6 +172,7 @@ def _accumulate_and_clip(deferred: bool) -> None:
         torch.testing.assert_close(_whole(p_across), p_ref, **TIGHT)
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("deferred", [False, True], ids=["each_backward", "requires_all_reduce_false"])
 def test_clipping_and_accumulation(deferred: bool) -> None:
     run_threaded(WORLD, _accumulate_and_clip, deferred)
@@ -221,6 +223,7 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         torch.testing.assert_close(got[name], tensor, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_checkpoints_to_and_from_plain_hsdp_and_another_world_size(tmp_path: Any) -> None:
     plain_ckpt, across_ckpt = str(tmp_path / "plain"), str(tmp_path / "across")
     # plain HSDP trains two steps and saves; with the optimizer across replicas it resumes

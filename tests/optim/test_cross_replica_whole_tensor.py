@@ -121,6 +121,7 @@ def _train(base: nn.Module, kind: str) -> dict[str, Any]:
     return {"bytes": [sum(state_bytes(o) for o in group) for group in optims[:2]]}
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("kind", ["muon", "stacked_muon", "adafactor"])
 def test_whole_tensor_optimizers_across_replicas_equal_plain_hsdp_and_the_unsharded_model(kind: str) -> None:
     results = run_threaded(WORLD, _train, _base(), kind)
@@ -157,6 +158,7 @@ def _over_replicate(base: nn.Module, kind: str) -> None:
     fsdp2.check_replicas(models[1])
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 @pytest.mark.parametrize("kind", ["stacked_muon", "adafactor"])
 def test_over_replicate_alone(kind: str) -> None:
     run_threaded(WORLD, _over_replicate, _base(), kind)
@@ -207,6 +209,7 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], to
         torch.testing.assert_close(got[name], tensor, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 @pytest.mark.parametrize("kind", ["stacked_muon", "adafactor"])
 def test_checkpoints_to_and_from_plain_hsdp(kind: str, tmp_path: Any) -> None:
     base, tol = _base(), CLOSE if kind == "adafactor" else EXACT

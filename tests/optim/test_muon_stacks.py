@@ -171,6 +171,7 @@ def _run(experts: int, mesh: str, placement: Shard, ep: int = 2) -> dict[str, An
     return out
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("world", "experts", "placement", "exchanges"),  # exchanges: per step
     [(2, 4, Shard(0), 0), (4, 2, Shard(0), 0), (2, 3, Shard(0), 0), (2, 3, Shard(1), 2)],
@@ -195,6 +196,7 @@ def test_stacks_sharded_over_the_data_parallel_mesh(
     assert max(r["flops"] for r in results) < results[0]["ref_flops"]  # shared out
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize(
     ("experts", "placement", "exchanges", "mesh"),  # exchanges: per step
     [

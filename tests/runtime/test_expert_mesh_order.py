@@ -173,6 +173,7 @@ def _measured(order: list[int]) -> list[int]:
     return [report.step_peak_bytes for report in fsdp2.testing.measure_memory(WORLD, build, step, steps=1)]
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_branch_order_changes_hook_order_not_peak_memory() -> None:
     """The whole step's peak, every tensor counted (activations, buffers, states), is the same too."""
     peaks = _measured(ORDERS["default"])
@@ -196,6 +197,7 @@ def test_branch_order_changes_hook_order_not_results(live_inputs: LiveInputs) ->
         assert sizes == [WORLD, WORLD // EP] * BRANCHES + [WORLD]
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 @pytest.mark.parametrize("cap", [None, 1.0], ids=["one-per-group", "bucket-cap"])
 def test_shuffled_post_backward_calls_give_the_same_numbers(
     cap: float | None, live_inputs: LiveInputs

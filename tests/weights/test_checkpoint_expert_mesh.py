@@ -84,6 +84,7 @@ def _reference(experts: int, worlds: list[int]) -> dict[str, torch.Tensor]:
     return ep_layout.full_params(ref)
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 @pytest.mark.parametrize(
     ("experts", "resume_at"),
     [(4, [(4, 4), (4, 1), (2, 2)]), (2, [(4, 1), (2, 2)])],

@@ -63,6 +63,7 @@ def _save(path: str, mode: str, out: dict[str, Any]) -> None:
         out["saved"] = saved
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_saved_at_4_loads_with_dcp_at_4_2_1_and_into_torch(mode: str, tmp_path: Path) -> None:
     expected: dict[str, Any] = {}
@@ -89,6 +90,7 @@ def _save_hsdp(path: str, out: dict[str, Any]) -> None:
         out.update(saved)
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_hsdp_first_replica_writes_and_loads_at_2(tmp_path: Path) -> None:
     """(2 replicas, 2 shards): only replica 0's ranks write chunks; dcp.load at 2 (plain FSDP) reads them."""
     expected: dict[str, Any] = {}
@@ -133,6 +135,7 @@ def _entries(path: Path) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
 def test_metadata_matches_dcp_save(tmp_path: Path) -> None:
     run_threaded(4, _both, str(tmp_path))
     assert _entries(tmp_path / "flat") == _entries(tmp_path / "dcp")
@@ -160,6 +163,7 @@ def _failing(path: str, mode: str) -> None:
     assert not (target / ".metadata").exists()
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_failed_write_raises_everywhere_and_leaves_no_metadata(mode: str, tmp_path: Path) -> None:
     run_threaded(2, _failing, str(tmp_path / "ckpt"), mode)

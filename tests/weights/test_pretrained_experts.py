@@ -145,6 +145,7 @@ def _load(reference: nn.Module, kind: str, how: str, path: str) -> dict[str, Any
     return {"held": held, "placements": placements}
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("how", ["dim0", "rows", "ep2"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_transformers_checkpoint_loads_into_sharded_experts(
@@ -177,6 +178,7 @@ def _export(reference: nn.Module, kind: str, directory: str, layout: str) -> Non
     )
 
 
+@pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", ["hub", "model"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_loads_with_from_pretrained(kind: str, layout: str, tmp_path: Path) -> None:
