@@ -81,22 +81,30 @@ def shard_experts(
     # ---- no module has changed up to here ----
     sharded = []
     for (_, experts), (num_experts, style) in zip(found, plans, strict=True):
+        undo = None
         if experts_mesh is not None:
-            place(experts, Placement(experts_mesh, num_experts, style))
+            undo = place(experts, Placement(experts_mesh, num_experts, style))
             ranks, info = experts_mesh.efsdp, experts_mesh.sharding
         else:
             ranks, info = mesh.size(mesh.ndim - 1), None
         layout = _Layout(num_experts // ep, ranks, info)
-        sharded.append(
-            fully_shard(
-                experts,
-                mesh=mesh,
-                reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=layout.placement,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
+        try:
+            sharded.append(
+                fully_shard(
+                    experts,
+                    mesh=mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=layout.placement,
+                    mp_policy=mp_policy,
+                    offload_policy=offload_policy,
+                )
             )
-        )
+        except Exception:
+            # fully_shard changes nothing when it refuses; the placement goes back too. An argument it
+            # refuses is refused for the first module, so the model is then as it was.
+            if undo is not None:
+                undo()
+            raise
     return sharded
 
 

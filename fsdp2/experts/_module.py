@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,8 +190,19 @@ def expert_parallel_class(cls: type) -> type:
     return found
 
 
-def place(module: nn.Module, placement: Placement) -> None:
-    """Make ``module`` expert parallel: its stacks' local experts as DTensors ``Shard(0)`` on ``ep``."""
+def place(module: nn.Module, placement: Placement) -> Callable[[], None]:
+    """Make ``module`` expert parallel: its stacks' local experts as DTensors ``Shard(0)`` on ``ep``.
+
+    Returns the undo: the original parameters and class back (for a ``fully_shard`` that refuses).
+    """
+    original = (type(module), dict(module.named_parameters(recurse=False)))
+
+    def undo() -> None:
+        for name, param in original[1].items():
+            setattr(module, name, param)
+        _PLACEMENTS.pop(module, None)
+        module.__class__ = original[0]
+
     mesh = placement.mesh.ep_mesh
     lo, hi = placement.first, placement.first + placement.local
     for name, param in list(module.named_parameters(recurse=False)):
@@ -202,3 +213,4 @@ def place(module: nn.Module, placement: Placement) -> None:
         setattr(module, name, nn.Parameter(stacked, requires_grad=param.requires_grad))
     _PLACEMENTS[module] = placement
     module.__class__ = expert_parallel_class(type(module))
+    return undo

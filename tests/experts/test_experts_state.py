@@ -203,3 +203,24 @@ def test_an_empty_shard_of_160_experts_on_64_simulated_ranks() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     # 20 local experts over 8 efsdp ranks: [3, 3, 3, 3, 3, 3, 2, 0]; rank 63 is efsdp rank 7
     assert out.stdout.strip().splitlines()[-1] == "(160, 6, 4) 0 ['_S(0, 8)', 'S(0)']"
+
+
+def _refused() -> None:
+    ref = fill_deterministic_(Net(8), scale=0.5)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        fsdp2.shard_experts(model, ep=2, mesh=mesh, reshard_after_forward=3)  # does not divide 2 efsdp ranks
+    assert [type(m) for m in model.modules()] == before
+    for (name, param), (_, original) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert not isinstance(param, DTensor), name
+        assert torch.equal(param, original), name
+    with pytest.raises(ValueError, match="ep=3 ranks cannot hold equally"):
+        fsdp2.shard_experts(model, ep=3, mesh=mesh)
+    with pytest.raises(ValueError, match="found no experts module"):
+        fsdp2.shard_experts(model.head, ep=2, mesh=mesh)
+
+
+def test_refused_arguments_leave_the_model_as_it_was() -> None:
+    run_threaded(WORLD, _refused)
