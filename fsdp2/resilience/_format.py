@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..comm import padded, take
 from ..param import RowLayout, row_shard
@@ -43,14 +44,19 @@ _ALIGN = 64
 class Leaf:
     """One tensor of the state tree: its path of keys, dtype, global shape and sharded dimension.
 
-    ``dim`` is the dimension a 1-D mesh shards it on (each rank holds ``torch.chunk``'s piece), or
-    ``None`` for a tensor every rank holds whole (a step count, an unsharded buffer).
+    ``dim`` is the dimension its rows are cut on (each rank holds ``torch.chunk``'s piece), or ``None``
+    for a tensor every rank holds whole and that is no DTensor (a step count, an unsharded buffer).
+    ``shards`` is how many pieces that dimension is cut into: ``None`` for the whole world (FSDP on a
+    1-D mesh), the shard mesh dim's size for HSDP (rank ``r`` holds piece ``r % shards``: the ranks
+    ``r``, ``r + shards``, ... are replicas of one another), 1 for a replicated DTensor (every rank
+    holds all rows).
     """
 
     path: tuple[Any, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
     dim: int | None
+    shards: int | None = None
 
     @property
     def name(self) -> str:
@@ -86,14 +92,15 @@ class RankSnapshot:
 def local_shape(leaf: Leaf, world: int, rank: int) -> tuple[int, ...]:
     if leaf.dim is None:
         return leaf.shape
+    shards = leaf.shards or world
     shape = list(leaf.shape)
-    shape[leaf.dim] = RowLayout.chunked(shape[leaf.dim], world).count(rank)
+    shape[leaf.dim] = RowLayout.chunked(shape[leaf.dim], shards).count(rank % shards)
     return tuple(shape)
 
 
 def fingerprint(leaves: list[Leaf]) -> int:
     """A number that differs when the leaf tables differ (names, dtypes, shapes, layouts)."""
-    text = repr([(leaf.path, str(leaf.dtype), leaf.shape, leaf.dim) for leaf in leaves])
+    text = repr([(leaf.path, str(leaf.dtype), leaf.shape, leaf.dim, leaf.shards) for leaf in leaves])
     return zlib.crc32(text.encode())
 
 
@@ -101,7 +108,7 @@ def capture(tree: Any, step: int, world: int, rank: int) -> RankSnapshot:
     """Copy every tensor of ``tree`` (this rank's local values) into one host buffer.
 
     Raises:
-        ValueError: a DTensor is laid out other than sharded on one dimension of a 1-D mesh.
+        ValueError: a DTensor is laid out other than ``layout_of`` takes.
     """
     leaves: list[Leaf] = []
     locals_: list[torch.Tensor] = []
@@ -148,22 +155,42 @@ def _map(
 
 
 def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> Leaf:
-    """``tensor``'s leaf; a DTensor must be ``torch.chunk``'s rows on a 1-D mesh (``param.row_shard``).
-
-    A ``_StridedShard`` (tensor parallelism's) is not: its rows interleave, so it is refused like TP.
-    """
+    """``tensor``'s leaf: a plain tensor is whole on every rank; a DTensor's rows as ``layout_of`` says."""
     if not isinstance(tensor, DTensor):
         return Leaf(path, tensor.dtype, tuple(tensor.shape), None)
-    placements = tuple(tensor.placements)
-    shard = placements[0] if tensor.device_mesh.ndim == 1 else None
-    if not isinstance(shard, Shard) or row_shard(tensor, shard.dim) != 0:
+    layout = layout_of(tensor)
+    if layout is None:
         name = "/".join(str(key) for key in path)
         raise ValueError(
-            f"fsdp2 snapshots reshard tensors sharded on one dimension of a 1-D mesh (FSDP); {name} has "
-            f"placements {placements} on a {tensor.device_mesh.ndim}-D mesh. Save this layout (HSDP, tensor "
-            "parallelism) with torch.distributed.checkpoint instead."
+            f"fsdp2 snapshots reshard tensors sharded on one dimension of a 1-D mesh (FSDP), of the shard "
+            f"dim of a (replicate, shard) mesh (HSDP) or replicated on a 1-D mesh (replicate), the mesh "
+            f"over every rank in order; {name} has placements {tuple(tensor.placements)} on a "
+            f"{tensor.device_mesh.ndim}-D mesh of ranks {tensor.device_mesh.mesh.flatten().tolist()}. "
+            "Save this layout (tensor parallelism, an optimizer sharded across replicas) with "
+            "torch.distributed.checkpoint instead."
         )
-    return Leaf(path, tensor.dtype, tuple(tensor.shape), shard.dim)
+    return Leaf(path, tensor.dtype, tuple(tensor.shape), *layout)
+
+
+def layout_of(tensor: DTensor) -> tuple[int, int | None] | None:
+    """``(dim, shards)`` of a DTensor whose rows a snapshot can cut (see ``Leaf``), else ``None``.
+
+    ``Shard(d)`` on a 1-D mesh; ``(Replicate(), Shard(d))`` on a 2-D mesh whose ranks are the world's
+    in order (rank ``r`` at ``(r // shards, r % shards)``, as ``init_device_mesh`` lays them out);
+    ``Replicate()`` on a 1-D mesh of every rank, for a tensor of one dimension or more (its rows on
+    dimension 0, one piece). A ``_StridedShard`` (tensor parallelism's) is not: its rows interleave.
+    """
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    in_order = mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
+    if mesh.ndim == 1 and isinstance(placements[0], Shard):
+        shard = placements[0]
+        return (shard.dim, None) if row_shard(tensor, shard.dim) == 0 else None
+    if mesh.ndim == 1 and placements == (Replicate(),) and tensor.ndim and in_order:
+        return 0, 1
+    if mesh.ndim == 2 and in_order and type(placements[1]) is Shard and placements[0] == Replicate():
+        dim = placements[1].dim
+        return (dim, mesh.size(1)) if row_shard(tensor, dim) == 1 else None
+    return None
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

@@ -8,18 +8,22 @@ rank's pieces together. Pure: tensors in, tensors out; the exchange itself is ``
 ``comm.exchange``).
 
 [Note: What each new rank receives]
-From each sender, in this order: for each sharded leaf in table order, for each old rank the sender
-holds in ascending order, the rows of that old rank's chunk that fall in the new rank's chunk (both
-chunks as ``torch.chunk`` cuts the leaf's sharded dimension: ``param.routes`` between the two
-``RowLayout``s, whichever dimension it is); then, when the sender holds the receiver's ``source`` (old
-rank ``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A receiver computes
-every piece's size from the leaf table; only the pickled part's length travels (the exchange's counts).
+A leaf's rows are cut into ``shards`` pieces (``torch.chunk`` on its dimension, whichever it is): the
+whole world's for FSDP, the shard mesh dim's for HSDP, one for a replicated tensor (``Leaf``); rank
+``r`` holds piece ``r % shards``, so the ranks below ``shards`` hold every piece once and the others
+repeat them (replicas). Only those first ranks' copies are sent: piece by piece, ``param.routes``
+between the old and the new cut gives each new piece's rows, and every new rank holding that piece
+(its replicas too) receives them. From each sender, in this order: for each sharded leaf in table
+order, for each old rank the sender holds in ascending order, the rows of that old rank's piece that
+fall in the receiver's new piece; then, when the sender holds the receiver's ``source`` (old rank
+``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A receiver computes every
+piece's size from the leaf table; only the pickled part's length travels (the exchange's counts).
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,12 +35,22 @@ from ._format import Leaf, RankSnapshot, local_shape
 
 @dataclass(frozen=True)
 class Reshard:
-    """One restore's plan: ``holder[r]`` is the new rank that reads and sends old rank ``r``'s snapshot."""
+    """One restore's plan: ``holder[r]`` is the new rank that reads and sends old rank ``r``'s snapshot.
+
+    ``new_shards[i]``: how many pieces this job cuts leaf ``i``'s rows into (``Leaf.shards``: ``None``
+    for the whole world); all ``None`` when not given (FSDP on a 1-D mesh).
+    """
 
     leaves: tuple[Leaf, ...]
     old_world: int
     new_world: int
     holder: tuple[int, ...]
+    new_shards: tuple[int | None, ...] | None = None
+
+    def _cuts(self, index: int) -> tuple[int, int]:
+        """Leaf ``index``'s old and new number of pieces."""
+        new = self.new_shards[index] if self.new_shards is not None else None
+        return self.leaves[index].shards or self.old_world, new or self.new_world
 
     def source(self, new_rank: int) -> int:
         """The old rank whose tree and whole-held tensors ``new_rank`` takes (itself when it existed)."""
@@ -45,14 +59,15 @@ class Reshard:
     def held_by(self, new_rank: int) -> list[int]:
         return [old for old, holder in enumerate(self.holder) if holder == new_rank]
 
-    def _routes(self, leaf: Leaf, rank: int) -> Routes:
-        """``rank``'s rows of ``leaf``'s sharded dimension going from the old chunks to the new ones.
+    def _routes(self, index: int, piece: int) -> Routes:
+        """Piece ``piece``'s rows of leaf ``index``'s sharded dimension, from the old cut to the new one.
 
-        ``send``: to new ranks, ``rank`` as an old rank; ``receive``: from old ranks, ``rank`` as a new one.
+        ``send``: to new pieces, ``piece`` as an old one; ``receive``: from old ones, ``piece`` as a new one.
         """
+        leaf = self.leaves[index]
         assert leaf.dim is not None
-        size = leaf.shape[leaf.dim]
-        return routes(RowLayout.chunked(size, self.old_world), RowLayout.chunked(size, self.new_world), rank)
+        size, (old, new) = leaf.shape[leaf.dim], self._cuts(index)
+        return routes(RowLayout.chunked(size, old), RowLayout.chunked(size, new), piece)
 
     def outgoing(self, me: int, held: dict[int, RankSnapshot]) -> list[torch.Tensor]:
         """What ``me`` sends each new rank (uint8, flat), from the old snapshots it holds."""
@@ -61,12 +76,17 @@ class Reshard:
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
                 continue
+            old_cut, new_cut = self._cuts(index)
             for old in mine:
+                if old >= old_cut:  # a replica: the rank ``old % old_cut`` sends these rows
+                    continue
                 local = held[old].local(index)
-                start = RowLayout.chunked(leaf.shape[leaf.dim], self.old_world).span(old)[0]
-                for piece in self._routes(leaf, old).send:
+                start = RowLayout.chunked(leaf.shape[leaf.dim], old_cut).span(old)[0]
+                for piece in self._routes(index, old).send:
                     rows = local.narrow(leaf.dim, piece.start - start, piece.rows)
-                    parts[piece.peer].append(rows.contiguous().view(-1).view(torch.uint8))
+                    raw = rows.contiguous().view(-1).view(torch.uint8)
+                    for receiver in range(piece.peer, self.new_world, new_cut):
+                        parts[receiver].append(raw)
         for receiver in range(self.new_world):
             if self.source(receiver) in mine:
                 parts[receiver].append(_pickled_rest(held[self.source(receiver)]))
@@ -79,7 +99,7 @@ class Reshard:
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
                 continue
-            for piece in self._routes(leaf, me).receive:  # ascending old ranks: each sender's order too
+            for piece in self._routes(index, me % self._cuts(index)[1]).receive:  # ascending old pieces
                 sender = self.holder[piece.peer]
                 shape = list(leaf.shape)
                 shape[leaf.dim] = piece.rows
@@ -93,8 +113,9 @@ class Reshard:
                 values.append(whole[index])
             elif index in pieces:
                 values.append(torch.cat(pieces[index], dim=leaf.dim))
-            else:  # this rank's chunk is empty (more ranks than rows)
-                values.append(torch.empty(local_shape(leaf, self.new_world, me), dtype=leaf.dtype))
+            else:  # this rank's chunk is empty (more pieces than rows)
+                cut = replace(leaf, shards=self._cuts(index)[1])
+                values.append(torch.empty(local_shape(cut, self.new_world, me), dtype=leaf.dtype))
         return tree, values
 
 

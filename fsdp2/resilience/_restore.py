@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..comm import exchange
-from ._format import Leaf, RankSnapshot, fill
+from ._format import Leaf, RankSnapshot, fill, layout_of
 from ._reshard import Reshard
 from ._store import Damaged, Listed, NodeStore
 
@@ -115,9 +115,13 @@ class Exchanged:
 
 
 def reshard_newest(
-    store: NodeStore, listing: list[Listed], damaged: list[Damaged], group: dist.ProcessGroup
+    store: NodeStore,
+    listing: list[Listed],
+    damaged: list[Damaged],
+    group: dist.ProcessGroup,
+    model: nn.Module,
 ) -> Exchanged | str | None:
-    """Choose, read, check and reshard onto this job's ranks.
+    """Choose, read, check and reshard onto this job's ranks (each leaf cut as ``model``'s entry is).
 
     ``listing`` and ``damaged``: this rank's node's files, whole and damaged. Returns ``None`` when no rank
     found a snapshot file at all, or the reason none is whole (damaged copies named).
@@ -148,11 +152,28 @@ def reshard_newest(
                 broken.setdefault((item.step, item.rank), []).append(item.why)
     table: list[Any] = [held[0].leaves if 0 in held else None]
     dist.broadcast_object_list(table, src=dist.get_global_rank(group, choice.holder[0]), group=group)
-    plan = Reshard(tuple(table[0]), choice.old_world, world, choice.holder)
+    leaves = tuple(table[0])
+    plan = Reshard(leaves, choice.old_world, world, choice.holder, new_cuts(leaves, model))
     received = exchange([[part] for part in plan.outgoing(me, held)], group, align=1)  # counts travel
     tree, values = plan.incoming(me, received.parts)
     skipped = [line for lines in broken.values() for line in lines]
     return Exchanged(choice, plan.leaves, tree, values, skipped)
+
+
+def new_cuts(leaves: tuple[Leaf, ...], model: nn.Module) -> tuple[int | None, ...]:
+    """How many pieces this job cuts each leaf's rows into (``Leaf.shards``), from its model entry.
+
+    An entry absent, not a DTensor or of a layout snapshots do not take gets ``None`` (the whole world):
+    ``apply`` then refuses it with its reason, after the exchange every rank makes alike.
+    """
+    targets = get_model_state_dict(model)
+    cuts: list[int | None] = []
+    for leaf in leaves:
+        name = _owner(leaf.path)
+        target = targets.get(name) if isinstance(name, str) else None
+        layout = layout_of(target) if isinstance(target, DTensor) else None
+        cuts.append(None if layout is None else layout[1])
+    return tuple(cuts)
 
 
 def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, RankSnapshot], list[Damaged]]:
@@ -211,12 +232,14 @@ def _placed(leaf: Leaf, value: torch.Tensor, targets: dict[str, Any]) -> torch.T
     if leaf.dim is None:
         device = target.device if isinstance(target, torch.Tensor) and leaf.path[:1] == ("model",) else None
         return value if device is None else value.to(device)
-    if not isinstance(target, DTensor) or tuple(target.placements) != (Shard(leaf.dim),):
+    layout = layout_of(target) if isinstance(target, DTensor) else None
+    if layout is None or layout[0] != leaf.dim:
         raise ValueError(
-            f"snapshot leaf {leaf.name} was sharded on dim {leaf.dim}; this job's {name} is "
-            f"{getattr(target, 'placements', 'not sharded')}: shard the model as the job that took the "
-            "snapshot did"
+            f"snapshot leaf {leaf.name} was cut on dim {leaf.dim}; this job's {name} is "
+            f"{getattr(target, 'placements', 'not a DTensor')}: shard (FSDP, HSDP) or replicate the model "
+            "on that dim, as the job that took the snapshot did"
         )
+    assert isinstance(target, DTensor)
     stride = torch.empty(leaf.shape, device="meta").stride()
     return DTensor.from_local(
         value.to(target.device),

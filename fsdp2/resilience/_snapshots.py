@@ -88,7 +88,8 @@ class Snapshots:
     each rank runs and checks that each node's directory is its own).
 
     Args:
-        model: the ``fully_shard`` model (parameters sharded on one dimension of a 1-D mesh).
+        model: the ``fully_shard`` model (FSDP on a 1-D mesh or HSDP on a (replicate, shard) mesh), or an
+            ``fsdp2.replicate`` one.
         optimizer: its optimizer, or ``None``.
         every: snapshot every ``every`` steps (``save(step)`` with ``step % every == 0``).
         state: objects with ``state_dict()`` and ``load_state_dict()`` (a learning-rate scheduler, a data
@@ -102,7 +103,7 @@ class Snapshots:
     Raises:
         ValueError: ``every`` is not a positive int, ``name`` is empty or has a path separator, no ``job``
             identity is known, two nodes' directories are one storage (a network file system), or the
-            model has a parameter laid out other than sharded over a 1-D mesh.
+            model has a parameter laid out other than FSDP, HSDP or replicate lay it out.
         TypeError: ``state`` holds an object without ``state_dict``/``load_state_dict``.
         RuntimeError: torchrun may restart the job but shares its store between rounds (the restart
             would fail: launch it with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), or a node cannot write
@@ -283,6 +284,7 @@ class Snapshots:
             [entry for entry in listing if entry.step > newer_than],
             [entry for entry in damaged if entry.step > newer_than],
             self.group,
+            self.model,
         )
         if result is None:
             return Restored(

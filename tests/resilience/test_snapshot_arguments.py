@@ -1,13 +1,14 @@
 """``fsdp2.Snapshots`` refuses what it cannot keep, before it creates its process group: a cadence
 that is not a positive int, a name that is not a folder name, state objects without
-``state_dict``/``load_state_dict``, an HSDP model (a 2-D mesh: a restore reshards one dimension) or
-rows that are not ``torch.chunk``'s (a ``_StridedShard``, a replicated DTensor) on a 1-D mesh, a job
+``state_dict``/``load_state_dict``, rows that are not ``torch.chunk``'s (a ``_StridedShard``) or a
+2-D layout other than HSDP's (an optimizer sharded across replicas, rows cut on the outer mesh dim), a job
 without an identity (a restore could take another job's snapshots), and a torchrun launch that may
 restart the job on a store shared between its rounds (the restart would fail to connect); a node that
 cannot write its directory is refused on every rank.
 A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
-optimizer state (the bytes the restore moves; the restore itself runs in spawned gloo processes, in
-tests/resilience/test_snapshots_gloo.py).
+optimizer state, an HSDP model its shard dim's piece and a replicated tensor all its rows (the bytes
+the restore moves; the restore itself runs in spawned gloo processes, in
+tests/resilience/test_snapshots_gloo.py and test_snapshots_hsdp.py).
 """
 
 from __future__ import annotations
@@ -58,11 +59,31 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception
     run_threaded(2, body)
 
 
-def test_an_hsdp_model_is_refused_with_the_way_out() -> None:
+def test_other_2d_layouts_than_hsdps_are_refused_with_the_way_out() -> None:
     def body() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
-            fsdp2.Snapshots(_model(mesh), every=1)
+        local = torch.ones(2, 3)
+        for placements in ([Shard(0), Shard(0)], [Shard(0), Replicate()], [Replicate(), Replicate()]):
+            tensor = DTensor.from_local(local, mesh, placements, run_check=False)
+            with pytest.raises(ValueError, match=r"HSDP.*torch\.distributed\.checkpoint"):
+                check_layouts({"w": tensor})
+
+    run_threaded(4, body)
+
+
+def test_optimizer_state_sharded_across_replicas_is_refused_at_the_capture() -> None:
+    def body() -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model(mesh)
+        optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
+        model(torch.ones(4, 3)).sum().backward()
+        optim.step()
+        check_layouts(get_model_state_dict(model))  # the parameters are HSDP's
+        tree = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        with pytest.raises(
+            ValueError, match=r"exp_avg.*across replicas\) with torch\.distributed\.checkpoint"
+        ):
+            capture(tree, 1, 4, dist.get_rank())
 
     run_threaded(4, body)
 
@@ -71,18 +92,23 @@ def test_only_torch_chunks_rows_on_a_1d_mesh_are_taken() -> None:
     def body() -> None:
         mesh = init_device_mesh("cpu", (2,))
         local = torch.ones(2, 3)
-        taken = [DTensor.from_local(local, mesh, [p], run_check=False) for p in (Shard(0), Shard(1))]
-        assert [leaf.dim for leaf in capture({"w": taken}, 1, 2, dist.get_rank()).leaves] == [0, 1]
-        for placement in (_StridedShard(0, split_factor=2), Replicate()):  # interleaved rows; no rows
-            tensor = DTensor.from_local(local, mesh, [placement], run_check=False)
-            with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
-                check_layouts({"w": tensor})
+        placements = (Shard(0), Shard(1), Replicate())
+        taken = [DTensor.from_local(local, mesh, [p], run_check=False) for p in placements]
+        leaves = capture({"w": taken}, 1, 2, dist.get_rank()).leaves
+        assert [(leaf.dim, leaf.shards) for leaf in leaves] == [(0, None), (1, None), (0, 1)]
+        tensor = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], run_check=False)
+        with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
+            check_layouts({"w": tensor})  # interleaved rows
+        scalar = DTensor.from_local(torch.tensor(1.0), mesh, [Replicate()], run_check=False)
+        with pytest.raises(ValueError, match=r"1-D mesh.*torch\.distributed\.checkpoint"):
+            check_layouts({"w": scalar})  # no rows to cut
 
     run_threaded(2, body)
 
 
-def _captured(step: int) -> None:
-    model = _model()
+def _captured(step: int, hsdp: bool = False) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    model = _model(mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     for _ in range(step):
         model(torch.ones(4, 3)).sum().backward()
@@ -95,6 +121,7 @@ def _captured(step: int) -> None:
         assert torch.equal(snapshot.local(index), param.to_local()), name
         assert snapshot.leaves[index].shape == tuple(param.shape), name  # the global shape
         assert snapshot.leaves[index].dim == 0, name
+        assert snapshot.leaves[index].shards == (2 if hsdp else None), name
         state = optim.state[param]
         mine = names.index(f"optim/state/{name}/exp_avg")
         assert torch.equal(snapshot.local(mine), state["exp_avg"].to_local()), name
@@ -103,6 +130,10 @@ def _captured(step: int) -> None:
 
 def test_a_capture_holds_each_ranks_shards_of_parameters_and_optimizer_state() -> None:
     run_threaded(2, functools.partial(_captured, 2))
+
+
+def test_an_hsdp_capture_holds_each_ranks_shard_dim_piece() -> None:
+    run_threaded(4, functools.partial(_captured, 2, hsdp=True))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (and why there
 is none, damaged copies named apart from lost ones), the resharding of every leaf from W old ranks onto
-W' new ones (against ``torch.chunk`` of the whole tensor), the snapshot file's check of its own bytes,
+W' new ones (against ``torch.chunk`` of the whole tensor), also between HSDP and replicated layouts
+(rows cut on the shard dim only, replicas holding the same piece), the snapshot file's check of its own bytes,
 a failed write that leaves nothing, and the folders of one job. The restore itself runs in
 tests/resilience/test_snapshots_gloo.py.
 """
@@ -8,6 +9,7 @@ tests/resilience/test_snapshots_gloo.py.
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,43 @@ def test_every_new_rank_gets_torch_chunks_piece_of_every_leaf(
             assert value.dtype == expected.dtype, leaf.name
             assert torch.equal(value, expected), leaf.name
         assert fill(tree["model"], values)["w0"] is values[0]
+
+
+def _cut(tensor: torch.Tensor, dim: int, shards: int, rank: int) -> torch.Tensor:
+    _, start, count = chunk_rows(tensor.shape[dim], shards, rank % shards)
+    return tensor.narrow(dim, start, count)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    old=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # (replicas, shards)
+    new=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    size=st.integers(0, 7),
+    dim=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_hsdp_and_replicated_leaves_reshard_on_their_shard_dim_onto_every_replica(
+    old: tuple[int, int], new: tuple[int, int], size: int, dim: int, seed: int
+) -> None:
+    old_world, new_world = old[0] * old[1], new[0] * new[1]
+    whole = torch.randn(size, 3, generator=torch.Generator().manual_seed(seed)).movedim(0, dim)
+    leaf = Leaf(("model", "w0"), whole.dtype, tuple(whole.shape), dim, old[1])
+    leaves = [leaf, Leaf(("optim", "step"), torch.float32, (), None)]
+    snapshots = {}
+    for rank in range(old_world):
+        snapshot = _snapshot([whole, torch.tensor(2.0)], [replace(leaf, shards=None), leaves[1]], 1, 0)
+        local = _cut(whole, dim, old[1], rank).contiguous().view(-1).view(torch.uint8)
+        payload = snapshot.payload.clone()
+        payload[: local.numel()] = local  # this rank's piece where the whole tensor was
+        snapshots[rank] = RankSnapshot(3, old_world, rank, leaves, snapshot.offsets, snapshot.tree, payload)
+        assert torch.equal(snapshots[rank].local(0), _cut(whole, dim, old[1], rank))
+    holder = tuple((rank * 7) % new_world for rank in range(old_world))
+    plan = Reshard(tuple(leaves), old_world, new_world, holder, (new[1], None))
+    sent = {me: plan.outgoing(me, {r: snapshots[r] for r in plan.held_by(me)}) for me in range(new_world)}
+    for me in range(new_world):
+        _, values = plan.incoming(me, [sent[sender][me] for sender in range(new_world)])
+        assert torch.equal(values[0], _cut(whole, dim, new[1], me)), (me, old, new)
+        assert torch.equal(values[1], torch.tensor(2.0))
 
 
 def test_a_damaged_snapshot_file_is_refused_and_a_whole_one_reads_back(tmp_path: Path) -> None:
