@@ -46,7 +46,7 @@ from ._comms import (
     check_symmetric_memory,
     comm_type,
 )
-from ._exchange import ALIGN, Received, Scratch, exchange, nbytes_of, pack, padded, take
+from ._exchange import ALIGN, Packed, Received, Scratch, exchange, nbytes_of, pack, padded, take
 
 __all__ = [
     "ALIGN",
@@ -60,6 +60,7 @@ __all__ = [
     "DivideFactors",
     "ForwardingComm",
     "GroupComms",
+    "Packed",
     "ProcessGroupAllocAllGather",
     "ProcessGroupAllocReduceScatter",
     "Received",

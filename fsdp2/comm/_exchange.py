@@ -2,9 +2,10 @@
 
 Owns: ``pack`` (tensors' raw bytes back to back, each padded to ``align`` bytes), ``take`` (a tensor
 viewed back out of such bytes), ``Scratch`` (send and receive buffers reused across exchanges),
-``exchange`` (each rank's tensors for every peer, one ``all_to_all_single``) and ``Received`` (what an
-exchange brought, read per peer in the order it was packed). Does not own: what goes where (the
-routes between row layouts, ``param._rows``) or what the bytes mean (the callers').
+``exchange`` (each rank's tensors for every peer, one ``all_to_all_single``), ``Packed`` (bytes a
+caller packed itself) and ``Received`` (what an exchange brought, read per peer in the order it was
+packed). Does not own: what goes where (the routes between row layouts, ``param._rows``) or what the
+bytes mean (the callers').
 
 [Note: Counts known and unknown]
 A receiver that can compute what each peer sends (sizes from shapes, dtypes and routes) passes
@@ -23,6 +24,12 @@ peers (mappings), and ``Received`` cuts a peer's bytes out of the buffer when th
 Python work of an exchange follows the peers it moves bytes with. What stays per rank of the group is
 torch's own: the two lists of split sizes ``all_to_all_single`` takes (built in C from the sparse
 sizes) and the offsets of the received parts (one running sum, in C).
+
+Where one tensor's rows go to or come from many ranks (an owner scattering a matrix's rows, or
+gathering them), even a view per rank adds up: a sender whose pieces lie back to back in one tensor
+passes them as ``Packed`` (its bytes as they are, a size per rank), and ``Received.take_rows`` takes
+rows from several peers as one view where they arrived back to back in row order (no padding between
+them), else copies them into one tensor. Either way the values are the same bytes.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALIGN", "Received", "Scratch", "exchange", "nbytes_of", "pack", "padded", "take"]
+__all__ = ["ALIGN", "Packed", "Received", "Scratch", "exchange", "nbytes_of", "pack", "padded", "take"]
 
 ALIGN = 8  # every piece starts aligned for any dtype
 _PRIME = 2**31 - 1
@@ -146,8 +154,51 @@ class Received:
         piece, self._offsets[peer] = take(raw, offset, shape, dtype, self._align)
         return piece
 
+    def take_rows(
+        self, peers: Sequence[int], rows: Sequence[int], width: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The next ``rows[k]`` rows of ``width`` from each ``peers[k]``, joined: ``[sum(rows), width]``.
 
-Sends = Sequence[Sequence[torch.Tensor]] | Mapping[int, Sequence[torch.Tensor]]
+        One view of ``buffer`` where the pieces lie back to back (each peer's next bytes starting where
+        the previous piece's end, none padded) and aligned for ``dtype``, else a new tensor. Offsets
+        move as ``take`` moves them. No pieces: an empty ``[0, width]`` tensor.
+        """
+        row_bytes = width * dtype.itemsize
+        ats = []
+        for peer, count in zip(peers, rows, strict=True):
+            offset = self._offsets.get(peer, 0)
+            ats.append(self._starts[peer] + offset)
+            self._offsets[peer] = offset + padded(count * row_bytes, self._align)
+        total = sum(rows)
+        first = ats[0] if ats else 0
+        stop = first + total * row_bytes
+        if first % dtype.itemsize == 0 and ats == list(
+            itertools.accumulate((count * row_bytes for count in rows[:-1]), initial=first)
+        ):
+            return self.buffer[first:stop].view(dtype).view(total, width)
+        pieces = [
+            take(self.buffer, at, (count, width), dtype, self._align)[0]
+            for at, count in zip(ats, rows, strict=True)
+        ]
+        return (
+            torch.cat(pieces) if pieces else torch.empty((0, width), dtype=dtype, device=self.buffer.device)
+        )
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Bytes already packed for an exchange, sent as they are.
+
+    ``data`` holds ``sizes[r]`` bytes for each rank ``r`` named, in ascending rank order, each a
+    multiple of the exchange's ``align``: a caller whose pieces lie back to back in one tensor sends
+    them without a view and a copy per piece.
+    """
+
+    data: torch.Tensor  # uint8, one dimension
+    sizes: Mapping[int, int]
+
+
+Sends = Sequence[Sequence[torch.Tensor]] | Mapping[int, Sequence[torch.Tensor]] | Packed
 
 
 def exchange(
@@ -177,15 +228,20 @@ def exchange(
         check: check ``expect`` against what the ranks send (one all-reduce).
         mismatch: the ``RuntimeError``'s message on every rank when the sizes disagree.
     """
-    to = _sparse(sends)
-    if device is None:
-        device = scratch.device if scratch is not None else _first_device(to)
+    if isinstance(sends, Packed):
+        sent = _packed_sizes(sends, align)
+        device = device or (scratch.device if scratch is not None else sends.data.device)
+        source = sends.data
+    else:
+        to = _sparse(sends)
+        if device is None:
+            device = scratch.device if scratch is not None else _first_device(to)
+        sent = {
+            peer: sum(padded(t.numel() * t.element_size(), align) for t in tensors)
+            for peer, tensors in to.items()
+        }
+        source = pack([t for peer in sorted(to) for t in to[peer]], device, align, scratch)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    sent = {
-        peer: sum(padded(t.numel() * t.element_size(), align) for t in tensors)
-        for peer, tensors in to.items()
-    }
-    source = pack([t for peer in sorted(to) for t in to[peer]], device, align, scratch)
     if world == 1:
         sizes = [source.numel()]
         if expect is not None and check and _dense(expect, 1) != sizes:
@@ -208,7 +264,25 @@ def exchange(
     return Received(out, sizes, align)
 
 
-def _sparse(sends: Sends) -> dict[int, Sequence[torch.Tensor]]:
+def _packed_sizes(sends: Packed, align: int) -> dict[int, int]:
+    """``sends.sizes`` (nonzero only), checked against its bytes before anything travels."""
+    sizes = {peer: n for peer, n in sends.sizes.items() if n}
+    if sends.data.dtype != torch.uint8 or sends.data.ndim != 1 or sends.data.numel() != sum(sizes.values()):
+        raise ValueError(
+            f"exchange: Packed bytes of {sends.data.numel()} {sends.data.dtype} elements for sizes adding "
+            f"up to {sum(sizes.values())}; pass one-dimensional uint8 bytes holding exactly those sizes."
+        )
+    if any(n % align for n in sizes.values()) or list(sizes) != sorted(sizes):
+        raise ValueError(
+            f"exchange: Packed sizes must be multiples of {align} bytes, in ascending rank order; "
+            "pad each rank's bytes and name the ranks in order (or pass tensors, which pack pads)."
+        )
+    return sizes
+
+
+def _sparse(
+    sends: Sequence[Sequence[torch.Tensor]] | Mapping[int, Sequence[torch.Tensor]],
+) -> dict[int, Sequence[torch.Tensor]]:
     """The peers sent to, with their tensors (a list's empty entries left out)."""
     items = sends.items() if isinstance(sends, Mapping) else enumerate(sends)
     return {peer: tensors for peer, tensors in items if tensors}

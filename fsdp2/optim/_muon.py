@@ -28,7 +28,10 @@ in a vector's body or its tail depends on the row count); at one rank they are b
 step, each rank receives 2 N M (W - 1) / W^2 bytes for N row-sharded matrices of M bytes (an update's
 rows on the way to its owner, the result's rows on the way back), against 5 N M (W - 1) / W^2 for the
 general owner step and N M (W - 1) / W for an all-gather of every update on every rank. The momentum
-stays a DTensor sharded like its parameter.
+stays a DTensor sharded like its parameter. An owner takes a matrix's rows as one view of the received
+bytes where they arrived back to back, and sends the result's rows as its bytes as they are where it
+owns one matrix (``comm``'s [Note: Sparse sends]): its Python work per step does not follow how many
+ranks hold the rows.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..comm import Received, exchange, nbytes_of
+from ..comm import ALIGN, Packed, Received, exchange, nbytes_of
 from ..param import RowGroup, RowLayout, local_of, owners_by_load, routes
-from ._owner_exchange import DISAGREE, join_rows
+from ._owner_exchange import DISAGREE
 from ._step_rows import StepRows, shard_rows
 
 try:  # torch's own functions: the unsharded model's operations, bit for bit
@@ -176,21 +179,21 @@ def _on_owners(matrices: list[_Matrix], ring: RowGroup) -> list[torch.Tensor]:
     wholes: dict[int, torch.Tensor] = {}
     for i, m in enumerate(matrices):
         if owners[i] == rank:
-            pieces = [
-                received.take(ring.peers[piece.peer], (piece.rows, m.shape[1]), m.update.dtype)
-                for piece in routes(rows[i], owned[i], rank).receive
-            ]
-            wholes[i] = _orthogonalise(join_rows(pieces, m.update), m.settings)
+            pieces = routes(rows[i], owned[i], rank).receive
+            whole = received.take_rows(
+                [ring.peers[piece.peer] for piece in pieces],
+                [piece.rows for piece in pieces],
+                m.shape[1],
+                m.update.dtype,
+            )  # one view where the pieces arrived back to back in row order
+            wholes[i] = _orthogonalise(whole, m.settings)
     # Back: each rank's rows of each orthogonalised update.
-    sends = defaultdict(list)
-    for i, whole in wholes.items():
-        for piece in routes(owned[i], rows[i], rank).send:
-            sends[piece.peer].append(whole[piece.start : piece.stop])
+    back = _back_sends(wholes, rows, owned, ring)
     expect = defaultdict(int)  # torch 2.13's Newton-Schulz returns bf16 (a change shows as a count mismatch)
     for i, m in enumerate(matrices):
         if rows[i].count(rank):
             expect[owners[i]] += nbytes_of((rows[i].count(rank), m.shape[1]), torch.bfloat16)
-    received = _exchange(sends, expect, ring, device)
+    received = _exchange(back, expect, ring, device)
     results = []
     for i, m in enumerate(matrices):
         result = received.take(ring.peers[owners[i]], (rows[i].count(rank), m.shape[1]), torch.bfloat16)
@@ -202,13 +205,42 @@ def _on_owners(matrices: list[_Matrix], ring: RowGroup) -> list[torch.Tensor]:
     return results
 
 
+def _back_sends(
+    wholes: dict[int, torch.Tensor], rows: list[RowLayout], owned: list[RowLayout], ring: RowGroup
+) -> dict[int, list[torch.Tensor]] | Packed:
+    """The owner's rows of each result for each rank holding them (by layout rank).
+
+    One matrix owned whose pieces go to ranks in ascending group order, none padded: its bytes as they
+    are (the pieces lie back to back in row order), no view or copy per rank.
+    """
+    if len(wholes) == 1:
+        ((i, whole),) = wholes.items()
+        pieces = routes(owned[i], rows[i], ring.position).send
+        row_bytes = whole.shape[1] * whole.element_size()
+        ranks = [ring.peers[piece.peer] for piece in pieces]
+        if row_bytes % ALIGN == 0 and ranks == sorted(ranks):
+            data = whole.contiguous().view(-1).view(torch.uint8)
+            return Packed(data, {r: piece.rows * row_bytes for r, piece in zip(ranks, pieces, strict=True)})
+    sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for i, whole in wholes.items():
+        for piece in routes(owned[i], rows[i], ring.position).send:
+            sends[piece.peer].append(whole[piece.start : piece.stop])
+    return sends
+
+
 def _exchange(
-    sends: Mapping[int, list[torch.Tensor]], expect: Mapping[int, int], ring: RowGroup, device: torch.device
+    sends: Mapping[int, list[torch.Tensor]] | Packed,
+    expect: Mapping[int, int],
+    ring: RowGroup,
+    device: torch.device,
 ) -> Received:
-    """``exchange`` over ``ring``'s group; ``sends`` and ``expect`` by layout rank, only the peers named."""
+    """``exchange`` over ``ring``'s group; ``sends`` and ``expect`` by layout rank, only the peers named.
+
+    ``Packed`` sends are by group rank already.
+    """
     peers = ring.peers
     return exchange(
-        {peers[p]: tensors for p, tensors in sends.items()},
+        sends if isinstance(sends, Packed) else {peers[p]: tensors for p, tensors in sends.items()},
         ring.group,
         expect={peers[p]: n for p, n in expect.items()},
         device=device,

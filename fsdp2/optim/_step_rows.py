@@ -53,9 +53,16 @@ def shard_rows(param: torch.Tensor, group: dist.ProcessGroup | None) -> StepRows
     """The rows of ``param``'s local shard (rows spread over ``group``, ``None``: none spread)."""
     assert isinstance(param, DTensor)
     assert isinstance(param.grad, DTensor)
-    ring = None
-    if group is not None:
-        world = dist.get_world_size(group)
-        ring = RowGroup(group, world, 1, tuple(range(world)), dist.get_rank(group))
+    ring = None if group is None else _ring_of(group, dist.get_rank(group))
     wrap = functools.partial(sharded_like, param)
     return StepRows(param, local_of(param), local_of(param.grad), ring, wrap)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_of(group: dist.ProcessGroup, rank: int) -> RowGroup:
+    """A shard group's ranks in rank order: one per group and rank, not W ranks per parameter per step.
+
+    ``rank``: this rank's in ``group`` (part of the key: threads standing in for ranks may share one).
+    """
+    world = dist.get_world_size(group)
+    return RowGroup(group, world, 1, tuple(range(world)), rank)

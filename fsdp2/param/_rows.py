@@ -164,6 +164,9 @@ class RowGroup:
     peers: tuple[int, ...]
     position: int
 
+    def __hash__(self) -> int:  # not the W peers: a dict keyed by rings must not hash W integers
+        return hash((self.outer, self.inner, self.position, len(self.peers)))
+
     def layout(self, rows: int) -> RowLayout:
         return RowLayout.nested(rows, self.outer, self.inner)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2.comm import Scratch, exchange, nbytes_of, raise_everywhere
+from fsdp2.comm import Packed, Scratch, exchange, nbytes_of, raise_everywhere
 from fsdp2.testing import count_collectives
 from tests._harness import run_threaded
 
@@ -85,6 +85,74 @@ def _sparse_round() -> list[bool]:
 def test_sends_and_sizes_may_name_only_the_peers_bytes_go_to() -> None:
     for same in run_threaded(3, _sparse_round):
         assert all(same), same
+
+
+def _matrix(dtype: torch.dtype, width: int) -> torch.Tensor:
+    return (torch.arange(6 * width, dtype=torch.float64) * 1.25 - 7).to(dtype).view(6, width)
+
+
+def _gathered_rows() -> list[bool]:
+    """Each rank's two rows of a matrix to rank 0, taken there at once by ``take_rows``."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    fp32, bf16 = _matrix(torch.float32, 4), _matrix(torch.bfloat16, 3)  # bf16 rows of 6 bytes: padded
+    mine32, mine16 = fp32[2 * me : 2 * me + 2], bf16[2 * me : 2 * me + 2]
+    size32, size16 = nbytes_of((2, 4), torch.float32), nbytes_of((2, 3), torch.bfloat16)
+    alone = exchange({0: [mine32]}, None, expect={r: size32 for r in range(world)} if me == 0 else {})
+    mixed = exchange(
+        {0: [mine32, mine16]}, None, expect={r: size32 + size16 for r in range(world)} if me == 0 else {}
+    )
+    if me:
+        return [True]
+    ranks = list(range(world))
+    joined = alone.take_rows(ranks, [2] * world, 4, torch.float32)  # back to back: one view
+    shares = joined.untyped_storage().data_ptr() == alone.buffer.untyped_storage().data_ptr()
+    reversed_ = mixed.take_rows(ranks[::-1], [2] * world, 4, torch.float32)  # not back to back: a copy
+    padded_ = mixed.take_rows(ranks, [2] * world, 3, torch.bfloat16)  # padded pieces: a copy
+    want_reversed = torch.cat([fp32[2 * r : 2 * r + 2] for r in ranks[::-1]])
+    empty = mixed.take_rows([], [], 4, torch.float32)
+    return [
+        shares,
+        torch.equal(joined, fp32),
+        torch.equal(reversed_, want_reversed),
+        reversed_.untyped_storage().data_ptr() != mixed.buffer.untyped_storage().data_ptr(),
+        torch.equal(padded_, bf16),
+        empty.shape == (0, 4),
+    ]
+
+
+def test_take_rows_joins_pieces_back_to_back_as_one_view() -> None:
+    for same in run_threaded(3, _gathered_rows):
+        assert all(same), same
+
+
+def _scattered_rows() -> bool:
+    """Rank 0's matrix, two rows to each rank, sent as its bytes as they are (``Packed``)."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    whole = _matrix(torch.float32, 4)
+    sends: Any = {}
+    if me == 0:
+        sends = Packed(whole.view(-1).view(torch.uint8), {r: 32 for r in range(world)})
+    received = exchange(sends, None, expect={0: 32})
+    return torch.equal(received.take(0, (2, 4), torch.float32), whole[2 * me : 2 * me + 2])
+
+
+def test_packed_sends_reach_each_rank() -> None:
+    assert all(run_threaded(3, _scattered_rows))
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "sizes", "match"),
+    [
+        (24, {0: 12, 1: 12}, "multiples of 8 bytes"),
+        (32, {1: 16, 0: 16}, "ascending rank order"),
+        (32, {0: 16, 1: 8}, "adding up to 24"),
+    ],
+)
+def test_packed_sends_that_do_not_add_up_raise_before_anything_travels(
+    nbytes: int, sizes: dict[int, int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        exchange(Packed(torch.zeros(nbytes, dtype=torch.uint8), sizes), None)
 
 
 def _wrong_size() -> None:
