@@ -95,6 +95,24 @@ def test_optimizer_state_sharded_across_replicas_is_captured_as_each_rank_s_slic
     run_threaded(4, body)
 
 
+def test_replicate_s_optimizer_slices_are_captured_as_fsdp_s_cut() -> None:
+    def body() -> None:
+        torch.manual_seed(0)
+        model = fsdp2.replicate(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2)))
+        optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
+        model(torch.ones(4, 3)).sum().backward()
+        optim.step()
+        tree = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        snapshot = capture(tree, 1, 2, dist.get_rank())
+        for i, leaf in enumerate(snapshot.leaves):
+            if leaf.path[-1] in ("exp_avg", "exp_avg_sq"):
+                assert (leaf.shards, leaf.replicas) == (None, 1)  # the world's torch.chunk pieces
+                state = tree["optim"]["state"][leaf.path[2]][leaf.path[3]]
+                assert torch.equal(snapshot.local(i), state.to_local())
+
+    run_threaded(2, body)
+
+
 def test_only_torch_chunks_rows_on_a_1d_mesh_are_taken() -> None:
     def body() -> None:
         mesh = init_device_mesh("cpu", (2,))
