@@ -1,7 +1,8 @@
 """One rank's snapshot as bytes: a table of tensors, the tree around them, and the file that holds both.
 
 Owns: ``Leaf`` (one tensor of the state: where it sits in the tree, its dtype, its global shape and the
-dimension it is sharded on), ``capture`` (a state tree -> ``RankSnapshot``: every tensor's local values
+dimension it is sharded on; ``rows_of``, ``position`` and ``rank_at``: its pieces' rows and which rank
+holds which), ``capture`` (a state tree -> ``RankSnapshot``: every tensor's local values
 copied into one host buffer), and the snapshot file (``write_file``, ``read_header``, ``read_file``).
 Does not own where files live (``_store``) or how shards move between ranks (``_reshard``).
 
@@ -49,7 +50,9 @@ class Leaf:
     ``shards`` is how many pieces that dimension is cut into: ``None`` for the whole world (FSDP on a
     1-D mesh), the shard mesh dim's size for HSDP (rank ``r`` holds piece ``r % shards``: the ranks
     ``r``, ``r + shards``, ... are replicas of one another), 1 for a replicated DTensor (every rank
-    holds all rows).
+    holds all rows). ``replicas`` above 1: each of the ``shards`` pieces cut again into that many
+    (optimizer state of ``fsdp2.shard_optimizer_across_replicas``, ``RowLayout.nested``): every rank
+    holds its own piece, rank ``r`` the one at position ``(r % shards) * replicas + r // shards``.
     """
 
     path: tuple[Any, ...]
@@ -57,6 +60,7 @@ class Leaf:
     shape: tuple[int, ...]
     dim: int | None
     shards: int | None = None
+    replicas: int = 1
 
     @property
     def name(self) -> str:
@@ -92,15 +96,37 @@ class RankSnapshot:
 def local_shape(leaf: Leaf, world: int, rank: int) -> tuple[int, ...]:
     if leaf.dim is None:
         return leaf.shape
-    shards = leaf.shards or world
     shape = list(leaf.shape)
-    shape[leaf.dim] = RowLayout.chunked(shape[leaf.dim], shards).count(rank % shards)
+    shape[leaf.dim] = rows_of(leaf, world).count(position(leaf, world, rank))
     return tuple(shape)
+
+
+def rows_of(leaf: Leaf, world: int) -> RowLayout:
+    """How a sharded leaf's rows lie over its pieces (``torch.chunk``'s, or cut twice for slices)."""
+    assert leaf.dim is not None, "a whole-held leaf has no row layout"
+    shards = leaf.shards or world
+    return RowLayout.nested(leaf.shape[leaf.dim], shards, leaf.replicas)
+
+
+def position(leaf: Leaf, world: int, rank: int) -> int:
+    """The piece of ``rows_of(leaf, world)`` that ``rank`` holds."""
+    shards = leaf.shards or world
+    return (rank % shards) * leaf.replicas + rank // shards if leaf.replicas > 1 else rank % shards
+
+
+def rank_at(leaf: Leaf, world: int, piece: int) -> int:
+    """The lowest rank holding piece ``piece`` (the only one for slices)."""
+    if leaf.replicas == 1:
+        return piece
+    shard, replica = divmod(piece, leaf.replicas)
+    return replica * (leaf.shards or world) + shard
 
 
 def fingerprint(leaves: list[Leaf]) -> int:
     """A number that differs when the leaf tables differ (names, dtypes, shapes, layouts)."""
     text = repr([(leaf.path, str(leaf.dtype), leaf.shape, leaf.dim, leaf.shards) for leaf in leaves])
+    if any(leaf.replicas > 1 for leaf in leaves):  # tables of the layouts before slices keep their number
+        text += repr([leaf.replicas for leaf in leaves])
     return zlib.crc32(text.encode())
 
 
@@ -163,33 +189,39 @@ def _leaf(tensor: torch.Tensor, path: tuple[Any, ...]) -> Leaf:
         name = "/".join(str(key) for key in path)
         raise ValueError(
             f"fsdp2 snapshots reshard tensors sharded on one dimension of a 1-D mesh (FSDP), of the shard "
-            f"dim of a (replicate, shard) mesh (HSDP) or replicated on a 1-D mesh (replicate), the mesh "
+            f"dim of a (replicate, shard) mesh (HSDP), replicated on a 1-D mesh (replicate) or sliced "
+            f"across the replicas of such a mesh (fsdp2.shard_optimizer_across_replicas), the mesh "
             f"over every rank in order; {name} has placements {tuple(tensor.placements)} on a "
             f"{tensor.device_mesh.ndim}-D mesh of ranks {tensor.device_mesh.mesh.flatten().tolist()}. "
-            "Save this layout (tensor parallelism, an optimizer sharded across replicas) with "
+            "Save this layout (tensor parallelism) with "
             "torch.distributed.checkpoint instead."
         )
     return Leaf(path, tensor.dtype, tuple(tensor.shape), *layout)
 
 
-def layout_of(tensor: DTensor) -> tuple[int, int | None] | None:
-    """``(dim, shards)`` of a DTensor whose rows a snapshot can cut (see ``Leaf``), else ``None``.
+def layout_of(tensor: DTensor) -> tuple[int, int | None, int] | None:
+    """``(dim, shards, replicas)`` of a DTensor whose rows a snapshot can cut (see ``Leaf``), else ``None``.
 
     ``Shard(d)`` on a 1-D mesh; ``(Replicate(), Shard(d))`` on a 2-D mesh whose ranks are the world's
     in order (rank ``r`` at ``(r // shards, r % shards)``, as ``init_device_mesh`` lays them out);
     ``Replicate()`` on a 1-D mesh of every rank, for a tensor of one dimension or more (its rows on
-    dimension 0, one piece). A ``_StridedShard`` (tensor parallelism's) is not: its rows interleave.
+    dimension 0, one piece); ``(Shard(d), Shard(d))`` on the (shard, replicate) view of such a 2-D mesh
+    (replica slices: rank ``r`` at ``(r % shards, r // shards)``). A ``_StridedShard`` (tensor
+    parallelism's) is not: its rows interleave.
     """
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     in_order = mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
     if mesh.ndim == 1 and isinstance(placements[0], Shard):
         shard = placements[0]
-        return (shard.dim, None) if row_shard(tensor, shard.dim) == 0 else None
+        return (shard.dim, None, 1) if row_shard(tensor, shard.dim) == 0 else None
     if mesh.ndim == 1 and placements == (Replicate(),) and tensor.ndim and in_order:
-        return 0, 1
+        return 0, 1, 1
     if mesh.ndim == 2 and in_order and type(placements[1]) is Shard and placements[0] == Replicate():
         dim = placements[1].dim
-        return (dim, mesh.size(1)) if row_shard(tensor, dim) == 1 else None
+        return (dim, mesh.size(1), 1) if row_shard(tensor, dim) == 1 else None
+    sliced = mesh.ndim == 2 and mesh.mesh.t().flatten().tolist() == list(range(dist.get_world_size()))
+    if sliced and type(placements[0]) is Shard and placements[1] == placements[0]:
+        return placements[0].dim, mesh.size(0), mesh.size(1)
     return None
 
 

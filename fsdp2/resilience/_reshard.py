@@ -11,13 +11,17 @@ rank's pieces together. Pure: tensors in, tensors out; the exchange itself is ``
 A leaf's rows are cut into ``shards`` pieces (``torch.chunk`` on its dimension, whichever it is): the
 whole world's for FSDP, the shard mesh dim's for HSDP, one for a replicated tensor (``Leaf``); rank
 ``r`` holds piece ``r % shards``, so the ranks below ``shards`` hold every piece once and the others
-repeat them (replicas). Only those first ranks' copies are sent: piece by piece, ``param.routes``
+repeat them (replicas). Optimizer state sharded across replicas (``Leaf.replicas`` above 1) cuts each
+piece again, every rank holding its own (``_format.position``); the restore cuts it as the parameter
+(replicas 1), and the optimizer's next step cuts it into slices again. Only those first ranks' copies
+(every rank's, for slices) are sent: piece by piece, ``param.routes``
 between the old and the new cut gives each new piece's rows, and every new rank holding that piece
 (its replicas too) receives them. From each sender, in this order: for each sharded leaf in table
-order, for each old rank the sender holds in ascending order, the rows of that old rank's piece that
-fall in the receiver's new piece; then, when the sender holds the receiver's ``source`` (old rank
-``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A receiver computes every
-piece's size from the leaf table; only the pickled part's length travels (the exchange's counts).
+order, for each old rank the sender holds in ascending order of its piece, the rows of that old
+rank's piece that fall in the receiver's new piece; then, when the sender holds the receiver's
+``source`` (old rank ``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A
+receiver computes every piece's size from the leaf table; only the pickled part's length travels (the
+exchange's counts).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from ..comm import take
 from ..param import Routes, RowLayout, routes
-from ._format import Leaf, RankSnapshot, local_shape
+from ._format import Leaf, RankSnapshot, local_shape, position, rank_at, rows_of
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,8 @@ class Reshard:
         """
         leaf = self.leaves[index]
         assert leaf.dim is not None
-        size, (old, new) = leaf.shape[leaf.dim], self._cuts(index)
-        return routes(RowLayout.chunked(size, old), RowLayout.chunked(size, new), piece)
+        new = RowLayout.chunked(leaf.shape[leaf.dim], self._cuts(index)[1])
+        return routes(rows_of(leaf, self.old_world), new, piece)
 
     def outgoing(self, me: int, held: dict[int, RankSnapshot]) -> list[torch.Tensor]:
         """What ``me`` sends each new rank (uint8, flat), from the old snapshots it holds."""
@@ -77,12 +81,13 @@ class Reshard:
             if leaf.dim is None:
                 continue
             old_cut, new_cut = self._cuts(index)
-            for old in mine:
-                if old >= old_cut:  # a replica: the rank ``old % old_cut`` sends these rows
+            for old in sorted(mine, key=lambda rank: position(leaf, self.old_world, rank)):
+                if leaf.replicas == 1 and old >= old_cut:  # a replica: rank ``old % old_cut`` sends these
                     continue
                 local = held[old].local(index)
-                start = RowLayout.chunked(leaf.shape[leaf.dim], old_cut).span(old)[0]
-                for piece in self._routes(index, old).send:
+                mine_at = position(leaf, self.old_world, old)
+                start = rows_of(leaf, self.old_world).span(mine_at)[0]
+                for piece in self._routes(index, mine_at).send:
                     rows = local.narrow(leaf.dim, piece.start - start, piece.rows)
                     raw = rows.contiguous().view(-1).view(torch.uint8)
                     for receiver in range(piece.peer, self.new_world, new_cut):
@@ -100,7 +105,7 @@ class Reshard:
             if leaf.dim is None:
                 continue
             for piece in self._routes(index, me % self._cuts(index)[1]).receive:  # ascending old pieces
-                sender = self.holder[piece.peer]
+                sender = self.holder[rank_at(leaf, self.old_world, piece.peer)]
                 shape = list(leaf.shape)
                 shape[leaf.dim] = piece.rows
                 value, cursors[sender] = take(received[sender], cursors[sender], shape, leaf.dtype, align=1)
@@ -114,7 +119,7 @@ class Reshard:
             elif index in pieces:
                 values.append(torch.cat(pieces[index], dim=leaf.dim))
             else:  # this rank's chunk is empty (more pieces than rows)
-                cut = replace(leaf, shards=self._cuts(index)[1])
+                cut = replace(leaf, shards=self._cuts(index)[1], replicas=1)
                 values.append(torch.empty(local_shape(cut, self.new_world, me), dtype=leaf.dtype))
         return tree, values
 

@@ -1,14 +1,15 @@
 """``fsdp2.Snapshots`` refuses what it cannot keep, before it creates its process group: a cadence
 that is not a positive int, a name that is not a folder name, state objects without
 ``state_dict``/``load_state_dict``, rows that are not ``torch.chunk``'s (a ``_StridedShard``) or a
-2-D layout other than HSDP's (an optimizer sharded across replicas, rows cut on the outer mesh dim), a job
+2-D layout other than HSDP's (rows cut on the outer mesh dim, slices on a mesh not in order), a job
 without an identity (a restore could take another job's snapshots), and a torchrun launch that may
 restart the job on a store shared between its rounds (the restart would fail to connect); a node that
 cannot write its directory is refused on every rank.
 A model it accepts captures, on each rank, exactly that rank's shard of every parameter and its
-optimizer state, an HSDP model its shard dim's piece and a replicated tensor all its rows (the bytes
+optimizer state, an HSDP model its shard dim's piece, a replicated tensor all its rows and optimizer
+state sharded across replicas each rank's own slice (the bytes
 the restore moves; the restore itself runs in spawned gloo processes, in
-tests/resilience/test_snapshots_gloo.py and test_snapshots_hsdp.py).
+tests/resilience/test_snapshots_gloo.py, test_snapshots_hsdp.py and test_snapshots_slices.py).
 """
 
 from __future__ import annotations
@@ -71,21 +72,45 @@ def test_other_2d_layouts_than_hsdps_are_refused_with_the_way_out() -> None:
     run_threaded(4, body)
 
 
-def test_optimizer_state_sharded_across_replicas_is_refused_at_the_capture() -> None:
+def test_optimizer_state_sharded_across_replicas_is_captured_as_each_rank_s_slice() -> None:
     def body() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         model = _model(mesh)
         optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
         model(torch.ones(4, 3)).sum().backward()
         optim.step()
-        check_layouts(get_model_state_dict(model))  # the parameters are HSDP's
         tree = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-        with pytest.raises(
-            ValueError, match=r"exp_avg.*across replicas\) with torch\.distributed\.checkpoint"
-        ):
-            capture(tree, 1, 4, dist.get_rank())
+        snapshot = capture(tree, 1, 4, dist.get_rank())
+        sliced = [i for i, leaf in enumerate(snapshot.leaves) if leaf.replicas > 1]
+        assert sliced
+        assert all(snapshot.leaves[i].path[-1] in ("exp_avg", "exp_avg_sq") for i in sliced)
+        for i in sliced:
+            leaf = snapshot.leaves[i]
+            assert (leaf.shards, leaf.replicas) == (2, 2)
+            _, _, name, key = leaf.path
+            state = tree["optim"]["state"][name][key]
+            assert state.placements == (Shard(0), Shard(0))  # DTensor's own slice, byte for byte
+            assert torch.equal(snapshot.local(i), state.to_local())
 
     run_threaded(4, body)
+
+
+def test_replicate_s_optimizer_slices_are_captured_as_fsdp_s_cut() -> None:
+    def body() -> None:
+        torch.manual_seed(0)
+        model = fsdp2.replicate(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2)))
+        optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters()))
+        model(torch.ones(4, 3)).sum().backward()
+        optim.step()
+        tree = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        snapshot = capture(tree, 1, 2, dist.get_rank())
+        for i, leaf in enumerate(snapshot.leaves):
+            if leaf.path[-1] in ("exp_avg", "exp_avg_sq"):
+                assert (leaf.shards, leaf.replicas) == (None, 1)  # the world's torch.chunk pieces
+                state = tree["optim"]["state"][leaf.path[2]][leaf.path[3]]
+                assert torch.equal(snapshot.local(i), state.to_local())
+
+    run_threaded(2, body)
 
 
 def test_only_torch_chunks_rows_on_a_1d_mesh_are_taken() -> None:
