@@ -12,15 +12,15 @@ equals step 2's whole tensors bit for bit.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from tests._harness import run_multiprocess
+from tests.shared.snapshot_runs import snapshots as make_snapshots
+from tests.shared.snapshot_runs import train_step, whole
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -41,42 +41,17 @@ def _model(layout: tuple[int, int] | None) -> tuple[torch.nn.Module, torch.optim
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
-def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-    model(inputs).square().sum().backward()
-    optim.step()
-    optim.zero_grad()
-
-
-def _whole(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer state entry as its whole tensor."""
-    out = {}
-    for name, param in model.named_parameters():
-        out[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
-        for key, value in optim.state[param].items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            out[f"{name}/{key}"] = value.detach().clone()
-    return out
-
-
-def _snapshots(root: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> Any:
-    import fsdp2
-
-    node = f"{root}/node{dist.get_rank() // 2}"  # 2 ranks a node
-    return fsdp2.Snapshots(model, optim, every=2, directory=node, name="hsdp", job="j")
-
-
 def _first_run(root: str) -> None:
     model, optim = _model((2, 2))
-    snapshots = _snapshots(root, model, optim)
+    snapshots = make_snapshots(root, model, optim, "hsdp")
     states = []
     for step in (1, 2, 3, 4):
-        _train_step(model, optim, step)
+        train_step(model, optim, step)
         if step == 2:
             snapshots.save(step)
             snapshots.wait()
         if step in (2, 4):
-            states.append(_whole(model, optim))
+            states.append(whole(model, optim))
     snapshots.close()
     if dist.get_rank() == 0:
         torch.save(states, f"{root}/states.pt")
@@ -84,14 +59,14 @@ def _first_run(root: str) -> None:
 
 def _restart(root: str, layout: tuple[int, int] | None, tag: str) -> None:
     model, optim = _model(layout)
-    _train_step(model, optim, 9)  # a state to be overwritten (AdamW's state exists)
-    snapshots = _snapshots(root, model, optim)
+    train_step(model, optim, 9)  # a state to be overwritten (AdamW's state exists)
+    snapshots = make_snapshots(root, model, optim, "hsdp")
     restored = snapshots.restore()
-    states = [restored.step, _whole(model, optim)]
+    states = [restored.step, whole(model, optim)]
     if dist.get_world_size() == 4:  # the same layout: training resumes as if never stopped
         for step in (3, 4):
-            _train_step(model, optim, step)
-        states.append(_whole(model, optim))
+            train_step(model, optim, step)
+        states.append(whole(model, optim))
     snapshots.close()
     if dist.get_rank() == 0:
         torch.save(states, f"{root}/{tag}.pt")

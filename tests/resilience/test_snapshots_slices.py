@@ -13,7 +13,6 @@ whole tensors bit for bit; the unit test checks the row arithmetic for every lay
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ from fsdp2.param import RowLayout
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, local_shape, position, rank_at, rows_of
 from fsdp2.resilience._reshard import Reshard
 from tests._harness import run_multiprocess
+from tests.shared.snapshot_runs import snapshots as make_snapshots
+from tests.shared.snapshot_runs import train_step, whole
 
 
 def _model(layout: tuple[int, int], sliced: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -42,36 +43,12 @@ def _model(layout: tuple[int, int], sliced: bool) -> tuple[torch.nn.Module, torc
     return model, optim
 
 
-def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-    model(inputs).square().sum().backward()
-    optim.step()
-    optim.zero_grad()
-
-
-def _whole(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, param in model.named_parameters():
-        out[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
-        for key, value in optim.state[param].items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            out[f"{name}/{key}"] = value.detach().clone()
-    return out
-
-
-def _snapshots(root: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> Any:
-    import fsdp2
-
-    node = f"{root}/node{dist.get_rank() // 2}"  # 2 ranks a node
-    return fsdp2.Snapshots(model, optim, every=2, directory=node, name="slices", job="j")
-
-
 def _first_run(root: str) -> None:
     model, optim = _model((2, 2), sliced=True)
-    snapshots = _snapshots(root, model, optim)
+    snapshots = make_snapshots(root, model, optim, "slices")
     states = []
     for step in (1, 2, 3, 4):
-        _train_step(model, optim, step)
+        train_step(model, optim, step)
         if step == 2:
             sliced = [v for state in optim.state.values() for v in state.values() if isinstance(v, DTensor)]
             assert sliced
@@ -79,7 +56,7 @@ def _first_run(root: str) -> None:
             snapshots.save(step)
             snapshots.wait()
         if step in (2, 4):
-            states.append(_whole(model, optim))
+            states.append(whole(model, optim))
     snapshots.close()
     if dist.get_rank() == 0:
         torch.save(states, f"{root}/states.pt")
@@ -87,14 +64,14 @@ def _first_run(root: str) -> None:
 
 def _restart(root: str, layout: tuple[int, int], sliced: bool, tag: str) -> None:
     model, optim = _model(layout, sliced)
-    _train_step(model, optim, 9)  # a state to be overwritten
-    snapshots = _snapshots(root, model, optim)
+    train_step(model, optim, 9)  # a state to be overwritten
+    snapshots = make_snapshots(root, model, optim, "slices")
     restored = snapshots.restore()
-    states = [restored.step, _whole(model, optim)]
+    states = [restored.step, whole(model, optim)]
     if dist.get_world_size() == 4:  # the same layout: training resumes as if never stopped
         for step in (3, 4):
-            _train_step(model, optim, step)
-        states.append(_whole(model, optim))
+            train_step(model, optim, step)
+        states.append(whole(model, optim))
     snapshots.close()
     if dist.get_rank() == 0:
         torch.save(states, f"{root}/{tag}.pt")
