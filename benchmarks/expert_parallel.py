@@ -24,7 +24,6 @@ Run:  torchrun --standalone --nproc-per-node 4 benchmarks/expert_parallel.py [--
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import resource
 import statistics
@@ -36,53 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-_KINDS = {
-    "allgather": "all_gather",
-    "all_gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "alltoall": "all_to_all",
-    "all_to_all": "all_to_all",
-    "allreduce": "all_reduce",
-    "all_reduce": "all_reduce",
-}
-
-
-class _Bytes(TorchDispatchMode):
-    """The bytes each c10d collective moves for this rank, by kind: an all-gather's output (what the
-    rank gathers: the unsharded size), the others' input (what it sends)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional"):
-            name = func.name().split("::")[-1]
-            kind = next((k for key, k in _KINDS.items() if key in name), None)
-            out = func(*args, **(kwargs or {}))
-            if kind is not None:
-                if kind == "all_gather":
-                    moved = args[0] if namespace == "c10d" else out
-                elif namespace == "c10d" and kind in ("reduce_scatter", "all_to_all"):
-                    moved = args[1]  # (output, input, ...)
-                else:
-                    moved = args[0]
-                self.sent[kind] += _nbytes(moved)
-            return out
-        return func(*args, **(kwargs or {}))
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+from _collective_bytes import CollectiveBytes
 
 
 def _titan(args: argparse.Namespace, ep: bool) -> torch.nn.Module:
@@ -157,7 +112,7 @@ def _measure(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     model = _build(variant, args)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     _step(model, optim, args, 0)
-    counter = _Bytes()
+    counter = CollectiveBytes()
     with counter:
         _step(model, optim, args, 1)
     times = []
@@ -176,7 +131,7 @@ def _measure(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
     run_tracked(tracker, build, lambda m: _step(m, built["optim"], args, 0), 2)
     peak = tracker.report(dist.get_world_size(), dist.get_rank()).peak_bytes
-    return {"bytes": dict(counter.sent), "step_ms": 1e3 * statistics.median(times), "peak_bytes": peak}
+    return {"bytes": dict(counter.bytes), "step_ms": 1e3 * statistics.median(times), "peak_bytes": peak}
 
 
 VARIANTS = ("torch whole stacks", "fsdp2 whole stacks", "fsdp2 ep 2", "torch titan ep 2")
