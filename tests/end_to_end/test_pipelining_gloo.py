@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from tests._harness import C10dOps, run_multiprocess
-from tests._training import fill_deterministic_
+from tests.shared.pipeline_model import BLOCKS, MICROBATCHES, batch, full_model, loss, reference_grads
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-DIM, BLOCKS, MICROBATCHES, STEPS = 8, 8, 4, 2
+STEPS = 2
 
 # (schedule, reshard_after_forward). Zero-bubble schedules run with False (torchtitan's setting under
 # pipeline parallelism): with True, pipelining looks the weights up while they are sharded and its
@@ -42,44 +42,6 @@ CASES = [
     ("ScheduleInterleavedZeroBubble", False),
     ("ScheduleZBVZeroBubble", False),
 ]
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def _full_model() -> nn.Sequential:
-    model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
-    fill_deterministic_(model, scale=0.3)
-    return model
-
-
-def _batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + dp_rank)
-    return torch.randn(2 * MICROBATCHES, DIM, generator=gen), torch.randn(
-        2 * MICROBATCHES, DIM, generator=gen
-    )
-
-
-def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((output - target) ** 2).sum()
-
-
-def _reference_grads(dp_size: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Per block: the unsharded model's gradients, summed over micro-batches, / micro-batches, dp-averaged."""
-    model = _full_model()
-    for dp_rank in range(dp_size):
-        _loss(model(_batch(dp_rank)[0]), _batch(dp_rank)[1]).backward()
-    return {
-        i: {name: p.grad / (MICROBATCHES * dp_size) for name, p in block.named_parameters()}
-        for i, block in enumerate(model)
-    }
 
 
 def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any) -> dict[str, Any]:
@@ -103,8 +65,8 @@ def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any
     else:
         stage_ids = [pp_rank + pp_size * i for i in range(2)]
     per_stage = BLOCKS // n_stages
-    full = _full_model()
-    x, target = _batch(dp.get_local_rank())
+    full = full_model()
+    x, target = batch(dp.get_local_rank())
     stages, modules = [], {}
     for stage_id in stage_ids:
         first = stage_id * per_stage
@@ -119,7 +81,7 @@ def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any
                 module, stage_id, n_stages, torch.device("cpu"), group=pp.get_group(), input_args=(x[:2],)
             )
         )
-    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
+    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss)
     optim = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=1e-2)
     out: dict[str, Any] = {"losses": [], "grads": [], "counts": collections.Counter(), "roots": len(modules)}
     for _ in range(STEPS):
@@ -131,7 +93,7 @@ def _train(impl: str, schedule_name: str, reshard_after_forward: bool, mesh: Any
         for op, n in ops.counts.items():  # the collectives, not pipelining's sends and receives
             if op not in (torch.ops.c10d.send, torch.ops.c10d.recv_, torch.ops.c10d.recv_any_source_):
                 out["counts"][op.__name__] += n
-        out["losses"].append([loss.detach() for loss in losses])
+        out["losses"].append([value.detach() for value in losses])
         out["grads"].append(
             {
                 (first + int(name.split(".")[0]), name.split(".", 1)[1]): p.grad.full_tensor()
@@ -149,7 +111,7 @@ def _compare_schedules() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    reference = _reference_grads(mesh["dp"].size())
+    reference = reference_grads(mesh["dp"].size())
     exact = {"rtol": 0.0, "atol": 0.0}
     for schedule_name, raf in CASES:
         case = f"{schedule_name} reshard_after_forward={raf}"

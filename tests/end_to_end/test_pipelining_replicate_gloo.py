@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from tests._harness import C10dOps, run_multiprocess
-from tests._training import fill_deterministic_
+from tests.shared.pipeline_model import BLOCKS, MICROBATCHES, batch, full_model, loss, reference_grads
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-DIM, BLOCKS, MICROBATCHES, STEPS = 8, 8, 4, 2
+STEPS = 2
 SCHEDULES = [
     "ScheduleGPipe",
     "Schedule1F1B",
@@ -43,45 +43,6 @@ SCHEDULES = [
 ]
 ZERO_BUBBLE = SCHEDULES[4:]
 _P2P = ("send", "recv_", "recv_any_source_")
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def _full_model() -> nn.Sequential:
-    model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
-    fill_deterministic_(model, scale=0.3)
-    return model
-
-
-def _batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + dp_rank)
-    return torch.randn(2 * MICROBATCHES, DIM, generator=gen), torch.randn(
-        2 * MICROBATCHES, DIM, generator=gen
-    )
-
-
-def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((output - target) ** 2).sum()
-
-
-def _reference_grads(dp_size: int) -> dict[tuple[int, str], torch.Tensor]:
-    model = _full_model()
-    for dp_rank in range(dp_size):
-        x, target = _batch(dp_rank)
-        _loss(model(x), target).backward()
-    return {
-        (i, name): p.grad / (MICROBATCHES * dp_size)
-        for i, block in enumerate(model)
-        for name, p in block.named_parameters()
-    }
 
 
 def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
@@ -105,8 +66,8 @@ def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
     else:
         stage_ids = [pp_rank + pp_size * i for i in range(2)]
     per_stage = BLOCKS // n_stages
-    full = _full_model()
-    x, target = _batch(dp.get_local_rank())
+    full = full_model()
+    x, target = batch(dp.get_local_rank())
     stages, modules = [], {}
     for stage_id in stage_ids:
         first = stage_id * per_stage
@@ -120,7 +81,7 @@ def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
                 module, stage_id, n_stages, torch.device("cpu"), group=pp.get_group(), input_args=(x[:2],)
             )
         )
-    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
+    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss)
     optim = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=1e-2)
     order = getattr(schedule, "pipeline_order", None) or {}  # the multi-stage schedules' action plan
     kinds = {action.computation_type.value for action in order.get(pp_rank, []) if action is not None}
@@ -134,7 +95,7 @@ def _train(impl: str, schedule_name: str, mesh: Any) -> dict[str, Any]:
         out["counts"].append(
             collections.Counter({op.__name__: n for op, n in ops.counts.items() if op.__name__ not in _P2P})
         )
-        out["losses"].append([loss.detach() for loss in losses])
+        out["losses"].append([value.detach() for value in losses])
         out["grads"].append(
             {
                 (first + int(name.split(".")[0]), name.split(".", 1)[1]): p.grad.full_tensor()
@@ -152,7 +113,7 @@ def _compare_schedules() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    reference = _reference_grads(mesh["dp"].size())
+    reference = reference_grads(mesh["dp"].size())
     exact = {"rtol": 0.0, "atol": 0.0}
     for case in SCHEDULES:
         theirs = _train("torch", case, mesh)
@@ -170,7 +131,10 @@ def _compare_schedules() -> None:
                     grad, their_grads[key], **exact, msg=lambda m, c=case, k=key: f"{c} {k}: {m}"
                 )
         for key, grad in ours["grads"][0].items():
-            torch.testing.assert_close(grad, reference[key], msg=lambda m, c=case, k=key: f"{c} ref {k}: {m}")
+            block, name = key
+            torch.testing.assert_close(
+                grad, reference[block][name], msg=lambda m, c=case, k=key: f"{c} ref {k}: {m}"
+            )
         for a, b in zip(ours["params"], theirs["params"], strict=True):
             torch.testing.assert_close(a, b, **exact, msg=lambda m, c=case: f"{c} params: {m}")
         for step, (our_counts, their_counts) in enumerate(zip(ours["counts"], theirs["counts"], strict=True)):
