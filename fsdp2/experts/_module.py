@@ -95,12 +95,11 @@ class ExpertsParallel:
                 f"{sum(mine)}; pass the rows sorted by expert with their counts (no padding)."
             )
         rows, theirs, route = _dispatch(placement, mine, x)
-        order = expert_major(theirs, x.device)
-        per_expert = [sum(row[j] for row in theirs) for j in range(placement.local)]
+        order, per_expert = expert_major(theirs, x.device)
         out = self._local_forward(
             placement,
             rows[0].index_select(0, order),
-            torch.tensor(per_expert, dtype=counts.dtype, device=counts.device),
+            per_expert.to(dtype=counts.dtype, device=counts.device),
         )
         return send_rows(route.reversed(), out.index_select(0, _inverse(order)))[0]
 
@@ -120,8 +119,7 @@ class ExpertsParallel:
         moved, theirs, route = _dispatch(
             placement, mine, tokens.index_select(0, token_of), weights.reshape(-1).index_select(0, order)
         )
-        perm = expert_major(theirs, hidden.device)
-        per_expert = torch.tensor([sum(row[j] for row in theirs) for j in range(placement.local)])
+        perm, per_expert = expert_major(theirs, hidden.device)
         ids = torch.repeat_interleave(torch.arange(placement.local), per_expert).to(hidden.device)
         out = self._local_forward(
             placement, moved[0].index_select(0, perm), ids[:, None], moved[1].index_select(0, perm)[:, None]
