@@ -28,8 +28,12 @@ optimizer's step post-hook and reads ``optimizer.state_dict()``: with fsdp2's lo
 raised ``KeyError`` until the shards were swapped back before the post-hooks ([Note: Local shards
 inside the step hooks] in ``fsdp2/optim/_local_optim.py``).
 
-Every rank's loss at every step, each step's commit and participant count, and the final parameters
-equal torch's run bit for bit (same collectives on the same shards in the same order).
+Every rank's loss at every committed step, the quorum size of each commit, and the final parameters
+equal torch's run bit for bit (same collectives on the same shards in the same order). How many
+times step 2 is retried before the new group has caught up depends on when its processes come up
+and when the lighthouse forms each quorum (one retry in some CI runs, two in others, for torch
+and fsdp2 alike), so the tests compare the commits and check that every retry is of step 2, with
+step 2's loss, and commits nothing.
 
 Each run is repeated with ``replicate`` instead of ``fully_shard`` inside the groups (``KINDS``):
 fsdp2's ``replicate`` against torch's FSDP-based ``replicate_with_fsdp.replicate``. The hook then
@@ -356,8 +360,14 @@ def runs(request: pytest.FixtureRequest) -> Any:
         }
 
 
-def _trace(result: dict[str, Any]) -> list[tuple[int, bool, int]]:
-    return [(s["step"], s["committed"], s["participants"]) for s in result["steps"]]
+def _commits(result: dict[str, Any]) -> list[tuple[int, float, int]]:
+    """Each committed step's (step, loss, quorum size)."""
+    return [(s["step"], s["loss"], s["participants"]) for s in result["steps"] if s["committed"]]
+
+
+def _retries(result: dict[str, Any]) -> list[tuple[int, float]]:
+    """Each uncommitted try's (step, loss): how many there are depends on process start-up timing."""
+    return [(s["step"], s["loss"]) for s in result["steps"] if not s["committed"]]
 
 
 def test_both_groups_commit_every_step_with_torchs_losses(runs: dict[Any, Any]) -> None:
@@ -367,11 +377,17 @@ def test_both_groups_commit_every_step_with_torchs_losses(runs: dict[Any, Any]) 
             assert (
                 result["hooked"] == reference["hooked"] == dict.fromkeys(result["hooked"], 3)
             )  # root, layers
-            assert result["steps"] == reference["steps"]  # every loss, commit and quorum size: exact
+            assert _commits(result) == _commits(reference)  # every committed loss and quorum size: exact
+            assert set(_retries(result)) <= set(_retries(reference)) | {
+                (step, loss) for step, loss, _ in _commits(reference)
+            }
     for rank in range(2):
         live, first_life = runs["fsdp2", 0, 0, rank], runs["fsdp2", 1, 0, rank]
-        assert [s["step"] for s in live["steps"] if s["committed"]] == list(range(_STEPS))
-        assert _trace(first_life) == [(0, True, 2), (1, True, 2)]
+        assert [step for step, _, _ in _commits(live)] == list(range(_STEPS))
+        assert [(s["step"], s["committed"], s["participants"]) for s in first_life["steps"]] == [
+            (0, True, 2),
+            (1, True, 2),
+        ]
         assert [s["loss"] for s in first_life["steps"]] != [s["loss"] for s in live["steps"][:_FAIL_AT]]
 
 
@@ -384,12 +400,17 @@ def test_failed_group_rejoins_from_the_live_group(runs: dict[Any, Any]) -> None:
         )
         # Step 2, first try: the peer dies mid-backward, the live group's all-reduce fails (torchft
         # swallows the error and votes no), fsdp2 finishes the backward and the optimizer step is
-        # skipped. Second try: the new group joins at step 0, so one group holds the latest step
-        # (under min_replica_size=2 neither commits) while the new group loads the live group's
-        # state at its commit vote. Third try: both at step 2, both commit.
-        expected = [(0, True, 2), (1, True, 2), (2, False, 2), (2, False, 1), (2, True, 2), (3, True, 2)]
-        assert _trace(live) == [*expected, (4, True, 2)]
-        assert _trace(rejoined) == [(0, False, 1), (2, True, 2), (3, True, 2), (4, True, 2)]
+        # skipped. Until the new group has loaded the live group's state (at its first commit vote,
+        # which commits nowhere: one group alone is under min_replica_size=2), step 2 is tried again
+        # on unchanged parameters, so every retry gives step 2's loss. Then both commit steps 2 to 4.
+        commits = _commits(live)
+        assert [(step, size) for step, _, size in commits] == [(step, 2) for step in range(_STEPS)]
+        step_2_loss = commits[_FAIL_AT][1]
+        assert _retries(live)
+        assert set(_retries(live)) == {(_FAIL_AT, step_2_loss)}
+        assert [s["step"] for s in live["steps"]].count(_FAIL_AT) == len(_retries(live)) + 1
+        assert [(step, size) for step, _, size in _commits(rejoined)] == [(2, 2), (3, 2), (4, 2)]
+        assert [step for step, _ in _retries(rejoined)] == [0]  # its fresh model's try at step 0
         assert rejoined["steps"][0]["loss"] == first_life["steps"][0]["loss"]  # a fresh model at step 0
         torch.testing.assert_close(rejoined["params"], live["params"], rtol=0, atol=0)
         torch.testing.assert_close(live["params"], runs["torch", 0, 0, rank]["params"], rtol=0, atol=0)
