@@ -3,8 +3,8 @@
 Owns: ``ShardedCheckpointer`` (``save`` and ``save_async``: every rank writes its own chunks into one
 DCP-format file, rank 0 writes the ``.metadata`` it computed alone; three all-reduces of at most three
 integers per save: the ranks agree on the layout, then on whether the checkpoint is complete),
-``PendingSave`` (an async save's handle) and ``save_sharded``. The files load with torch's
-``dcp.load`` at any world size.
+``PendingSave`` (an async save's handle: staging, then the commit) and ``save_sharded``. The files
+load with torch's ``dcp.load`` at any world size.
 Does not own: the chunk arithmetic and the metadata (``_flat_layout.py``); the staged writer thread
 (``_staged_writer.py``).
 Invariants: a rank plans only its own chunks; rank 0 builds the tensor metadata once per layout and
@@ -38,17 +38,22 @@ from ._flat_layout import (
     tensor_metadata,
 )
 from ._safetensors import comm_device
-from ._staged_writer import StagedWriter, StagingPool
+from ._staged_writer import BackgroundStaging, StagedWriter, StagingPool
 
 _DEFAULT_STAGING = 1 << 30
 
 
 class PendingSave:
-    """An async save in flight: ``wait()`` finishes it (every rank must call it)."""
+    """An async save in flight: ``wait()`` finishes it (every rank must call it).
 
-    def __init__(self, writer: StagedWriter, commit: Any) -> None:
+    With ``stage_in_background``, ``wait_staged()`` returns once every chunk is copied to host memory
+    (optimizer steps call it themselves); until then the saved tensors must not change.
+    """
+
+    def __init__(self, writer: StagedWriter, commit: Any, staging: BackgroundStaging | None = None) -> None:
         self._writer = writer
         self._commit = commit
+        self._staging = staging
         self._done = False
 
     @property
@@ -60,6 +65,19 @@ class PendingSave:
         """Whether ``wait()`` has finished this save."""
         return self._done
 
+    def staged(self) -> bool:
+        """Whether every chunk is copied, so the saved tensors may change."""
+        return self._staging is None or self._staging.done()
+
+    def wait_staged(self) -> None:
+        """Block until every chunk is copied (torchtitan's ``maybe_wait_for_staging``); not a collective.
+
+        Call it before changing a saved tensor in place other than by an optimizer step (an optimizer's
+        ``step`` waits by itself).
+        """
+        if self._staging is not None:
+            self._staging.wait()
+
     def wait(self) -> None:
         """Wait for this rank's file, then commit: rank 0 writes ``.metadata`` once every file is whole.
 
@@ -69,6 +87,8 @@ class PendingSave:
         if self._done:
             return
         self._done = True
+        if self._staging is not None:
+            self._staging.release()
         self._commit(self._writer.finish())
 
 
@@ -101,16 +121,29 @@ class ShardedCheckpointer:
         """Write ``state`` to the checkpoint folder ``path`` and return once it is complete on every rank."""
         self._start(state, path, background=False).wait()
 
-    def save_async(self, state: Mapping[str, Any], path: str | os.PathLike[str]) -> PendingSave:
+    def save_async(
+        self, state: Mapping[str, Any], path: str | os.PathLike[str], *, stage_in_background: bool = False
+    ) -> PendingSave:
         """Stage ``state`` within the budget and write it in the background; ``wait()`` the result.
 
         Returns once every chunk has been copied to host memory (so the caller may change the
         tensors); a save still in flight from an earlier call is waited for first.
+
+        With ``stage_in_background``, only the plain tensors (buffers, step counts) are copied before
+        it returns; the DTensor shards are copied by a thread, and the next optimizer ``step`` (any
+        optimizer) waits for that copy to finish before it runs, as torchtitan waits before its step.
+        The training path then blocks only where the forward and backward did not cover the copy.
+        Anything else that changes a saved DTensor in place must call ``wait_staged()`` first.
         """
-        return self._start(state, path, background=True)
+        return self._start(state, path, background=True, stage_in_background=stage_in_background)
 
     def _start(
-        self, state: Mapping[str, Any], path: str | os.PathLike[str], *, background: bool
+        self,
+        state: Mapping[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        background: bool,
+        stage_in_background: bool = False,
     ) -> PendingSave:
         if not isinstance(state, Mapping):
             raise TypeError(f"save_sharded: state must be a dict of state dicts, got {type(state).__name__}.")
@@ -131,10 +164,18 @@ class ShardedCheckpointer:
             else {}
         )
         writer = StagedWriter(folder / file_name(rank), self._pool if background else None)
-        for item in self._local:
-            writer.put(item, tensors[item.key], stage=background)
         end = self._local[-1].file_offset + self._local[-1].slot if self._local else 0
-        writer.close(end, list(objects.values()))
+        later = [(item, tensors[item.key]) for item in self._local if stage_in_background]
+        later = [(item, tensor) for item, tensor in later if isinstance(tensor, DTensor)]
+        staged_later = {id(item) for item, _ in later}
+        for item in self._local:
+            if id(item) not in staged_later:  # plain tensors (buffers change in the forward): now
+                writer.put(item, tensors[item.key], stage=background)
+        staging = None
+        if stage_in_background:
+            staging = BackgroundStaging(writer, later, end, list(objects.values()))
+        else:
+            writer.close(end, list(objects.values()))
         lengths = {key: len(data) for key, data in objects.items()}
         planned = self._tensors  # this save's layout, even if a later save plans another
 
@@ -145,7 +186,7 @@ class ShardedCheckpointer:
                 written = self._write_metadata(folder, full_metadata(planned, lengths, paths, list(flat)))
             raise_everywhere(written, None, OSError, device=device)
 
-        self._pending = PendingSave(writer, commit)
+        self._pending = PendingSave(writer, commit, staging)
         return self._pending
 
     def _plan(self, layouts: list[TensorLayout], values: list[torch.Tensor], rank: int) -> None:

@@ -5,20 +5,26 @@ offsets), rank 0's objects appended after its tensors, the file cut to its plann
 staging budget, the caller copies chunks to host memory while a background thread writes them, and the
 caller waits only while the staged bytes would pass the budget; the thread starts writing when the
 budget is full or staging is done, so a state within the budget is copied without competing writes.
+``BackgroundStaging``: the same staging from a thread of its own, so the call returns at once; every
+optimizer step waits for it first (a global step pre-hook), since a step changes the tensors in place.
 Does not own: where the chunks go (``_flat_layout.py``), the commit (``_flat_save.py``).
 Invariants: at most ``budget`` staged bytes are held at once (or one chunk, when a chunk is larger);
-a failed write never stops the writer draining the queue, so the caller is never left waiting.
+a failed write never stops the writer draining the queue, so the caller is never left waiting; a
+failed staging closes the file all the same and becomes the save's problem.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._flat_layout import LocalItem
 
@@ -70,6 +76,11 @@ class StagedWriter:
             self._thread = threading.Thread(target=self._drain, name="fsdp2-checkpoint-writer", daemon=True)
             self._thread.start()
 
+    @property
+    def path(self) -> Path:
+        """The file this writer writes."""
+        return self._path
+
     def put(self, item: LocalItem, tensor: torch.Tensor, *, stage: bool) -> None:
         """Write ``item``'s chunk (``tensor``'s local shard) now, or stage a host copy for the thread."""
         local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
@@ -104,6 +115,10 @@ class StagedWriter:
         else:
             self._queue.put((end, objects))
             self._go.set()
+
+    def fail(self, problem: str) -> None:
+        """Record a problem met outside the writer (a staging copy that failed); the first one stays."""
+        self._problem = self._problem or problem
 
     def finish(self) -> str:
         """Wait for the file to be complete; the problem met while writing (``""``: none)."""
@@ -169,6 +184,64 @@ class StagedWriter:
             handle.close()
         except OSError as error:
             self._problem = self._problem or f"finishing {self._path} failed: {error}"
+
+
+class BackgroundStaging:
+    """Stages ``items`` (``(LocalItem, tensor)``) into ``writer`` from a thread, then closes the file.
+
+    While it runs, any optimizer's ``step`` first waits for it (``torch.optim``'s global step pre-hook):
+    the step is what changes the saved parameters and optimizer state in place. CUDA copies are
+    enqueued on the caller's current stream, so kernels the caller enqueues after ``wait()`` returns
+    run after them.
+    """
+
+    def __init__(
+        self,
+        writer: StagedWriter,
+        items: Sequence[tuple[LocalItem, torch.Tensor]],
+        end: int,
+        objects: list[bytes],
+    ) -> None:
+        self._writer = writer
+        cuda = any(tensor.is_cuda for _, tensor in items)
+        self._stream = torch.cuda.current_stream() if cuda else None
+        self._thread = threading.Thread(
+            target=self._run, args=(list(items), end, objects), name="fsdp2-checkpoint-stager", daemon=True
+        )
+        self._hook: Any = register_optimizer_step_pre_hook(self._before_step)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether every chunk is copied (the tensors may change)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until every chunk is copied."""
+        self._thread.join()
+
+    def release(self) -> None:
+        """Wait, and stop making optimizer steps wait (not from inside a step hook)."""
+        self.wait()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        self.wait()
+
+    def _run(self, items: list[tuple[LocalItem, torch.Tensor]], end: int, objects: list[bytes]) -> None:
+        key = ""
+        try:
+            stream = self._stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for item, tensor in items:
+                    key = item.key
+                    self._writer.put(item, tensor, stage=True)
+        except Exception as error:  # reported by the commit, on every rank
+            self._writer.fail(f"staging {key!r} failed: {type(error).__name__}: {error}")
+        finally:
+            self._writer.close(end, objects)
 
 
 def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:

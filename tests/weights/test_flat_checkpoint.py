@@ -6,6 +6,9 @@
 - the files hold the same entries as ``dcp.save``'s (keys, shapes, dtypes, chunks);
 - an async save never holds more than its budget in staged copies, and returns before writing; a
   second one reuses the staging buffers and saves the new values;
+- staged in the background, it returns before the shards are copied and the next optimizer step waits
+  for the copy: the file holds the values of the call, though the step ran right after it; a copy
+  that fails raises on every rank at ``wait()``;
 - HSDP: only the first replica writes; every slot holds ``torch.save``'s output of its chunk;
 - a failed write leaves no ``.metadata`` and raises on every rank; bad input raises before any file.
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import fsdp2
 from fsdp2.weights._flat_layout import slot_bytes
+from fsdp2.weights._staged_writer import StagedWriter
 from tests._harness import run_threaded
 from tests._training import seeded
 from tests.shared.checkpoint_net import Net, adamw, dcp_load, shard, snapshot, train
@@ -73,6 +79,72 @@ def test_saved_at_4_loads_with_dcp_at_4_2_1_and_into_torch(mode: str, tmp_path: 
         run_threaded(world, dcp_load, impl, path, expected["saved"])
     if mode == "async":
         run_threaded(2, dcp_load, "fsdp2", path + "-2", expected["later"])
+
+
+class _SlowStager:
+    """``StagedWriter.put`` on the staging thread: held until released, then slow (a racing step wins)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_on: str = "") -> None:
+        self.released: dict[str, threading.Event] = {}
+        self.fail_on = fail_on
+        put = StagedWriter.put
+
+        def held_put(writer: StagedWriter, item: Any, tensor: torch.Tensor, *, stage: bool) -> None:
+            if threading.current_thread().name == "fsdp2-checkpoint-stager":
+                assert self.release_for(writer.path.name).wait(timeout=60)
+                time.sleep(0.01)
+                if self.fail_on and item.key == self.fail_on:
+                    raise RuntimeError("out of pinned memory")
+            put(writer, item, tensor, stage=stage)
+
+        monkeypatch.setattr(StagedWriter, "put", held_put)
+
+    def release_for(self, file_name: str) -> threading.Event:
+        return self.released.setdefault(file_name, threading.Event())
+
+
+def _save_in_background(path: str, stager: _SlowStager, out: dict[str, Any]) -> None:
+    model = shard(seeded(Net))
+    optim = adamw(model)
+    train(model, optim, range(2))
+    saver = fsdp2.ShardedCheckpointer(staging_bytes=256)
+    pending = saver.save_async(_state(model, optim), path, stage_in_background=True)
+    saved = snapshot(model, optim)
+    assert not pending.staged()  # the call returned before copying the shards
+    stager.release_for(f"__{dist.get_rank()}_0.distcp").set()
+    train(model, optim, range(2, 3))  # the step waits for the copy
+    assert pending.staged()
+    pending.wait()
+    assert not torch.equal(snapshot(model, optim)["model"]["head.weight"], saved["model"]["head.weight"])
+    if dist.get_rank() == 0:
+        out.update(saved)
+
+
+@pytest.mark.first_case_in_quick_loop
+def test_background_staging_saves_the_values_of_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected: dict[str, Any] = {}
+    path = str(tmp_path / "ckpt")
+    run_threaded(2, _save_in_background, path, _SlowStager(monkeypatch), expected)
+    run_threaded(2, dcp_load, "fsdp2", path, expected)
+
+
+def _failed_staging(path: str, stager: _SlowStager) -> None:
+    model = shard(seeded(Net))
+    pending = fsdp2.ShardedCheckpointer().save_async(
+        {"model": get_model_state_dict(model)}, path, stage_in_background=True
+    )
+    stager.release_for(f"__{dist.get_rank()}_0.distcp").set()
+    with pytest.raises(OSError, match=r"staging 'model\.head\.weight' failed: RuntimeError: out of pinned"):
+        pending.wait()
+    assert not (Path(path) / ".metadata").exists()
+
+
+def test_a_failed_background_copy_raises_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_threaded(
+        2, _failed_staging, str(tmp_path / "ckpt"), _SlowStager(monkeypatch, fail_on="model.head.weight")
+    )
 
 
 def _save_hsdp(path: str, out: dict[str, Any]) -> None:
