@@ -176,6 +176,7 @@ def register_pre_backward(
     base's, and the view nodes in between compute nothing with parameters, so the hook runs at the
     same point. ``inputs`` gives the ids of the module's input tensors (their bases): a view of one of
     them keeps the hook on its own node, since the base's node runs after the module's post-backward.
+    A view autograd refuses in-place ops on (a custom Function's output) keeps it on its own node too.
     Returns ``False`` for a view whose hook an in-place op would drop.
     """
     node = tensor.grad_fn
@@ -187,11 +188,23 @@ def register_pre_backward(
     if base is None or type(node).__name__ == "BackwardHookFunctionBackward":
         node.register_prehook(node_hook)
         return True
+    if _in_place_refused(tensor):  # autograd raises on an in-place op on it: its own node stays
+        node.register_prehook(node_hook)
+        return True
     if base.grad_fn is None or inputs is None or id(base) in inputs() or not _computed_here(node, base):
         node.register_prehook(node_hook)
         return False
     base.grad_fn.register_prehook(node_hook)
     return True
+
+
+def _in_place_refused(view: torch.Tensor) -> bool:
+    """Whether autograd refuses in-place ops on ``view``, as on tensor parallelism's ``to_local()``.
+
+    Views made by a custom Function, by a multi-output op, or under no_grad or inference mode.
+    """
+    meta = torch._C._autograd._get_creation_meta(view)  # noqa: SLF001 - no public API for it
+    return bool(meta != torch._C._autograd.CreationMeta.DEFAULT)  # noqa: SLF001
 
 
 def _computed_here(node: Any, base: torch.Tensor) -> bool:

@@ -602,6 +602,54 @@ def _leaf_view_warning() -> list[Any]:
     return [w for w in caught if "returned a view" in str(w.message)]
 
 
+class _LocalView(torch.autograd.Function):
+    """Returns a view of a tensor without a node, as tensor parallelism's ``DTensor.to_local()`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.detach()  # a DTensor's local tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _CustomFunctionView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LocalView.apply(self.lin(x))
+
+
+def _custom_function_view() -> list[str]:
+    import warnings
+
+    base = seeded(lambda: nn.Sequential(_CustomFunctionView(), _CustomFunctionView()))
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    for sharded in (model[0], model[1], model):
+        get_impl("fsdp2").fully_shard(sharded)
+    x = make_input((3, 8), dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(x)
+        with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+            out += 1.0  # autograd refuses it: the hook on the view's own node cannot be dropped
+        out.sum().backward()
+    ref(x).sum().backward()
+    average_grads(ref)
+    assert_sharded_parity(ref, model, grads=True)
+    return [str(w.message) for w in caught if "returned a view" in str(w.message)]
+
+
+def test_a_custom_functions_view_output_does_not_warn() -> None:
+    # A tensor-parallel output layer's to_local() output warned at every forward, though autograd
+    # refuses the in-place op the warning is about.
+    assert run_threaded(1, _custom_function_view) == [[]]
+
+
 def test_in_place_op_on_a_view_output_keeps_the_pre_backward_hook() -> None:
     # torch warns for every such head and an in-place op skips its all-gather; fsdp2 hooks the view's base.
     assert run_threaded(2, _in_place_on_view_outputs) == [[], []]  # an LM head, a full backward hook
