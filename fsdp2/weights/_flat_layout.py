@@ -2,9 +2,11 @@
 
 Owns: the flattening of a nested state dict into DCP's dotted keys, the arithmetic of a DTensor's
 chunks (``Shard``: torch.chunk rows along a mesh dim, nested left to right; ``Replicate``: only
-coordinate 0 writes), the per-rank file layout (one ``__<rank>_0.distcp`` per rank, its chunks in
-key order, each in a slot whose size follows from the chunk's shape and dtype) and the DCP
-``Metadata`` that rank 0 builds from that layout without hearing from any other rank.
+coordinate 0 writes; a layout with ``_StridedShard``, as FSDP over tensor or expert parallelism gives,
+by DTensor's own offset rule, the one ``dcp.save`` uses), the per-rank file layout (one
+``__<rank>_0.distcp`` per rank, its chunks in key order, each in a slot whose size follows from the
+chunk's shape and dtype) and the DCP ``Metadata`` that rank 0 builds from that layout without
+hearing from any other rank.
 Does not own: the writing (``_flat_save.py``), the loading (torch's ``dcp.load`` and its
 ``FileSystemReader`` read the files).
 Invariants: a rank's own plan touches only its own chunks (O(1) in the world size); every rank's
@@ -32,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 DCP_VERSION = "1.0.0"  # the format version torch 2.13's FileSystemWriter stamps into .metadata
 _ALIGN = 64
@@ -109,6 +113,8 @@ class TensorLayout:
         sizes = list(self.shape)
         if math.prod(self.shape) == 0:  # an empty tensor: one empty chunk, from the first rank
             return (tuple(offsets), self.shape) if not any(coordinate) else None
+        if any(type(placement) is _StridedShard for placement in self.placements):
+            return self._strided_chunk(coordinate)
         for mesh_dim, placement in enumerate(self.placements):
             index = coordinate[mesh_dim]
             if isinstance(placement, Shard):
@@ -123,6 +129,16 @@ class TensorLayout:
             return None
         return tuple(offsets), tuple(sizes)
 
+    def _strided_chunk(self, coordinate: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """DTensor's offset rule (``dcp.save``'s) where a ``_StridedShard`` orders the splits otherwise."""
+        replicated = (type(p) is Replicate and i for p, i in zip(self.placements, coordinate, strict=True))
+        if any(replicated):  # the first replica writes
+            return None
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            self.shape, self.mesh_shape, list(coordinate), self.placements
+        )
+        return None if 0 in sizes else (tuple(offsets), tuple(sizes))
+
 
 def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
     """The layout of one tensor leaf; raises ``ValueError`` for a placement the arithmetic cannot place."""
@@ -133,10 +149,11 @@ def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
     if not isinstance(tensor, DTensor):
         return TensorLayout(key, tuple(tensor.shape), tensor.dtype, (), ())
     for placement in tensor.placements:
-        if type(placement) not in (Shard, Replicate):  # _StridedShard, Partial: not torch.chunk rows
+        if type(placement) not in (Shard, Replicate, _StridedShard):  # Partial: no values of its own yet
             raise ValueError(
-                f"save_sharded: {key!r} has placement {placement!r}; only Shard(dim) and Replicate() place "
-                "their chunks by arithmetic. Use torch.distributed.checkpoint.save for this state dict."
+                f"save_sharded: {key!r} has placement {placement!r}; only Shard(dim), _StridedShard and "
+                "Replicate() place their chunks by arithmetic. Use torch.distributed.checkpoint.save for "
+                "this state dict."
             )
     mesh = tensor.device_mesh
     return TensorLayout(

@@ -88,7 +88,7 @@ class PendingSave:
             return
         self._done = True
         if self._staging is not None:
-            self._staging.release()
+            self._staging.wait()
         self._commit(self._writer.finish())
 
 

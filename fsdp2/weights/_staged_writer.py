@@ -6,7 +6,8 @@ staging budget, the caller copies chunks to host memory while a background threa
 caller waits only while the staged bytes would pass the budget; the thread starts writing when the
 budget is full or staging is done, so a state within the budget is copied without competing writes.
 ``BackgroundStaging``: the same staging from a thread of its own, so the call returns at once; every
-optimizer step waits for it first (a global step pre-hook), since a step changes the tensors in place.
+optimizer step waits for it first (``_StepGate``, one global step pre-hook), since a step changes the
+tensors in place.
 Does not own: where the chunks go (``_flat_layout.py``), the commit (``_flat_save.py``).
 Invariants: at most ``budget`` staged bytes are held at once (or one chunk, when a chunk is larger);
 a failed write never stops the writer draining the queue, so the caller is never left waiting; a
@@ -186,13 +187,47 @@ class StagedWriter:
             self._problem = self._problem or f"finishing {self._path} failed: {error}"
 
 
+class _StepGate:
+    """One optimizer step pre-hook for the process, registered at the first background staging.
+
+    It waits for every staging in flight. The stagings come and go from a set of their own: torch's
+    hook table is never changed while an optimizer, on this or another thread, may be reading it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: set[BackgroundStaging] = set()
+        self._hook: Any = None
+
+    def add(self, staging: BackgroundStaging) -> None:
+        with self._lock:
+            self._active.add(staging)
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def discard(self, staging: BackgroundStaging) -> None:
+        with self._lock:
+            self._active.discard(staging)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        if not self._active:
+            return
+        with self._lock:
+            pending = list(self._active)
+        for staging in pending:
+            staging.wait()
+
+
+_GATE = _StepGate()
+
+
 class BackgroundStaging:
     """Stages ``items`` (``(LocalItem, tensor)``) into ``writer`` from a thread, then closes the file.
 
-    While it runs, any optimizer's ``step`` first waits for it (``torch.optim``'s global step pre-hook):
-    the step is what changes the saved parameters and optimizer state in place. CUDA copies are
-    enqueued on the caller's current stream, so kernels the caller enqueues after ``wait()`` returns
-    run after them.
+    While it runs, any optimizer's ``step`` first waits for it (``_StepGate``): the step is what
+    changes the saved parameters and optimizer state in place. CUDA copies are enqueued on the
+    caller's current stream, so kernels the caller enqueues after ``wait()`` returns run after them.
     """
 
     def __init__(
@@ -208,7 +243,7 @@ class BackgroundStaging:
         self._thread = threading.Thread(
             target=self._run, args=(list(items), end, objects), name="fsdp2-checkpoint-stager", daemon=True
         )
-        self._hook: Any = register_optimizer_step_pre_hook(self._before_step)
+        _GATE.add(self)
         self._thread.start()
 
     def done(self) -> bool:
@@ -218,17 +253,6 @@ class BackgroundStaging:
     def wait(self) -> None:
         """Block until every chunk is copied."""
         self._thread.join()
-
-    def release(self) -> None:
-        """Wait, and stop making optimizer steps wait (not from inside a step hook)."""
-        self.wait()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        del optimizer, args, kwargs
-        self.wait()
 
     def _run(self, items: list[tuple[LocalItem, torch.Tensor]], end: int, objects: list[bytes]) -> None:
         key = ""
@@ -241,6 +265,7 @@ class BackgroundStaging:
         except Exception as error:  # reported by the commit, on every rank
             self._writer.fail(f"staging {key!r} failed: {type(error).__name__}: {error}")
         finally:
+            _GATE.discard(self)
             self._writer.close(end, objects)
 
 

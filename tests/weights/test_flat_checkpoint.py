@@ -10,6 +10,8 @@
   for the copy: the file holds the values of the call, though the step ran right after it; a copy
   that fails raises on every rank at ``wait()``;
 - HSDP: only the first replica writes; every slot holds ``torch.save``'s output of its chunk;
+- ``_StridedShard`` layouts (FSDP over tensor parallelism with uneven rows, experts over ``ep``) give
+  ``dcp.save``'s entries, and ``dcp.load`` reads back the values saved;
 - a failed write leaves no ``.metadata`` and raises on every rank; bad input raises before any file.
 """
 
@@ -35,7 +37,7 @@ import fsdp2
 from fsdp2.weights._flat_layout import slot_bytes
 from fsdp2.weights._staged_writer import StagedWriter
 from tests._harness import run_threaded
-from tests._training import seeded
+from tests._training import fill_deterministic_, seeded
 from tests.shared.checkpoint_net import Net, adamw, dcp_load, shard, snapshot, train
 
 
@@ -170,6 +172,53 @@ def test_hsdp_first_replica_writes_and_loads_at_2(tmp_path: Path) -> None:
     run_threaded(4, _save_hsdp, path, expected)
     assert sorted(p.name for p in Path(path).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     run_threaded(2, dcp_load, "fsdp2", path, expected)
+
+
+def _strided(path: str, kind: str) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.shared.experts_models import DIM
+    from tests.shared.experts_models import Net as MoENet
+
+    torch.manual_seed(0)
+    if kind == "tensor parallel":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7)
+        )  # 10 rows: 5 per tp rank, 3 and 2 over dp
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fsdp2.fully_shard(model, mesh=mesh["dp"])
+        inputs = torch.randn(3, 6)
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        model = fill_deterministic_(MoENet(6), scale=0.5)  # stacks start as torch.empty
+        fsdp2.shard_experts(model, ep=2, mesh=mesh)
+        fsdp2.fully_shard(model, mesh=mesh)
+        inputs = torch.randn(5, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(inputs).pow(2).mean().backward()
+    optim.step()
+    state = _state(model, optim)
+    placements = {str(v.placements) for v in state["model"].values() if isinstance(v, DTensor)}
+    assert any("_StridedShard" in p for p in placements), placements
+    fsdp2.save_sharded(state, path + "/flat")
+    dcp.save(state, checkpoint_id=path + "/dcp")
+    saved = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state["model"].items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    fresh = {"model": get_model_state_dict(model)}
+    dcp.load(fresh, checkpoint_id=path + "/flat")
+    for key, value in fresh["model"].items():
+        got = value.full_tensor() if isinstance(value, DTensor) else value
+        torch.testing.assert_close(got, saved[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
+@pytest.mark.parametrize("kind", ["tensor parallel", "experts"])
+def test_strided_shards_match_dcp_save_and_load_back(kind: str, tmp_path: Path) -> None:
+    run_threaded(4, _strided, str(tmp_path), kind)
+    assert _entries(tmp_path / "flat") == _entries(tmp_path / "dcp")
 
 
 def test_slots_hold_torch_save_of_any_shape() -> None:
