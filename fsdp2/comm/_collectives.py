@@ -234,6 +234,46 @@ def _ring_chunks(world_size: int, row: int, columns: int, element_size: int) -> 
     return rows
 
 
+def all_reduce_before_tail(
+    tensor: torch.Tensor, tail: int, group: dist.ProcessGroup, world_size: int, op: Any, all_reduce: Any
+) -> int:
+    """All-reduce 1-D ``tensor``, its first ``numel - tail`` elements summed as if they were alone.
+
+    Returns how many collectives it issued (through ``all_reduce``). HSDP's and ``replicate``'s
+    all-reduce carry the usage row after the gradients, which torch's have not. On gloo with 3 or
+    more ranks the ring's cuts follow the buffer's length ([Note: Ring summation order]); where the
+    tail moves a cut within the gradients, the tail gets an all-reduce of its own, so the gradients
+    sum exactly as torch's. Elsewhere (two ranks, other backends): one.
+    """
+    head = tensor.numel() - tail
+    if tail == 0 or head == 0 or world_size <= 2 or tensor.is_cuda or "gloo" not in _backend_name(group):
+        all_reduce(tensor, group, op)
+        return 1
+    whole = _ring_chunk(world_size, head + tail, tensor.element_size())
+    alone = _ring_chunk(world_size, head, tensor.element_size())
+    if whole == alone or head <= min(whole, alone):  # every gradient element keeps its chunk
+        all_reduce(tensor, group, op)
+        return 1
+    all_reduce(tensor.narrow(0, 0, head), group, op)
+    all_reduce(tensor.narrow(0, head, tail), group, op)
+    return 2
+
+
+def _ring_chunk(world_size: int, numel: int, element_size: int) -> int:
+    """Elements per chunk of gloo's ring over a 1-D buffer of ``numel`` (see ``_ring_segments``)."""
+    max_elements = max(1, _RING_SEGMENT_BYTES // element_size)
+    segments = max(-(-numel // max_elements), 2 * world_size)
+    segments = -(-segments // world_size) * world_size
+    return segments // world_size * -(-numel // segments)
+
+
+def _backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return ""
+
+
 def _padded_shard_numel(tensor: torch.Tensor, world_size: int) -> int:
     rows = tensor.size(0)
     return -(-rows // world_size) * (tensor.numel() // rows if rows else 0)

@@ -24,6 +24,7 @@ from ..comm import (
     CommContext,
     DivideFactors,
     GroupComms,
+    all_reduce_before_tail,
     comm_type,
     divide_factors,
     reduce_scatter,
@@ -277,7 +278,9 @@ class GradientReducer:
                 self._finish_slices(output, params, controls, comms, factors)
                 return
             if info.replicate_size > 1:
-                comms.all_reduce(output, info.replicate_group, factors.op)
+                tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
+                group, size = info.replicate_group, info.replicate_size
+                all_reduce_before_tail(output, tail, group, size, factors.op, comms.all_reduce)
         if controls.all_reduce_hook is not None:
             grad_part = _without_usage_row(
                 output, self.tail_width(params, output.dtype) if self._fill_unused else 0

@@ -12,8 +12,14 @@ reduce-scatter, and as many all-reduces per step as torch (one per group); the z
 hold weight passes. Unlike sharded stages, replicated ones need no ``reshard_after_forward=False``
 for zero bubble: nothing is ever resharded, so the weight pass finds the parameters the forward
 used. Pipelining reaches the state of a replicated stage through torch's ``replicate.state`` and
-its ``ReplicateModule`` class, which fsdp2's modules answer. One spawned run: every schedule and
-both implementations.
+its ``ReplicateModule`` class, which fsdp2's modules answer.
+
+The same spawned world then runs torchtitan's DDP pattern before 0.3.0 across the 4 processes
+(``replicate`` on the embeddings, each block, ``[norm, output]`` as one group, the root; only the
+name swapped): losses, gradients and parameters over 3 AdamW steps equal torch's ``replicate`` bit
+for bit, and the unsharded model's within float32 rounding (its gradients are averaged one tensor
+at a time, and gloo's ring sums 4 ranks in an order that follows each element's place in the
+buffer). One spawned run: every schedule, the DDP pattern and both implementations.
 """
 
 from __future__ import annotations
@@ -143,5 +149,12 @@ def _compare_schedules() -> None:
             assert our_counts == their_counts, shown  # one all-reduce per group, as torch's
 
 
-def test_pipelining_replicated_stages_match_torch_replicate() -> None:
-    run_multiprocess(4, _compare_schedules)
+def _schedules_then_ddp_pattern() -> None:
+    from tests.shared.replicate_layouts import train_three
+
+    _compare_schedules()
+    train_three("torchtitan", False, threads=False)  # checks itself against torch and the reference
+
+
+def test_pipelining_replicated_stages_and_the_ddp_pattern_match_torch_replicate() -> None:
+    run_multiprocess(4, _schedules_then_ddp_pattern)

@@ -37,103 +37,33 @@ from fsdp2.testing import count_collectives
 from tests._harness import run_threaded
 from tests._training import average_grads, seeded
 from tests.models import ModelArgs, Transformer, make_tokens
-
-ARGS = ModelArgs(n_layers=2)
-STEPS = 3
-
-
-def _per_block(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) -> None:
-    for block in model.layers:
-        replicate(block, **kwargs)
-    replicate(model, **kwargs)
-
-
-def _mixed(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) -> None:
-    """Replicated embeddings, sharded blocks, a sharded root (torch's own tests mix them so)."""
-    replicate([model.tok_embeddings, model.pos_embeddings], **kwargs)
-    for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-
-
-def _torchtitan(replicate: Any, fully_shard: Any, model: nn.Module, **kwargs: Any) -> None:
-    """torchtitan's DDP pattern before 0.3.0: embeddings, each block, ``[norm, output]`` (one group), root."""
-    replicate(model.tok_embeddings, **kwargs)
-    for block in model.layers:
-        replicate(block, **kwargs)
-    replicate([model.norm, model.output], **kwargs)
-    replicate(model, **kwargs)
-
-
-LAYOUTS = {"per_block": _per_block, "mixed": _mixed, "torchtitan": _torchtitan}
-# all-reduces of each backward after the first (the mixed layout also shards 3 groups)
-ALL_REDUCES = {"per_block": 3, "mixed": 1, "torchtitan": 5}
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _assert_same(model: nn.Module, other: nn.Module, grads: bool) -> None:
-    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
-        a, b = (p.grad, q.grad) if grads else (p, q)
-        torch.testing.assert_close(_full(a), _full(b), rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def _train_three(layout: str, bf16: bool, args: ModelArgs = ARGS) -> None:
-    """fsdp2, torch and the unsharded reference in lockstep; the collectives of each fsdp2 backward."""
-    base = seeded(lambda: Transformer(args))
-    ours, theirs, ref = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    dtype = {"param_dtype": torch.bfloat16} if bf16 else {}
-    LAYOUTS[layout](fsdp2.replicate, fsdp2.fully_shard, ours, mp_policy=fsdp2.MixedPrecisionPolicy(**dtype))
-    LAYOUTS[layout](torch_replicate, torch_fully_shard, theirs, mp_policy=TorchMixedPrecisionPolicy(**dtype))
-    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert p.placements == q.placements, name
-        assert p.device_mesh.mesh_dim_names == q.device_mesh.mesh_dim_names, name
-    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs, ref)]
-    for step in range(STEPS):
-        tokens = make_tokens(ARGS, dist.get_rank() + 10 * step)
-        with count_collectives() as counts:
-            loss = ours(tokens).sum()
-            loss.backward()
-        their_loss = theirs(tokens).sum()
-        their_loss.backward()
-        ref_loss = ref(tokens).sum()
-        ref_loss.backward()
-        average_grads(ref)
-        assert torch.equal(loss, their_loss), (step, loss, their_loss)
-        _assert_same(ours, theirs, grads=True)
-        if not bf16:
-            assert torch.equal(loss, ref_loss), (step, loss, ref_loss)
-            _assert_same(ours, ref, grads=True)
-        if step > 0:  # the first backward also agrees on which parameters are used
-            expected = {"all_reduce": ALL_REDUCES[layout]}
-            if layout == "mixed":
-                expected.update(all_gather=5, reduce_scatter=3)  # the blocks regather in backward
-            assert dict(counts) == expected, dict(counts)
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-    _assert_same(ours, theirs, grads=False)
-    if not bf16:
-        _assert_same(ours, ref, grads=False)
+from tests.shared.replicate_layouts import (
+    ARGS,
+    LAYOUTS,
+    STEPS,
+    assert_same,
+    full,
+    mixed,
+    per_block,
+    train_three,
+)
 
 
 @pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_trains_like_torch_replicate_and_the_reference(layout: str) -> None:
-    run_threaded(2, _train_three, layout, False)
+    run_threaded(2, train_three, layout, False)
 
 
 @pytest.mark.first_case_in_quick_loop
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mixed_precision_matches_torch(layout: str) -> None:
-    run_threaded(2, _train_three, layout, True)
+    run_threaded(2, train_three, layout, True)
 
 
 def test_activation_checkpointing() -> None:
     """Each block's forward is re-run in backward (non-reentrant ``checkpoint``)."""
-    run_threaded(2, _train_three, "mixed", False, ModelArgs(n_layers=2, checkpoint_activations=True))
+    run_threaded(2, train_three, "mixed", False, ModelArgs(n_layers=2, checkpoint_activations=True))
 
 
 def _classes_and_placements() -> None:
@@ -174,7 +104,7 @@ def _accumulate(mode: str) -> None:
     """
     base = seeded(lambda: Transformer(ARGS))
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
-    _per_block(fsdp2.replicate, None, model)
+    per_block(fsdp2.replicate, None, model)
     if mode == "divide_by_one":
         for module in model.modules():
             if isinstance(module, fsdp2.FSDPModule):
@@ -193,7 +123,7 @@ def _accumulate(mode: str) -> None:
             assert counts["all_reduce"] == 0, dict(counts)
     for param in ref.parameters():
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM if mode == "divide_by_one" else dist.ReduceOp.AVG)
-    _assert_same(model, ref, grads=True)
+    assert_same(model, ref, grads=True)
 
 
 @pytest.mark.first_case_in_quick_loop
@@ -211,7 +141,7 @@ def _ignored() -> None:
     model(tokens).sum().backward()
     ref(tokens).sum().backward()
     average_grads(ref, skip={"output.weight"})  # an ignored parameter keeps its local gradient
-    _assert_same(model, ref, grads=True)
+    assert_same(model, ref, grads=True)
 
 
 def test_ignored_params_keep_local_gradients() -> None:
@@ -220,15 +150,15 @@ def test_ignored_params_keep_local_gradients() -> None:
 
 def _deep_copy() -> None:
     model = seeded(lambda: Transformer(ARGS))
-    _mixed(fsdp2.replicate, fsdp2.fully_shard, model)
+    mixed(fsdp2.replicate, fsdp2.fully_shard, model)
     clone = copy.deepcopy(model)
     assert isinstance(clone.tok_embeddings, fsdp2.ReplicateModule)
     assert not isinstance(clone.layers[0], fsdp2.ReplicateModule)
-    _assert_same(clone, model, grads=False)
+    assert_same(clone, model, grads=False)
     tokens = make_tokens(ARGS, dist.get_rank())
     for m in (model, clone):
         m(tokens).sum().backward()
-    _assert_same(clone, model, grads=True)
+    assert_same(clone, model, grads=True)
 
 
 def test_deep_copy_replicates_the_copy() -> None:
@@ -248,7 +178,7 @@ def _bucketed(mode: str) -> None:
     """
     base = seeded(lambda: Transformer(ARGS))
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    layout = _mixed if mode == "mixed" else _per_block
+    layout = mixed if mode == "mixed" else per_block
     dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode == "bf16" else {}
     layout(fsdp2.replicate, fsdp2.fully_shard, ours, mp_policy=fsdp2.MixedPrecisionPolicy(**dtypes))
     layout(torch_replicate, torch_fully_shard, theirs, mp_policy=TorchMixedPrecisionPolicy(**dtypes))
@@ -276,11 +206,11 @@ def _bucketed(mode: str) -> None:
                     dict(counts),
                     expected,
                 )
-        _assert_same(ours, theirs, grads=True)
+        assert_same(ours, theirs, grads=True)
         for optim in optims:
             optim.step()
             optim.zero_grad()
-    _assert_same(ours, theirs, grads=False)
+    assert_same(ours, theirs, grads=False)
 
 
 @pytest.mark.first_case_in_quick_loop
@@ -294,13 +224,13 @@ def test_bucketed_all_reduces_match_torch(mode: str) -> None:
 
 def _trained() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     model = seeded(lambda: Transformer(ARGS))
-    _per_block(fsdp2.replicate, None, model)
+    per_block(fsdp2.replicate, None, model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         model(make_tokens(ARGS, dist.get_rank() + 10 * step)).sum().backward()
         optim.step()
         optim.zero_grad()
-    return model, {k: _full(v).clone() for k, v in model.state_dict().items()}
+    return model, {k: full(v).clone() for k, v in model.state_dict().items()}
 
 
 def _save(path: str, out: dict[str, torch.Tensor]) -> None:
@@ -313,12 +243,12 @@ def _save(path: str, out: dict[str, torch.Tensor]) -> None:
 
 def _load(path: str, expected: dict[str, torch.Tensor]) -> None:
     model = Transformer(ARGS)  # other values: overwritten by the load
-    _per_block(fsdp2.replicate, None, model)
+    per_block(fsdp2.replicate, None, model)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state)
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(_full(value), expected[key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(full(value), expected[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.first_case_in_quick_loop

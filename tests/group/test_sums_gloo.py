@@ -11,7 +11,12 @@ zeros). One spawn of 4 processes:
   bit-identical to torch's ``fully_shard``'s after each of two steps;
 - the raw collective: ``[gradients | usage row]`` rows sum the gradient columns unlike torch's
   ``[gradients]`` rows; with ``same_order_tail``'s zeros between they sum them alike, also for a
-  buffer of over 8 MiB (more than two segments per chunk).
+  buffer of over 8 MiB (more than two segments per chunk);
+- the all-reduce of HSDP and ``replicate`` (one row of gradients, then the usage row):
+  ``all_reduce_before_tail`` sums the gradients as an all-reduce of them alone, with one collective
+  where the tail keeps every cut (1,001 + 3) and two where it moves one (144 + 1: torchtitan's
+  position embeddings in a ``replicate`` test; 8 MiB + 7); a plain all-reduce of the same buffer
+  sums some of them otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2
-from fsdp2.comm._collectives import same_order_tail
+from fsdp2.comm._collectives import all_reduce_before_tail, same_order_tail
 from tests._harness import run_multiprocess
 from tests._training import EXACT
 
@@ -81,6 +86,25 @@ def _raw_collective(width: int, usage: int) -> tuple[bool, bool]:
     return torch.equal(bare, want), torch.equal(padded, want)
 
 
+def _all_reduced(width: int, tail: int) -> tuple[bool, bool, int]:
+    """(plain all-reduce, ``all_reduce_before_tail``): whether the gradients sum as alone; collectives."""
+    generator = torch.Generator().manual_seed(width + dist.get_rank())
+    grads = torch.randn(width, generator=generator) * 1e3
+    want = grads.clone()
+    dist.all_reduce(want)
+    plain = torch.cat([grads, torch.ones(tail)])
+    dist.all_reduce(plain)
+    kept = torch.cat([grads, torch.ones(tail)])
+    group = dist.group.WORLD
+    issued = all_reduce_before_tail(kept, tail, group, WORLD_SIZE, dist.ReduceOp.SUM, _plain_all_reduce)
+    assert torch.equal(kept[width:], torch.full((tail,), float(WORLD_SIZE)))
+    return torch.equal(plain[:width], want), torch.equal(kept[:width], want), issued
+
+
+def _plain_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+    dist.all_reduce(tensor, op=op, group=group)
+
+
 def _all_cases() -> None:
     for got, want in zip(_local_grads("fsdp2"), _local_grads("torch"), strict=True):
         for name, grad in want.items():
@@ -93,6 +117,14 @@ def _all_cases() -> None:
     assert not all(flags)
     for width, usage in ((999, 2), (600_001, 5)):  # odd rows; over 8 MiB: more than 2 segments a chunk
         assert _raw_collective(width, usage)[1], (width, usage)
+    assert _all_reduced(1001, 3) == (True, True, 1)  # 1,004 keeps the cuts of 1,001 (chunks of 252)
+    for width, tail in ((144, 1), (1 << 21, 7)):  # chunks of 36 -> 38; 8 MiB: 8 segments -> 12
+        plain, kept, issued = _all_reduced(width, tail)
+        assert kept, (width, tail)
+        assert issued == 2, (width, tail)
+        flags = [None] * WORLD_SIZE
+        dist.all_gather_object(flags, plain)
+        assert not all(flags), (width, tail)  # the cause: one all-reduce sums some elements otherwise
 
 
 def test_sums_equal_torchs_with_a_usage_row() -> None:
