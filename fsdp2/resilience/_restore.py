@@ -57,25 +57,10 @@ def reshard_newest(
     [Note: Choosing by tensors]); damaged copies' lines are gathered only when some rank has one.
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    reduce = _reducer(group)
-    anything = reduce(torch.tensor([len(listing), len(damaged)], dtype=torch.int64), "max").tolist()
-    if not any(anything):
-        return None
-    broken: dict[tuple[int, int], list[str]] = {}
-    found_bad = bool(anything[1])
-    bad_here: list[Damaged] = list(damaged)
-    dropped: set[tuple[int, int]] = set()
-    while True:
-        if found_bad:  # rare: the lines of every damaged copy, for the messages
-            _gather_damaged(bad_here, me, group, broken, dropped)
-        choice = choose(listing, dropped, broken, (me, world, per_node), reduce)
-        if isinstance(choice, str):
-            return choice
-        held, bad_here = _read_mine(store, choice, me)
-        found_bad = bool(int(reduce(torch.tensor([len(bad_here)], dtype=torch.int64), "max")))
-        if not found_bad:
-            break
-        dropped.update((item.step, item.rank) for item in bad_here)
+    found = _choose_and_read(store, listing, damaged, group, per_node)
+    if found is None or isinstance(found, str):
+        return found
+    choice, held, broken = found
     table: list[Any] = [held[0].leaves if 0 in held else None]
     dist.broadcast_object_list(table, src=dist.get_global_rank(group, int(choice.holder[0])), group=group)
     leaves = tuple(table[0])
@@ -84,6 +69,36 @@ def reshard_newest(
     tree, values = plan.incoming(me, received.part)
     skipped = [line for lines in broken.values() for line in lines]
     return Exchanged(choice, plan.leaves, tree, values, skipped)
+
+
+Broken = dict[tuple[int, int], list[str]]  # why each damaged copy of (step, old rank) is, on every rank
+
+
+def _choose_and_read(
+    store: NodeStore, listing: list[Listed], damaged: list[Damaged], group: dist.ProcessGroup, per_node: int
+) -> tuple[Choice, dict[int, RankSnapshot], Broken] | str | None:
+    """The choice, this rank's files of it (every rank's read whole) and the damaged copies passed over.
+
+    ``None``: no rank lists a file; a string: why no snapshot is whole.
+    """
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    reduce = _reducer(group)
+    anything = reduce(torch.tensor([len(listing), len(damaged)], dtype=torch.int64), "max").tolist()
+    if not any(anything):
+        return None
+    broken: Broken = {}
+    dropped: set[tuple[int, int]] = set()
+    bad_here, found_bad = list(damaged), bool(anything[1])
+    while True:
+        if found_bad:  # rare: the lines of every damaged copy, for the messages
+            _gather_damaged(bad_here, group, broken, dropped)
+        choice = choose(listing, dropped, broken, (me, world, per_node), reduce)
+        if isinstance(choice, str):
+            return choice
+        held, bad_here = _read_mine(store, choice, me)
+        found_bad = bool(int(reduce(torch.tensor([len(bad_here)], dtype=torch.int64), "max")))
+        if not found_bad:
+            return choice, held, broken
 
 
 def _reducer(group: dist.ProcessGroup) -> Reduce:
@@ -97,13 +112,9 @@ def _reducer(group: dist.ProcessGroup) -> Reduce:
 
 
 def _gather_damaged(
-    mine: list[Damaged],
-    me: int,
-    group: dist.ProcessGroup,
-    broken: dict[tuple[int, int], list[str]],
-    dropped: set[tuple[int, int]],
+    mine: list[Damaged], group: dist.ProcessGroup, broken: Broken, dropped: set[tuple[int, int]]
 ) -> None:
-    """Every rank's newly found damaged copies into ``broken`` (why, in rank order); this rank's dropped."""
+    """Every rank's newly found damaged copies into ``broken`` (in rank order); this rank's, ``dropped``."""
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
     for bad in reports:

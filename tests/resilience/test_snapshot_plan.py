@@ -1,9 +1,10 @@
-"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (and why there
-is none, damaged copies named apart from lost ones), the resharding of every leaf from W old ranks onto
-W' new ones (against ``torch.chunk`` of the whole tensor), also between HSDP and replicated layouts
-(rows cut on the shard dim only, replicas holding the same piece), the snapshot file's check of its own bytes,
-a failed write that leaves nothing, and the folders of one job. The restore itself runs in
-tests/resilience/test_snapshots_gloo.py.
+"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (made on one
+thread per simulated rank, its all-reduces among the threads; a lost node's files read one by each
+rank of its buddy node; and why there is none, damaged copies named apart from lost ones), the
+resharding of every leaf from W old ranks onto W' new ones (against ``torch.chunk`` of the whole
+tensor), also between HSDP and replicated layouts (rows cut on the shard dim only, replicas holding
+the same piece), the snapshot file's check of its own bytes, a failed write that leaves nothing, and
+the folders of one job. The restore itself runs in tests/resilience/test_snapshots_gloo.py.
 """
 
 from __future__ import annotations
