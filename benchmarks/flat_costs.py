@@ -31,23 +31,31 @@ of 3 runs:
 - ``WeightSync``: the first ``WeightSync(model).updates()`` of that model, iterated to the end (every
   parameter gathered, in bf16, in 64 MB buckets).
 - ``full_tensor``: the target for the two above, ``full_tensor()`` of every parameter of that model.
+- ``restore``: ``Snapshots.restore``'s part that grows with the world, ``reshard_newest`` (the node's
+  listing, the choice, the read, the exchange), restoring a snapshot of N old ranks (three
+  ``Linear(64, 64)``, FSDP; 8 ranks a node) from rank 1's node: its own file and its copy of rank
+  ``1 - 8``'s. The fake group's collectives return at once, so the rest of the world is emulated: the
+  readers' MIN all-reduce gives every old rank its own new rank (each lists its own file), an object
+  all-gather of the listings (the code before) unpickles every rank's listing (its own file and its
+  copy), pickled beforehand, and the exchange, with this rank alone, hands back what it sent.
 
 Times are this process's CPU time (``time.process_time``, one intra-op thread), the least of
 ``--tries`` runs: the development VM's cores are shared, and CPU time leaves out the waits for them.
 
-Run:  python benchmarks/flat_costs.py [--worlds 8 512 4096 16384] [--tries 5] [--only steps]
+Run:  python benchmarks/flat_costs.py [--worlds 8 512 4096 16384] [--tries 5] [--only steps|restore]
 Prints a table (milliseconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +130,88 @@ def _emulate_collectives() -> None:
     dist.all_to_all_single = all_to_all_single  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def _patched(module: Any, **attributes: Any) -> Iterator[None]:
+    """``module``'s attributes replaced for the block's length."""
+    saved = {name: getattr(module, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _restore(world: int) -> float:
+    """``reshard_newest`` as rank 1 of a job restoring a snapshot of ``world`` ranks (see the module)."""
+    import inspect
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    import fsdp2
+    from fsdp2.resilience._format import capture, encode_header, host_bytes
+    from fsdp2.resilience._restore import reshard_newest
+    from fsdp2.resilience._store import NodeStore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    tree = {"model": get_model_state_dict(model), "optim": {}, "state": {}}
+    store = NodeStore(Path(tempfile.mkdtemp()), "train", "j")
+    for rank in ((RANK - PER_NODE) % world, RANK):
+        snapshot = capture(tree, 5, world, rank)
+        store.write(5, rank, [encode_header(snapshot), host_bytes(snapshot.payload)])
+    mine = store.listing()[0][-1]
+    blobs = [  # every rank's listing, as the object all-gather of the code before brings it
+        pickle.dumps(([_with_rank(mine, r), _with_rank(mine, (r - PER_NODE) % world)], []))
+        for r in range(world)
+    ]
+    plain = pickle.dumps([])
+    reduce = dist.all_reduce
+
+    def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, **kwargs: Any) -> None:
+        reduce(tensor, op=op, group=group)
+        if op == dist.ReduceOp.MIN and tensor.numel() == world:  # the readers: each its own number
+            torch.minimum(tensor, torch.arange(world), out=tensor)
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        pickle.dumps(obj)
+        for r in range(world):
+            out[r] = pickle.loads(blobs[r] if isinstance(obj, tuple) else plain)
+
+    def broadcast_object_list(objects: list[Any], *args: Any, **kwargs: Any) -> None:
+        objects[0] = snapshot.leaves
+
+    def all_to_all_single(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        output.copy_(tensor)  # this rank exchanges with itself alone
+
+    per_node = (PER_NODE,) if "per_node" in inspect.signature(reshard_newest).parameters else ()
+    patches = {
+        "all_reduce": all_reduce,
+        "all_gather_object": all_gather_object,
+        "broadcast_object_list": broadcast_object_list,
+        "all_to_all_single": all_to_all_single,
+    }
+    with _patched(dist, **patches):
+        run = lambda: reshard_newest(store, *store.listing(), dist.group.WORLD, model, *per_node)  # noqa: E731
+        assert run().choice.step == 5
+        return _best(run)
+
+
+def _with_rank(listed: Any, rank: int) -> Any:
+    """``listed`` (a ``Listed``) of another old rank."""
+    import dataclasses
+
+    return dataclasses.replace(listed, rank=rank)
+
+
 def _steps(world: int) -> dict[str, float]:
     """One forward and backward, plain and deterministic, HSDP (N/4, 4) and FSDP over all N ranks."""
     import copy
@@ -176,6 +266,9 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world)
     if only == "steps":
         return _steps(world)
+    if only == "restore":
+        return {"restore": _restore(world)}
+    restored = _restore(world)  # before the gathers are patched for the rest
     _patch_gathers()
     keys = [f"host{r // PER_NODE}:/dev/shm/x" for r in range(world)]
     # What the all-gather of Snapshots() brings: every rank's key hash, one int64 each (the gather
@@ -216,6 +309,7 @@ def _one(world: int, only: str | None = None) -> dict[str, float]:
         "per snapshot": _best(per_snapshot),
         "check_replicas": _best(lambda: fsdp2.check_replicas(model)),
     }
+    row["restore"] = restored
     row["whole-tensor step"] = _muon_step()
     torch.manual_seed(0)
     flat = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)) for _ in range(16)])
@@ -260,7 +354,9 @@ def main() -> None:
     global TRIES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 512, 4096])
-    parser.add_argument("--only", choices=["steps"], help="only the plain and deterministic steps")
+    parser.add_argument(
+        "--only", choices=["steps", "restore"], help="only the plain and deterministic steps, or the restore"
+    )
     parser.add_argument("--tries", type=int, default=TRIES)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

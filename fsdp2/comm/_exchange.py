@@ -251,7 +251,7 @@ def exchange(
         return Received(out, sizes, align)
     out_sizes = _dense(sent, world)
     if expect is None:
-        counts = torch.tensor(out_sizes, dtype=torch.int64, device=device)
+        counts = _counts(sent, world, device)
         theirs = torch.empty_like(counts)
         dist.all_to_all_single(theirs, counts, group=group)
         sizes = theirs.tolist()
@@ -301,6 +301,14 @@ def _dense(sizes: Sequence[int] | Mapping[int, int], world: int) -> list[int]:
     for peer, n in sizes.items():
         out[peer] = n
     return out
+
+
+def _counts(sizes: Mapping[int, int], world: int, device: torch.device) -> torch.Tensor:
+    """One size per rank as a tensor, filled from the peers named (no tensor built from N Python ints)."""
+    counts = torch.zeros(world, dtype=torch.int64)
+    if sizes:
+        counts[torch.tensor(list(sizes), dtype=torch.int64)] = torch.tensor(list(sizes.values()))
+    return counts.to(device)
 
 
 def _receive_buffer(scratch: Scratch | None, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -210,7 +210,7 @@ def layout_of(tensor: DTensor) -> tuple[int, int | None, int] | None:
     parallelism's) is not: its rows interleave.
     """
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    in_order = mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
+    in_order = _every_rank_in_order(mesh.mesh.flatten())
     if mesh.ndim == 1 and isinstance(placements[0], Shard):
         shard = placements[0]
         return (shard.dim, None, 1) if row_shard(tensor, shard.dim) == 0 else None
@@ -219,10 +219,16 @@ def layout_of(tensor: DTensor) -> tuple[int, int | None, int] | None:
     if mesh.ndim == 2 and in_order and type(placements[1]) is Shard and placements[0] == Replicate():
         dim = placements[1].dim
         return (dim, mesh.size(1), 1) if row_shard(tensor, dim) == 1 else None
-    sliced = mesh.ndim == 2 and mesh.mesh.t().flatten().tolist() == list(range(dist.get_world_size()))
+    sliced = mesh.ndim == 2 and _every_rank_in_order(mesh.mesh.t().flatten())
     if sliced and type(placements[0]) is Shard and placements[1] == placements[0]:
         return placements[0].dim, mesh.size(0), mesh.size(1)
     return None
+
+
+def _every_rank_in_order(ranks: torch.Tensor) -> bool:
+    """Whether ``ranks`` are the world's ranks in order (one tensor comparison: no list of N ranks)."""
+    world = dist.get_world_size()
+    return ranks.numel() == world and bool((ranks == torch.arange(world)).all())
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

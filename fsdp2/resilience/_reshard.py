@@ -21,12 +21,15 @@ order, for each old rank the sender holds in ascending order of its piece, the r
 rank's piece that fall in the receiver's new piece; then, when the sender holds the receiver's
 ``source`` (old rank ``new_rank % old_world``), that rank's tree and whole-held tensors, pickled. A
 receiver computes every piece's size from the leaf table; only the pickled part's length travels (the
-exchange's counts).
+exchange's counts). A sender names only the ranks it sends to, and a receiver reads only the ranks it
+hears from (``comm.exchange``'s [Note: Sparse sends]); ``holder`` is one tensor, so which old ranks a
+new rank holds is one comparison: no Python pass over the old or the new ranks.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,7 +51,7 @@ class Reshard:
     leaves: tuple[Leaf, ...]
     old_world: int
     new_world: int
-    holder: tuple[int, ...]
+    holder: torch.Tensor  # int64, one per old rank
     new_shards: tuple[int | None, ...] | None = None
 
     def _cuts(self, index: int) -> tuple[int, int]:
@@ -61,7 +64,11 @@ class Reshard:
         return new_rank % self.old_world
 
     def held_by(self, new_rank: int) -> list[int]:
-        return [old for old, holder in enumerate(self.holder) if holder == new_rank]
+        """The old ranks ``new_rank`` holds, in ascending order."""
+        return (self.holder == new_rank).nonzero().flatten().tolist()
+
+    def _sender(self, old: int) -> int:
+        return int(self.holder[old])
 
     def _routes(self, index: int, piece: int) -> Routes:
         """Piece ``piece``'s rows of leaf ``index``'s sharded dimension, from the old cut to the new one.
@@ -73,10 +80,13 @@ class Reshard:
         new = RowLayout.chunked(leaf.shape[leaf.dim], self._cuts(index)[1])
         return routes(rows_of(leaf, self.old_world), new, piece)
 
-    def outgoing(self, me: int, held: dict[int, RankSnapshot]) -> list[torch.Tensor]:
-        """What ``me`` sends each new rank (uint8, flat), from the old snapshots it holds."""
-        mine = self.held_by(me)
-        parts: list[list[torch.Tensor]] = [[] for _ in range(self.new_world)]
+    def outgoing(self, me: int, held: dict[int, RankSnapshot]) -> dict[int, list[torch.Tensor]]:
+        """What ``me`` sends each new rank it sends to (uint8 pieces, in order), from the snapshots it holds.
+
+        Only the receivers of some row or tree: work proportional to what it sends, not to the world.
+        """
+        mine = sorted(held)
+        parts: dict[int, list[torch.Tensor]] = {}
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
                 continue
@@ -91,27 +101,29 @@ class Reshard:
                     rows = local.narrow(leaf.dim, piece.start - start, piece.rows)
                     raw = rows.contiguous().view(-1).view(torch.uint8)
                     for receiver in range(piece.peer, self.new_world, new_cut):
-                        parts[receiver].append(raw)
-        for receiver in range(self.new_world):
-            if self.source(receiver) in mine:
-                parts[receiver].append(_pickled_rest(held[self.source(receiver)]))
-        return [torch.cat(part) if part else torch.empty(0, dtype=torch.uint8) for part in parts]
+                        parts.setdefault(receiver, []).append(raw)
+        for old in mine:  # its tree to every new rank whose source it is: old, old + W, ...
+            rest = _pickled_rest(held[old])
+            for receiver in range(old, self.new_world, self.old_world):
+                parts.setdefault(receiver, []).append(rest)
+        return dict(sorted(parts.items()))
 
-    def incoming(self, me: int, received: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
-        """``me``'s tree and its local value of every leaf, from what each sender sent it."""
-        cursors = [0] * len(received)
+    def incoming(self, me: int, part: Callable[[int], torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+        """``me``'s tree and its local value of every leaf, from what each sender sent it (``part``)."""
+        cursors: dict[int, int] = {}
         pieces: dict[int, list[torch.Tensor]] = {}
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:
                 continue
             for piece in self._routes(index, me % self._cuts(index)[1]).receive:  # ascending old pieces
-                sender = self.holder[rank_at(leaf, self.old_world, piece.peer)]
+                sender = self._sender(rank_at(leaf, self.old_world, piece.peer))
                 shape = list(leaf.shape)
                 shape[leaf.dim] = piece.rows
-                value, cursors[sender] = take(received[sender], cursors[sender], shape, leaf.dtype, align=1)
+                at = cursors.get(sender, 0)
+                value, cursors[sender] = take(part(sender), at, shape, leaf.dtype, align=1)
                 pieces.setdefault(index, []).append(value)
-        sender = self.holder[self.source(me)]
-        tree, whole = pickle.loads(received[sender][cursors[sender] :].numpy().tobytes())
+        sender = self._sender(self.source(me))
+        tree, whole = pickle.loads(part(sender)[cursors.get(sender, 0) :].numpy().tobytes())
         values: list[torch.Tensor] = []
         for index, leaf in enumerate(self.leaves):
             if leaf.dim is None:

@@ -1,17 +1,15 @@
 """A restart's restore: the newest snapshot some surviving node still has for every old rank, resharded.
 
-Owns: ``choose`` (from every new rank's listing of its node's files: the newest step whose every old
-rank has a whole copy somewhere, and which new rank reads each; or why there is none, naming the
-damaged copies apart from the lost ones), ``reshard_newest`` (each reader checks the bytes it read; a
-damaged copy is dropped and the choice made again; then one ``comm.exchange`` moves every row to its
-new rank, see ``_reshard``) and ``apply`` (the pieces into the model, optimizer and registered
-objects, through torch.distributed.checkpoint's state-dict functions, as a DCP load does). No file
-outside the node's snapshot directory is read.
+Owns: ``reshard_newest`` (the choice, ``_choice``'s, from each new rank's listing of its node's
+files; each reader checks the bytes it read, a damaged copy is dropped and the choice made again; then
+one ``comm.exchange`` moves every row to its new rank, see ``_reshard``) and ``apply`` (the pieces
+into the model, optimizer and registered objects, through torch.distributed.checkpoint's state-dict
+functions, as a DCP load does). No file outside the node's snapshot directory is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,82 +20,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 
 from ..comm import exchange
+from ._choice import Choice, Reduce, choose
 from ._format import Leaf, RankSnapshot, fill, layout_of
 from ._reshard import Reshard
 from ._store import Damaged, Listed, NodeStore
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The snapshot to restore: its step, old world size, layout and the reader of each old rank."""
-
-    step: int
-    old_world: int
-    fingerprint: int
-    holder: tuple[int, ...]
-
-
-def choose(
-    listings: list[list[Listed]],
-    dropped: set[tuple[int, int, int]],
-    damaged: Mapping[tuple[int, int], list[str]] | None = None,
-) -> Choice | str:
-    """The newest snapshot every old rank of which is listed by some new rank, or why there is none.
-
-    ``listings[j]`` is what new rank ``j`` found on its node; ``(j, step, old)`` in ``dropped`` is a copy
-    already found damaged; ``damaged[(step, old)]`` says why each damaged copy of old rank ``old`` at
-    ``step`` is (the reason names them, and does not blame lost nodes for them). Each old rank is read by
-    the new rank of the same number when it lists it, else by the lister with the fewest to read so far.
-    """
-    damaged = damaged or {}
-    candidates: dict[tuple[int, int, int], dict[int, list[int]]] = {}
-    for reader, listing in enumerate(listings):
-        for found in listing:
-            if (reader, found.step, found.rank) in dropped:
-                continue
-            key = (found.step, found.world, found.fingerprint)
-            candidates.setdefault(key, {}).setdefault(found.rank, []).append(reader)
-    if not candidates and damaged:
-        return f"every snapshot file found is damaged: {_lines(damaged.values())}"
-    why = ""
-    for step, world, print_ in sorted(candidates, reverse=True):
-        listers = candidates[(step, world, print_)]
-        missing = [old for old in range(world) if old not in listers]
-        if missing:
-            why = why or _not_whole(step, world, missing, damaged)
-            continue
-        load = [0] * len(listings)
-        holder = []
-        for old in range(world):  # in rank order, among its own listers: not param.owners_by_load's heap
-            pick = old if old in listers[old] else min(listers[old], key=lambda r: (load[r], r))
-            load[pick] += 1
-            holder.append(pick)
-        return Choice(step, world, print_, tuple(holder))
-    return why
-
-
-def _not_whole(
-    step: int, world: int, missing: list[int], damaged: Mapping[tuple[int, int], list[str]]
-) -> str:
-    broken = [old for old in missing if (step, old) in damaged]
-    gone = [old for old in missing if (step, old) not in damaged]
-    parts = []
-    if gone:
-        parts.append(
-            f"survives nowhere for rank(s) {', '.join(map(str, gone))} (their node and their buddy's node "
-            "are gone, or the snapshot was cut short)"
-        )
-    if broken:
-        lines = _lines(damaged[(step, old)] for old in broken)
-        parts.append(f"has only damaged copies of rank(s) {', '.join(map(str, broken))} ({lines})")
-    return f"the newest snapshot, step {step} of {world} ranks, {', and '.join(parts)}"
-
-
-def _lines(groups: Iterable[list[str]], shown: int = 2) -> str:
-    """Damaged copies, one ``path: why`` each: the first ``shown`` of them, then how many more."""
-    lines = [line for group in groups for line in group]
-    more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
-    return "; ".join(lines[:shown]) + more
 
 
 @dataclass(frozen=True)
@@ -120,44 +46,81 @@ def reshard_newest(
     damaged: list[Damaged],
     group: dist.ProcessGroup,
     model: nn.Module,
+    per_node: int = 1,
 ) -> Exchanged | str | None:
     """Choose, read, check and reshard onto this job's ranks (each leaf cut as ``model``'s entry is).
 
-    ``listing`` and ``damaged``: this rank's node's files, whole and damaged. Returns ``None`` when no rank
-    found a snapshot file at all, or the reason none is whole (damaged copies named).
+    ``listing`` and ``damaged``: this rank's node's files, whole and damaged; ``per_node``: the ranks on
+    this rank's node. Returns ``None`` when no rank found a snapshot file at all, or the reason none is
+    whole (damaged copies named). Collectives whose sizes do not grow with the world but for two: the
+    readers' all-reduce of one integer per old rank, and the exchange's per-rank counts (see
+    [Note: Choosing by tensors]); damaged copies' lines are gathered only when some rank has one.
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    found: list[Any] = [None] * world
-    dist.all_gather_object(found, (listing, damaged), group=group)
-    listings = [entries for entries, _ in found]
-    broken: dict[tuple[int, int], list[str]] = {}
-    for _, bad in found:
-        for item in bad:
-            broken.setdefault((item.step, item.rank), []).append(item.why)
-    if not any(listings) and not broken:
+    found = _choose_and_read(store, listing, damaged, group, per_node)
+    if found is None or isinstance(found, str):
+        return found
+    choice, held, broken = found
+    table: list[Any] = [held[0].leaves if 0 in held else None]
+    dist.broadcast_object_list(table, src=dist.get_global_rank(group, int(choice.holder[0])), group=group)
+    leaves = tuple(table[0])
+    plan = Reshard(leaves, choice.old_world, world, choice.holder, new_cuts(leaves, model))
+    received = exchange(plan.outgoing(me, held), group, align=1)  # counts travel
+    tree, values = plan.incoming(me, received.part)
+    skipped = [line for lines in broken.values() for line in lines]
+    return Exchanged(choice, plan.leaves, tree, values, skipped)
+
+
+Broken = dict[tuple[int, int], list[str]]  # why each damaged copy of (step, old rank) is, on every rank
+
+
+def _choose_and_read(
+    store: NodeStore, listing: list[Listed], damaged: list[Damaged], group: dist.ProcessGroup, per_node: int
+) -> tuple[Choice, dict[int, RankSnapshot], Broken] | str | None:
+    """The choice, this rank's files of it (every rank's read whole) and the damaged copies passed over.
+
+    ``None``: no rank lists a file; a string: why no snapshot is whole.
+    """
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    reduce = _reducer(group)
+    anything = reduce(torch.tensor([len(listing), len(damaged)], dtype=torch.int64), "max").tolist()
+    if not any(anything):
         return None
-    dropped: set[tuple[int, int, int]] = set()
+    broken: Broken = {}
+    dropped: set[tuple[int, int]] = set()
+    bad_here, found_bad = list(damaged), bool(anything[1])
     while True:
-        choice = choose(listings, dropped, broken)
+        if found_bad:  # rare: the lines of every damaged copy, for the messages
+            _gather_damaged(bad_here, group, broken, dropped)
+        choice = choose(listing, dropped, broken, (me, world, per_node), reduce)
         if isinstance(choice, str):
             return choice
         held, bad_here = _read_mine(store, choice, me)
-        reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, bad_here, group=group)
-        if not any(reports):
-            break
-        for reader, bad in enumerate(reports):
-            for item in bad:
-                dropped.add((reader, item.step, item.rank))
-                broken.setdefault((item.step, item.rank), []).append(item.why)
-    table: list[Any] = [held[0].leaves if 0 in held else None]
-    dist.broadcast_object_list(table, src=dist.get_global_rank(group, choice.holder[0]), group=group)
-    leaves = tuple(table[0])
-    plan = Reshard(leaves, choice.old_world, world, choice.holder, new_cuts(leaves, model))
-    received = exchange([[part] for part in plan.outgoing(me, held)], group, align=1)  # counts travel
-    tree, values = plan.incoming(me, received.parts)
-    skipped = [line for lines in broken.values() for line in lines]
-    return Exchanged(choice, plan.leaves, tree, values, skipped)
+        found_bad = bool(int(reduce(torch.tensor([len(bad_here)], dtype=torch.int64), "max")))
+        if not found_bad:
+            return choice, held, broken
+
+
+def _reducer(group: dist.ProcessGroup) -> Reduce:
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(tensor, op=ops[op], group=group)
+        return tensor
+
+    return reduce
+
+
+def _gather_damaged(
+    mine: list[Damaged], group: dist.ProcessGroup, broken: Broken, dropped: set[tuple[int, int]]
+) -> None:
+    """Every rank's newly found damaged copies into ``broken`` (in rank order); this rank's, ``dropped``."""
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    for bad in reports:
+        for item in bad:
+            broken.setdefault((item.step, item.rank), []).append(item.why)
+    dropped.update((item.step, item.rank) for item in mine)
 
 
 def new_cuts(leaves: tuple[Leaf, ...], model: nn.Module) -> tuple[int | None, ...]:
@@ -179,9 +142,7 @@ def new_cuts(leaves: tuple[Leaf, ...], model: nn.Module) -> tuple[int | None, ..
 def _read_mine(store: NodeStore, choice: Choice, me: int) -> tuple[dict[int, RankSnapshot], list[Damaged]]:
     """The old snapshots this rank reads, and those whose copy here is damaged or gone."""
     held, damaged = {}, []
-    for old, reader in enumerate(choice.holder):
-        if reader != me:
-            continue
+    for old in choice.read_by(me):
         try:
             held[old] = store.read(choice.step, old)
         except (OSError, ValueError, EOFError) as error:

@@ -285,6 +285,7 @@ class Snapshots:
             [entry for entry in damaged if entry.step > newer_than],
             self.group,
             self.model,
+            len(self.ring.members(self.ring.node(self.rank))),
         )
         if result is None:
             return Restored(

@@ -1,16 +1,21 @@
-"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (and why there
-is none, damaged copies named apart from lost ones), the resharding of every leaf from W old ranks onto
-W' new ones (against ``torch.chunk`` of the whole tensor), also between HSDP and replicated layouts
-(rows cut on the shard dim only, replicas holding the same piece), the snapshot file's check of its own bytes,
-a failed write that leaves nothing, and the folders of one job. The restore itself runs in
-tests/resilience/test_snapshots_gloo.py.
+"""The pure parts of a memory-snapshot restore: the buddy ring, the choice of snapshot (made on one
+thread per simulated rank, its all-reduces among the threads; a lost node's files read one by each
+rank of its buddy node; and why there is none, damaged copies named apart from lost ones), the
+resharding of every leaf from W old ranks onto W' new ones (against ``torch.chunk`` of the whole
+tensor), also between HSDP and replicated layouts (rows cut on the shard dim only, replicas holding
+the same piece), the snapshot file's check of its own bytes, a failed write that leaves nothing, and
+the folders of one job. The restore itself runs in tests/resilience/test_snapshots_gloo.py.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,11 +25,12 @@ from hypothesis import strategies as st
 import fsdp2.resilience._format as file_format
 import fsdp2.resilience._store as node_store
 from fsdp2.param._layout import chunk_rows
+from fsdp2.resilience._choice import Choice, Reduce, choose
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, decode, encode_header, fill
 from fsdp2.resilience._reshard import Reshard
-from fsdp2.resilience._restore import choose
 from fsdp2.resilience._ring import Ring, key_hash
 from fsdp2.resilience._store import Listed, NodeStore
+from tests.shared.snapshot_runs import received_from
 
 
 def test_ring_sends_each_node_to_the_next_and_one_node_to_none() -> None:
@@ -40,16 +46,82 @@ def _listed(step: int, world: int, ranks: list[int]) -> list[Listed]:
     return [Listed(step, rank, world, 7, 100) for rank in ranks]
 
 
+class _Threads:
+    """All-reduces among ``world`` threads, each one rank: every rank puts its tensor down, all reduce."""
+
+    def __init__(self, world: int) -> None:
+        self.slots: list[Any] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=30)
+
+    def reducer(self, rank: int) -> Reduce:
+        def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            stacked = torch.stack(self.slots)
+            result = stacked.amax(0) if op == "max" else stacked.amin(0)
+            self.barrier.wait()  # every rank has read the slots
+            return tensor.copy_(result)
+
+        return reduce
+
+
+def _choose(
+    listings: list[list[Listed]],
+    dropped: Mapping[int, set[tuple[int, int]]] | None = None,
+    damaged: Mapping[tuple[int, int], list[str]] | None = None,
+    per_node: int = 1,
+) -> Choice | str:
+    """``choose`` on every new rank ``j`` of ``len(listings)`` (threads), ``listings[j]`` its node's files.
+
+    Every rank's answer is the same; the readers come back as a tuple.
+    """
+    world, threads = len(listings), _Threads(len(listings))
+
+    def run(rank: int) -> Any:
+        place = (rank, world, per_node)
+        mine = (dropped or {}).get(rank, set())
+        choice = choose(listings[rank], mine, damaged or {}, place, threads.reducer(rank))
+        return choice if isinstance(choice, str) else replace(choice, holder=tuple(choice.holder.tolist()))
+
+    with ThreadPoolExecutor(world) as pool:
+        answers = list(pool.map(run, range(world)))
+    assert all(answer == answers[0] for answer in answers), answers
+    return answers[0]
+
+
 def test_choose_takes_the_newest_step_whole_somewhere_and_reads_own_copies_first() -> None:
-    # new rank 0 kept old ranks 0, 1 (own) and 2, 3 (buddy copies); the newer step 4 lacks old rank 3
+    # new ranks 0 and 1 on one node kept old ranks 0, 1 (own) and 2, 3 (buddy copies); the newer step 4
+    # lacks old rank 3
     listings = [_listed(2, 4, [0, 1, 2, 3]) + _listed(4, 4, [0, 1, 2]), _listed(2, 4, [0, 1, 2, 3])]
-    choice = choose(listings, set())
+    choice = _choose(listings, per_node=2)
     assert not isinstance(choice, str)
     assert (choice.step, choice.old_world, choice.holder) == (2, 4, (0, 1, 0, 1))
-    assert choose(listings, {(0, 2, 3), (1, 2, 3)}) == (
+    assert _choose(listings, {0: {(2, 3)}, 1: {(2, 3)}}, per_node=2) == (
         "the newest snapshot, step 4 of 4 ranks, survives nowhere for rank(s) 3 (their node and their "
         "buddy's node are gone, or the snapshot was cut short)"
     )
+
+
+def test_a_lost_nodes_files_are_read_one_by_each_rank_of_its_buddy_node() -> None:
+    """4 nodes of 8, node 1 lost: 24 new ranks, old node k's files on node k and on node k + 1."""
+    ring = Ring.of([f"n{node}" for node in (0, 2, 3) for _ in range(8)])  # the new job's nodes
+    old_node = [0, 2, 3]
+    listings = []
+    for rank in range(24):
+        node = old_node[ring.node(rank)]
+        kept = [*range(8 * node, 8 * node + 8), *range(8 * ((node - 1) % 4), 8 * ((node - 1) % 4) + 8)]
+        listings.append(_listed(6, 32, kept))
+    choice = _choose(listings, per_node=8)
+    assert not isinstance(choice, str)
+    # old 0-7 and 16-23 by their own numbers; old 8-15 from node 2's copies by new ranks 8-15 (their
+    # own numbers too); old 24-31 from node 0's copies, old 24 + i by new rank i (priority 24 + i
+    # against 40 + i on node 3)
+    assert choice.holder == (*range(24), *range(8))
+    # ranks 16-23 found their copies of old 16-23 damaged: node 2's files, old 16 + i by new rank 8 + i
+    dropped = {rank: {(6, old) for old in range(16, 24)} for rank in range(16, 24)}
+    again = _choose(listings, dropped, per_node=8)
+    assert not isinstance(again, str)
+    assert again.holder == (*range(16), *range(8, 16), *range(8))
 
 
 def _snapshot(full: list[torch.Tensor], leaves: list[Leaf], world: int, rank: int) -> RankSnapshot:
@@ -90,13 +162,13 @@ def test_every_new_rank_gets_torch_chunks_piece_of_every_leaf(
     full.append(torch.tensor(5.0))  # a step count: whole on every rank
     leaves.append(Leaf(("optim", "step"), torch.float32, (), None))
     snapshots = {old: _snapshot(full, leaves, old_world, old) for old in range(old_world)}
-    holder = tuple(old % new_world for old in range(old_world))
+    holder = torch.arange(old_world) % new_world
     plan = Reshard(tuple(leaves), old_world, new_world, holder)
     sent = {
         me: plan.outgoing(me, {old: snapshots[old] for old in plan.held_by(me)}) for me in range(new_world)
     }
     for me in range(new_world):
-        tree, values = plan.incoming(me, [sent[sender][me] for sender in range(new_world)])
+        tree, values = plan.incoming(me, received_from(sent, me))
         assert tree["rank"] == me % old_world
         for tensor, leaf, value in zip(full, leaves, values, strict=True):
             expected = tensor if leaf.dim is None else tensor.narrow(leaf.dim, *_span(leaf, new_world, me))
@@ -133,11 +205,11 @@ def test_hsdp_and_replicated_leaves_reshard_on_their_shard_dim_onto_every_replic
         payload[: local.numel()] = local  # this rank's piece where the whole tensor was
         snapshots[rank] = RankSnapshot(3, old_world, rank, leaves, snapshot.offsets, snapshot.tree, payload)
         assert torch.equal(snapshots[rank].local(0), _cut(whole, dim, old[1], rank))
-    holder = tuple((rank * 7) % new_world for rank in range(old_world))
+    holder = (torch.arange(old_world) * 7) % new_world
     plan = Reshard(tuple(leaves), old_world, new_world, holder, (new[1], None))
     sent = {me: plan.outgoing(me, {r: snapshots[r] for r in plan.held_by(me)}) for me in range(new_world)}
     for me in range(new_world):
-        _, values = plan.incoming(me, [sent[sender][me] for sender in range(new_world)])
+        _, values = plan.incoming(me, received_from(sent, me))
         assert torch.equal(values[0], _cut(whole, dim, new[1], me)), (me, old, new)
         assert torch.equal(values[1], torch.tensor(2.0))
 
@@ -162,20 +234,20 @@ def test_a_damaged_snapshot_file_is_refused_and_a_whole_one_reads_back(tmp_path:
 def test_choose_names_damaged_copies_and_does_not_blame_lost_nodes_for_them() -> None:
     listings = [_listed(4, 2, [0]), _listed(4, 2, [0])]  # old rank 1: both copies damaged
     damaged = {(4, 1): [f"n{node}/step-4/rank-1.snap: CRC-32 mismatch" for node in (0, 1)]}
-    assert choose(listings, set(), damaged) == (
+    assert _choose(listings, damaged=damaged) == (
         "the newest snapshot, step 4 of 2 ranks, has only damaged copies of rank(s) 1 "
         "(n0/step-4/rank-1.snap: CRC-32 mismatch; n1/step-4/rank-1.snap: CRC-32 mismatch)"
     )
     # a lost rank and a damaged one, each said as it is
     three = [_listed(4, 3, [0]), []]
-    assert choose(three, set(), damaged) == (
+    assert _choose(three, damaged=damaged) == (
         "the newest snapshot, step 4 of 3 ranks, survives nowhere for rank(s) 2 (their node and their "
         "buddy's node are gone, or the snapshot was cut short), and has only damaged copies of rank(s) 1 "
         "(n0/step-4/rank-1.snap: CRC-32 mismatch; n1/step-4/rank-1.snap: CRC-32 mismatch)"
     )
     # nothing readable at all, but files that were snapshots: lost, not absent
     every = {(4, r): [f"n0/step-4/rank-{r}.snap: not a snapshot"] for r in range(3)}
-    assert choose([[], []], set(), every) == (
+    assert _choose([[], []], damaged=every) == (
         "every snapshot file found is damaged: n0/step-4/rank-0.snap: not a snapshot; "
         "n0/step-4/rank-1.snap: not a snapshot; and 1 more"
     )

@@ -24,8 +24,8 @@ from fsdp2.param import RowLayout
 from fsdp2.resilience._format import Leaf, LeafRef, RankSnapshot, local_shape, position, rank_at, rows_of
 from fsdp2.resilience._reshard import Reshard
 from tests._harness import run_multiprocess
+from tests.shared.snapshot_runs import received_from, train_step, whole
 from tests.shared.snapshot_runs import snapshots as make_snapshots
-from tests.shared.snapshot_runs import train_step, whole
 
 
 def _model(layout: tuple[int, int], sliced: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -145,11 +145,11 @@ def test_sliced_leaves_reshard_onto_every_new_replica_as_torch_chunks_piece(
     whole = torch.arange(rows * 3, dtype=torch.float32).view(3, rows) if rows else torch.empty(3, 0)
     leaf = Leaf(("optim", "w"), whole.dtype, tuple(whole.shape), 1, old[1], old[0])
     snapshots = {rank: _sliced_snapshot(whole, leaf, old_world, rank) for rank in range(old_world)}
-    holder = tuple((rank * 5) % new_world for rank in range(old_world))  # readers scrambled
+    holder = (torch.arange(old_world) * 5) % new_world  # readers scrambled
     plan = Reshard((leaf, snapshots[0].leaves[1]), old_world, new_world, holder, (new[1], None))
     sent = {me: plan.outgoing(me, {r: snapshots[r] for r in plan.held_by(me)}) for me in range(new_world)}
     for me in range(new_world):
-        tree, values = plan.incoming(me, [sent[sender][me] for sender in range(new_world)])
+        tree, values = plan.incoming(me, received_from(sent, me))
         want = torch.chunk(whole, new[1], dim=1) if rows else ()
         piece = me % new[1]
         expected = want[piece] if piece < len(want) else whole.narrow(1, 0, 0)

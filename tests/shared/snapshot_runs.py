@@ -2,7 +2,8 @@
 
 ``train_step`` (one AdamW step on a rank's own batch), ``whole`` (every parameter and optimizer state
 entry as its whole tensor, to compare runs) and ``snapshots`` (``fsdp2.Snapshots`` every 2 steps, 2
-ranks a simulated node).
+ranks a simulated node); ``received_from`` (what a restore plan's ``outgoing`` sent a rank, read
+per sender as the exchange hands it to ``incoming``).
 """
 
 from __future__ import annotations
@@ -37,3 +38,13 @@ def snapshots(root: str, model: torch.nn.Module, optim: torch.optim.Optimizer, n
 
     node = f"{root}/node{dist.get_rank() // 2}"  # 2 ranks a node
     return fsdp2.Snapshots(model, optim, every=2, directory=node, name=name, job="j")
+
+
+def received_from(sent: dict[int, dict[int, list[torch.Tensor]]], me: int) -> Any:
+    """``part(sender)``: the bytes ``sent[sender]`` holds for ``me``, back to back (none: empty)."""
+
+    def part(sender: int) -> torch.Tensor:
+        pieces = sent[sender].get(me, [])
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+
+    return part
