@@ -16,6 +16,7 @@ gradients are averaged over ``replicate x efsdp x ep`` - all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,15 +40,20 @@ class ExpertMesh:
     sharding: MeshInfo
     ep: int
 
-    @property
+    @cached_property
     def ep_mesh(self) -> DeviceMesh:
+        """The ``ep`` dim, sliced once.
+
+        A slice is a new ``DeviceMesh``, whose construction and comparison read every rank of the
+        mesh (before: per MoE layer per forward).
+        """
         return self.mesh[self.mesh.mesh_dim_names[-1]]  # type: ignore[index]  # reason: named by us
 
-    @property
+    @cached_property
     def ep_group(self) -> dist.ProcessGroup:
         return self.ep_mesh.get_group()
 
-    @property
+    @cached_property
     def ep_rank(self) -> int:
         return self.ep_mesh.get_local_rank()
 

@@ -88,11 +88,12 @@ class ExpertsParallel:
         return tie(out, *given) if given else out
 
     def _by_counts(self, placement: Placement, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        mine = [int(c) for c in counts.tolist()]
-        if sum(mine) != x.shape[0]:
+        mine = counts.to(device="cpu", dtype=torch.int64)
+        total = int(mine.sum())
+        if total != x.shape[0]:
             raise ValueError(
                 f"expert parallelism: the experts got {x.shape[0]} rows but num_tokens_per_expert sums to "
-                f"{sum(mine)}; pass the rows sorted by expert with their counts (no padding)."
+                f"{total}; pass the rows sorted by expert with their counts (no padding)."
             )
         rows, theirs, route = _dispatch(placement, mine, x)
         order, per_expert = expert_major(theirs, x.device)
@@ -114,7 +115,7 @@ class ExpertsParallel:
         experts = flat.index_select(0, order)
         kept = int((experts < placement.num_experts).sum())  # a sentinel id (>= E) is no expert's
         order, experts = order[:kept], experts[:kept]
-        mine = torch.bincount(experts, minlength=placement.num_experts).tolist()
+        mine = torch.bincount(experts, minlength=placement.num_experts)
         token_of = order // k
         moved, theirs, route = _dispatch(
             placement, mine, tokens.index_select(0, token_of), weights.reshape(-1).index_select(0, order)
@@ -130,8 +131,8 @@ class ExpertsParallel:
 
 
 def _dispatch(
-    placement: Placement, mine: list[int], *rows: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], list[list[int]], Route]:
+    placement: Placement, mine: torch.Tensor, *rows: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Route]:
     """``rows`` (sorted by global expert, ``mine`` per expert) to the ranks of their experts."""
     group = placement.mesh.ep_group
     theirs = trade_counts(mine, placement.local, group, rows[0].device)

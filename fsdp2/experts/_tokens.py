@@ -24,64 +24,77 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm import exchange, nbytes_of
+from ..comm import Packed, exchange, nbytes_of
 
 __all__ = ["Arrived", "Route", "expert_major", "send_rows", "tie", "trade_counts"]
 
 
 def trade_counts(
-    counts: list[int], local: int, group: dist.ProcessGroup, device: torch.device
-) -> list[list[int]]:
-    """``counts`` (rows per global expert, ``ep x local`` of them): each peer's slice to that peer.
+    counts: torch.Tensor, local: int, group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
+    """``counts`` (rows per global expert, ``ep x local`` of them, int64): each peer's slice to that peer.
 
-    Returns, per source rank of ``group``, its rows for each of this rank's ``local`` experts. Under
-    torch's fake process group (one process standing in for a rank of a simulated world, where nothing
-    arrives) each peer is taken to send this rank what this rank sends it: the traffic of a balanced
-    world, of the same size both ways.
+    Returns ``[sources, local]`` (int64, on the CPU): per source rank of ``group``, its rows for each of
+    this rank's ``local`` experts. The counts travel as one block of bytes, each peer's slice back to
+    back, and come back as one view: no Python per peer. Under torch's fake process group (one process
+    standing in for a rank of a simulated world, where nothing arrives) each peer is taken to send
+    this rank what this rank sends it: the traffic of a balanced world, of the same size both ways.
     """
     world = dist.get_world_size(group)
+    table = counts.to(device="cpu", dtype=torch.int64).view(world, local)
     if dist.get_backend(group) == "fake":
-        return [counts[peer * local : (peer + 1) * local] for peer in range(world)]
-    table = torch.tensor(counts, dtype=torch.int64).view(world, local).to(device)
-    sends = [[table[peer]] for peer in range(world)]
-    expect = [nbytes_of((local,), torch.int64)] * world
+        return table
+    nbytes = nbytes_of((local,), torch.int64)  # a multiple of 8: the slices lie back to back
+    sends = Packed(table.to(device).reshape(-1).view(torch.uint8), dict.fromkeys(range(world), nbytes))
+    expect = [nbytes] * world
     received = exchange(sends, group, expect=expect, device=device, check=False)
-    return [received.take(peer, (local,), torch.int64).tolist() for peer in range(world)]
+    return received.buffer.view(torch.int64).view(world, local).cpu()
+
+
+def _rows_per_peer(rows: torch.Tensor) -> dict[int, int]:
+    """``{peer: rows}`` for the peers with rows (``rows``: one count per rank), in rank order."""
+    peers = rows.nonzero().flatten()
+    return dict(zip(peers.tolist(), rows[peers].tolist(), strict=True))
 
 
 @dataclass(frozen=True)
 class Route:
-    """Where the rows of one exchange go: ``send[r]`` rows to rank ``r``, ``receive[r]`` from it."""
+    """Where the rows of one exchange go: ``send[r]`` rows to rank ``r``, ``receive[r]`` from it.
+
+    Only the peers rows go to or come from are named (in rank order): a rank that routes a few
+    hundred rows among thousands of ranks does Python work for those peers only (torch's
+    ``all_to_all_single`` still takes a size per rank, built in C; see ``comm``'s [Note: Sparse sends]).
+    """
 
     group: dist.ProcessGroup
-    send: tuple[int, ...]
-    receive: tuple[int, ...]
+    send: dict[int, int]
+    receive: dict[int, int]
 
     @classmethod
-    def between(cls, mine: list[int], theirs: list[list[int]], local: int, group: dist.ProcessGroup) -> Route:
+    def between(cls, mine: torch.Tensor, theirs: torch.Tensor, local: int, group: dist.ProcessGroup) -> Route:
         """The route of rows counted per global expert (``mine``) and per local expert of each source."""
-        send = tuple(sum(mine[peer * local : (peer + 1) * local]) for peer in range(len(theirs)))
-        return cls(group, send, tuple(sum(row) for row in theirs))
+        sends = mine.to(device="cpu", dtype=torch.int64).view(-1, local).sum(1)
+        return cls(group, _rows_per_peer(sends), _rows_per_peer(theirs.sum(1)))
 
     def reversed(self) -> Route:
         return Route(self.group, self.receive, self.send)
 
     def move(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """``tensors`` (rows grouped by destination) to their ranks; what arrives, grouped by source."""
-        world = len(self.send)
         device = tensors[0].device
-        parts = [t.split(list(self.send)) for t in tensors]
-        sends = [[part[peer] for part in parts] for peer in range(world)]
-        expect = [
-            sum(nbytes_of((self.receive[peer], *t.shape[1:]), t.dtype) for t in tensors)
-            for peer in range(world)
-        ]
+        parts = [t.split(list(self.send.values())) if self.send else () for t in tensors]
+        sends = {peer: [part[k] for part in parts] for k, peer in enumerate(self.send)}
+        expect = {
+            peer: sum(nbytes_of((rows, *t.shape[1:]), t.dtype) for t in tensors)
+            for peer, rows in self.receive.items()
+        }
         received = exchange(sends, self.group, expect=expect, device=device, check=False)
-        pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
-        for peer in range(world):  # in the order each peer packed them
-            for i, t in enumerate(tensors):
-                pieces[i].append(received.take(peer, (self.receive[peer], *t.shape[1:]), t.dtype))
-        return tuple(torch.cat(p) for p in pieces)
+        out = []
+        for t in tensors:  # each peer packed its tensors in this order; take() reads each peer in turn
+            shape = t.shape[1:]
+            pieces = [received.take(peer, (rows, *shape), t.dtype) for peer, rows in self.receive.items()]
+            out.append(torch.cat(pieces) if pieces else t.new_empty((0, *t.shape[1:])))
+        return tuple(out)
 
 
 class Arrived(NamedTuple):
@@ -94,12 +107,12 @@ class Arrived(NamedTuple):
     per_expert: torch.Tensor
 
 
-def expert_major(theirs: list[list[int]], device: torch.device) -> Arrived:
+def expert_major(theirs: torch.Tensor, device: torch.device) -> Arrived:
     """The permutation taking rows grouped (source, local expert) to (local expert, source).
 
-    Tensor arithmetic on the ``sources x local`` counts: no Python pass over the rows.
+    Tensor arithmetic on the ``sources x local`` counts: no Python pass over the rows or the sources.
     """
-    counts = torch.tensor(theirs, dtype=torch.int64).reshape(len(theirs), -1)
+    counts = theirs.to(device="cpu", dtype=torch.int64)
     starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)  # each run's first row
     lengths, firsts = counts.t().flatten(), starts.t().flatten()  # the runs in (expert, source) order
     offsets = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
@@ -118,7 +131,7 @@ class _SendRows(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         back = ctx.route.reversed()
         filled = tuple(
-            g if g is not None else torch.zeros((sum(back.send), *shape), dtype=dtype, device=device)
+            g if g is not None else torch.zeros((sum(back.send.values()), *shape), dtype=dtype, device=device)
             for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
         )
         return (None, *back.move(tuple(g.contiguous() for g in filled)))

@@ -70,12 +70,11 @@ def reduce_across_replicas(
         layout = fsdp_param.layout
         local_rows = layout.local_shard_size[0] if layout.local_numel else 0
         shard = output.narrow(0, offset, local_rows * numel).view(local_rows, numel)
-        chunks = RowLayout.chunked(local_rows, replicas)
-        for replica in range(replicas):
-            start, stop = chunks.span(replica)
-            if stop > start:
-                piece = shard.narrow(0, start, stop - start).reshape(-1)
-                rows_in[replica].narrow(0, column, piece.numel()).copy_(piece)
+        full, rest = divmod(local_rows, step) if step else (0, 0)
+        if full:  # replicas [0, full) hold `step` rows each: one strided copy for all of them
+            rows_in[:full, column : column + step * numel].copy_(shard[: full * step].view(full, -1))
+        if rest:  # the replica after them holds the rest; the ones after that hold none
+            rows_in[full, column : column + rest * numel].copy_(shard[full * step :].reshape(-1))
         offset += layout.padded_shard_numel
         column += step * numel
     if tail:

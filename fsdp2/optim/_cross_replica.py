@@ -56,7 +56,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..comm import take
 from ..group import group_mesh_info, replica_all_gather, replica_slicing_problem, slice_across_replicas
 from ..param import (
     RowGroup,
@@ -374,16 +373,25 @@ class _SlicedStep:
         out = torch.empty(replicas * total, dtype=torch.uint8, device=send.device)
         replica_all_gather(group)(out, send, info.replicate_group)
         with torch.no_grad():
-            for replica in range(replicas):
-                if replica == me:
-                    continue
-                base = out.narrow(0, replica * total, total)
-                for local, rows, offset in pieces:
-                    start, stop = rows.span(replica)
-                    if stop > start:
-                        shape = (stop - start, *local.shape[1:])
-                        piece, _ = take(base, offset, shape, local.dtype, align)
-                        local.narrow(0, start, stop - start).copy_(piece)
+            for local, rows, offset in pieces:
+                _take_slices(out.view(replicas, total), offset, local, rows.step)
+
+
+def _take_slices(out: torch.Tensor, offset: int, local: torch.Tensor, step: int) -> None:
+    """Each replica's slice of ``local`` (``step`` rows, the last ones fewer) from its row of ``out``.
+
+    ``out``: ``[replicas, bytes]``, a replica's slice at ``offset`` of its row (aligned for ``local``'s
+    dtype). The replicas holding ``step`` rows come as one strided copy, the one holding the rest as
+    one more: no Python per replica. This rank's own slice is copied too, onto the same values.
+    """
+    full, rest = divmod(local.shape[0], step) if step else (0, 0)
+    row_bytes = local[0].numel() * local.element_size() if local.shape[0] else 0
+    if full:
+        sent = out[:full, offset : offset + step * row_bytes].view(local.dtype)
+        local[: full * step].unflatten(0, (full, step)).copy_(sent.view(full, step, *local.shape[1:]))
+    if rest:
+        sent = out[full, offset : offset + rest * row_bytes].view(local.dtype)
+        local[full * step :].copy_(sent.view(rest, *local.shape[1:]))
 
 
 def _slice_grad(param: DTensor, mesh: Any, start: int, stop: int) -> torch.Tensor:
