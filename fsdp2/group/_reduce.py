@@ -266,6 +266,7 @@ class GradientReducer:
         all-reduced ``output`` (with the partial sum, ``add_partial``).
         """
         info = self.mesh_info
+        tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
         if info.replicate_group is not None and not all_reduced:
             partial = self._partial_outputs.pop(output.dtype, None)
             if not controls.all_reduce_grads:
@@ -278,13 +279,10 @@ class GradientReducer:
                 self._finish_slices(output, params, controls, comms, factors)
                 return
             if info.replicate_size > 1:
-                tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
                 group, size = info.replicate_group, info.replicate_size
                 all_reduce_before_tail(output, tail, group, size, factors.op, comms.all_reduce)
         if controls.all_reduce_hook is not None:
-            grad_part = _without_usage_row(
-                output, self.tail_width(params, output.dtype) if self._fill_unused else 0
-            )
+            grad_part = _without_usage_row(output, tail)
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
