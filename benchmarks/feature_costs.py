@@ -45,13 +45,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _per_world import rows_per_world
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = 1
@@ -318,18 +319,7 @@ def main() -> None:
         TRIES = args.tries
         print(json.dumps(_one(args.one, args.only)))
         return
-    rows = {}
-    for world in args.worlds:
-        out = subprocess.run(
-            [sys.executable, __file__, "--one", str(world), "--tries", str(args.tries), "--only", *args.only],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if out.returncode != 0:
-            sys.exit(f"N={world} failed:\n{out.stderr[-4000:]}")
-        rows[world] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"N={world}: {rows[world]}", file=sys.stderr, flush=True)
+    rows = rows_per_world(__file__, args.worlds, ["--tries", str(args.tries), "--only", *args.only])
     _table(rows, 0, "CPU ms (least of --tries)")
     _table(rows, 1, "peak Python allocations, KiB (tracemalloc)")
 

@@ -51,13 +51,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from _per_world import rows_per_world
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = 1
@@ -364,17 +365,8 @@ def main() -> None:
         TRIES = args.tries
         print(json.dumps(_one(args.one, args.only)))
         return
-    rows = {}
-    for world in args.worlds:
-        only = ["--only", args.only] if args.only else []
-        out = subprocess.run(
-            [sys.executable, __file__, "--one", str(world), "--tries", str(args.tries), *only],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        rows[world] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"N={world}: {rows[world]}", file=sys.stderr, flush=True)
+    only = ["--only", args.only] if args.only else []
+    rows = rows_per_world(__file__, args.worlds, ["--tries", str(args.tries), *only])
     names = list(next(iter(rows.values())))
     print(f"{'ranks':>7} | " + " | ".join(f"{n:>17}" for n in names))
     for world, row in rows.items():

@@ -20,6 +20,16 @@ import pytest
 
 from tests.shared.simulated import fsdp2_lines
 
+# Each setup's step: one forward, backward and optimizer step (prepended to every setup below).
+_STEPPER = """
+def stepper(model, optim, data):
+    def run():
+        model(data).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return run
+"""
+
 _MUON = """
 def setup(world):
     import torch, torch.nn as nn, fsdp2
@@ -31,11 +41,7 @@ def setup(world):
     fsdp2.fully_shard(model)
     optim = torch.optim.Muon(model.parameters(), lr=0.01)
     fsdp2.whole_tensor_step(optim)
-    data = torch.randn(2, 8)
-    def run():
-        model(data).sum().backward()
-        optim.step()
-        optim.zero_grad()
+    run = stepper(model, optim, torch.randn(2, 8))
     run()  # the first step (state made)
     return run
 """
@@ -56,11 +62,7 @@ def setup(world):
     for layer in model:
         fsdp2.fully_shard(layer)
     optim = fsdp2.whole_tensor_step(GramMomentum(model.parameters(), lr=0.01, scalar=False))
-    data = torch.randn(2, 8)
-    def run():
-        model(data).sum().backward()
-        optim.step()
-        optim.zero_grad()
+    run = stepper(model, optim, torch.randn(2, 8))
     run()  # the first step (state made, layouts announced)
     dist.all_gather_object = plain
     return run
@@ -78,11 +80,7 @@ def setup(world):
         fsdp2.fully_shard(layer, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
     optim = fsdp2.shard_optimizer_across_replicas(model, torch.optim.AdamW(model.parameters(), lr=0.01))
-    data = torch.randn(2, 8)
-    def run():
-        model(data).sum().backward()
-        optim.step()
-        optim.zero_grad()
+    run = stepper(model, optim, torch.randn(2, 8))
     run()  # the first step (state made)
     return run
 """
@@ -93,6 +91,6 @@ def setup(world):
     "setup", [_MUON, _GENERAL, _ACROSS], ids=["muon_rows", "general_owner_step", "across_replicas"]
 )
 def test_a_step_runs_the_same_lines_at_8_and_4096_ranks(setup: str) -> None:
-    lines = fsdp2_lines(setup, (8, 4096))
+    lines = fsdp2_lines(_STEPPER + setup, (8, 4096))
     assert lines[8] > 100  # the step ran fsdp2's code
     assert lines[4096] - lines[8] <= 200, lines
