@@ -44,7 +44,7 @@ from .trace._report import CommunicationReport, CommunicationRow, communication_
 from .trace._straggler import StragglerReport, StragglerRow, straggler_report
 from .trace._timeline import merge_timelines, save_timeline
 from .weights._copy import deepcopy_fsdp
-from .weights._flat_save import PendingSave, ShardedCheckpointer, save_sharded
+from .weights._flat_save import PendingSave, ShardedCheckpointer, load_sharded, save_sharded
 from .weights._full_state import load_full_state_dict, save_full_state_dict
 from .weights._local_shards import LocalShard
 from .weights._pretrained import load_pretrained, save_pretrained
@@ -116,6 +116,7 @@ __all__ = [
     "keep_frozen_gathered",
     "load_full_state_dict",
     "load_pretrained",
+    "load_sharded",
     "local_step",
     "merge_timelines",
     "patch_torch_fsdp",

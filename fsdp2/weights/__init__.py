@@ -7,7 +7,8 @@ names and layout ``transformers`` saves, per-expert tensors of expert stacks inc
 sync to an inference engine (``WeightSync``: each call only what changed, gathered in buckets; or each
 rank's shards with their places, ``LocalShard``), ``copy.deepcopy`` of ``fully_shard`` modules, and
 DCP-format sharded checkpoints planned from the layout alone (``ShardedCheckpointer`` /
-``save_sharded``: no gather of plans; in the background within a host staging budget).
+``save_sharded``: no gather of plans; in the background within a host staging budget; ``load`` /
+``load_sharded``: each rank reads only the saved chunks its shards need, by the same arithmetic).
 Reads the engine through its queries (``runtime``, ``group``); imports the floors below (``debug``:
 every rank agrees to enter an export or import in debug mode).
 
@@ -16,7 +17,7 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 """
 
 from ._copy import deepcopy_fsdp
-from ._flat_save import PendingSave, ShardedCheckpointer, save_sharded
+from ._flat_save import PendingSave, ShardedCheckpointer, load_sharded, save_sharded
 from ._full_state import load_full_state_dict, save_full_state_dict
 from ._local_shards import LocalShard
 from ._pretrained import load_pretrained, save_pretrained
@@ -30,6 +31,7 @@ __all__ = [
     "deepcopy_fsdp",
     "load_full_state_dict",
     "load_pretrained",
+    "load_sharded",
     "save_full_state_dict",
     "save_pretrained",
     "save_sharded",

@@ -3,10 +3,12 @@
 Owns: ``ShardedCheckpointer`` (``save`` and ``save_async``: every rank writes its own chunks into one
 DCP-format file, rank 0 writes the ``.metadata`` it computed alone; three all-reduces of at most three
 integers per save: the ranks agree on the layout, then on whether the checkpoint is complete),
-``PendingSave`` (an async save's handle: staging, then the commit) and ``save_sharded``. The files
-load with torch's ``dcp.load`` at any world size.
+``PendingSave`` (an async save's handle: staging, then the commit), ``save_sharded`` and
+``load_sharded``. The files load with torch's ``dcp.load`` at any world size, or with ``load`` /
+``load_sharded`` without a plan gather (rank 0 writes the ``.fsdp2_layout`` sidecar before
+``.metadata``).
 Does not own: the chunk arithmetic and the metadata (``_flat_layout.py``); the staged writer thread
-(``_staged_writer.py``).
+(``_staged_writer.py``); the sidecar (``_flat_sidecar.py``); the loader (``_flat_load.py``).
 Invariants: a rank plans only its own chunks; rank 0 builds the tensor metadata once per layout and
 reuses it; the ``.metadata`` appears only after every rank's file is complete, or not at all, and
 then every rank raises.
@@ -37,6 +39,8 @@ from ._flat_layout import (
     tensor_layout,
     tensor_metadata,
 )
+from ._flat_load import load_flat
+from ._flat_sidecar import SIDECAR, MeshRanks, sidecar_bytes, write_file
 from ._safetensors import comm_device
 from ._staged_writer import BackgroundStaging, StagedWriter, StagingPool
 
@@ -114,6 +118,7 @@ class ShardedCheckpointer:
         self._signature = 0
         self._local: list[LocalItem] = []
         self._tensors: Any = None
+        self._sidecar: tuple[list[TensorLayout], list[MeshRanks | None]] = ([], [])
         self._pending: PendingSave | None = None
         self.plans_built = 0  # how often the layout was planned (once while it stays the same)
 
@@ -136,6 +141,21 @@ class ShardedCheckpointer:
         Anything else that changes a saved DTensor in place must call ``wait_staged()`` first.
         """
         return self._start(state, path, background=True, stage_in_background=stage_in_background)
+
+    def load(self, state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+        """Fill ``state``'s tensors in place from the checkpoint at ``path``, as ``dcp.load`` does.
+
+        Every rank reads the ``.fsdp2_layout`` this class writes beside ``.metadata`` and, by the
+        same arithmetic as the save, only the saved chunks that meet its own shards: no message, and
+        per-rank work that does not grow with the world size. The world size, mesh and placements may
+        differ from the save's. Non-tensor entries (``param_groups``, ...) are replaced. Then call
+        ``set_model_state_dict`` / ``set_optimizer_state_dict``. Raises ``ValueError`` naming the key
+        for an entry missing from the checkpoint or of another shape or dtype, before reading anything;
+        and for a checkpoint without the sidecar (``dcp.save``'s: use ``dcp.load``).
+        """
+        if self._pending is not None:
+            self._pending.wait()
+        load_flat(state, path)
 
     def _start(
         self,
@@ -178,12 +198,15 @@ class ShardedCheckpointer:
             writer.close(end, list(objects.values()))
         lengths = {key: len(data) for key, data in objects.items()}
         planned = self._tensors  # this save's layout, even if a later save plans another
+        sidecar = self._sidecar
 
         def commit(problem: str) -> None:
             raise_everywhere(problem, None, OSError, device=device)
             written = ""
             if rank == 0:
-                written = self._write_metadata(folder, full_metadata(planned, lengths, paths, list(flat)))
+                metadata = full_metadata(planned, lengths, paths, list(flat))
+                layout = sidecar_bytes(*sidecar, _object_places(planned, lengths))
+                written = self._write_metadata(folder, metadata, layout)
             raise_everywhere(written, None, OSError, device=device)
 
         self._pending = PendingSave(writer, commit, staging)
@@ -201,6 +224,8 @@ class ShardedCheckpointer:
             self._tensors = tensor_metadata(
                 layouts, [None if mesh is None else ranks[id(mesh)] for mesh in meshes]
             )
+            kept = {key: MeshRanks.of(tuple(mesh.mesh.shape), ranks[key]) for key, mesh in _by_id(meshes)}
+            self._sidecar = (layouts, [None if mesh is None else kept[id(mesh)] for mesh in meshes])
         self._key = key
         self._signature = int.from_bytes(
             hashlib.blake2b(repr(layouts).encode(), digest_size=7).digest(), "big"
@@ -236,22 +261,43 @@ class ShardedCheckpointer:
         return ""
 
     @staticmethod
-    def _write_metadata(folder: Path, metadata: Any) -> str:
-        temporary = folder / ".metadata.tmp"
+    def _write_metadata(folder: Path, metadata: Any, layout: bytes) -> str:
+        """The sidecar, then ``.metadata`` (the commit: a checkpoint without it does not load)."""
         try:
-            with open(temporary, "wb") as handle:
-                pickle.dump(metadata, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, folder / ".metadata")
+            write_file(folder / SIDECAR, layout)
+            write_file(folder / ".metadata", pickle.dumps(metadata))
         except OSError as error:
-            return f"rank 0 could not write {folder / '.metadata'}: {error}"
+            return f"rank 0 could not write {folder / '.metadata'} or {folder / SIDECAR}: {error}"
         return ""
+
+
+def _by_id(meshes: list[Any]) -> list[tuple[int, Any]]:
+    """Each distinct mesh of ``meshes`` once, with its ``id``."""
+    return list({id(mesh): mesh for mesh in meshes if mesh is not None}.items())
+
+
+def _object_places(tensors: Any, lengths: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Where rank 0 appends each non-tensor entry: after its tensors' slots, in order."""
+    position = tensors[2].get(0, 0)
+    places = {}
+    for key, length in lengths.items():
+        places[key] = (position, length)
+        position += length
+    return places
 
 
 def _coordinate(mesh: Any) -> tuple[int, ...] | None:
     found = mesh.get_coordinate()
     return None if found is None else tuple(found)
+
+
+def load_sharded(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Fill ``state`` from a ``save_sharded`` / ``ShardedCheckpointer`` checkpoint at any world size.
+
+    The mirror of ``dcp.load(state, checkpoint_id=path)`` with no plan gather:
+    ``ShardedCheckpointer().load(state, path)``. Every rank calls it; no collective runs.
+    """
+    load_flat(state, path)
 
 
 def save_sharded(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:

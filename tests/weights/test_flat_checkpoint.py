@@ -170,7 +170,12 @@ def test_hsdp_first_replica_writes_and_loads_at_2(tmp_path: Path) -> None:
     expected: dict[str, Any] = {}
     path = str(tmp_path / "ckpt")
     run_threaded(4, _save_hsdp, path, expected)
-    assert sorted(p.name for p in Path(path).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in Path(path).iterdir()) == [
+        ".fsdp2_layout",
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     run_threaded(2, dcp_load, "fsdp2", path, expected)
 
 
@@ -261,6 +266,7 @@ def test_metadata_matches_dcp_save(tmp_path: Path) -> None:
     run_threaded(4, _both, str(tmp_path))
     assert _entries(tmp_path / "flat") == _entries(tmp_path / "dcp")
     assert sorted(p.name for p in (tmp_path / "flat").iterdir()) == [
+        ".fsdp2_layout",  # the flat loader's sidecar: dcp.load reads only .metadata and the data files
         ".metadata",
         *(f"__{rank}_0.distcp" for rank in range(4)),
     ]
