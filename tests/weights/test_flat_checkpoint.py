@@ -11,7 +11,7 @@
   that fails raises on every rank at ``wait()``;
 - HSDP: only the first replica writes; every slot holds ``torch.save``'s output of its chunk;
 - ``_StridedShard`` layouts (FSDP over tensor parallelism with uneven rows, experts over ``ep``) give
-  ``dcp.save``'s entries, and ``dcp.load`` reads back the values saved;
+  ``dcp.save``'s entries, and ``dcp.load`` and ``fsdp2.load_sharded`` read back the values saved;
 - a failed write leaves no ``.metadata`` and raises on every rank; bad input raises before any file.
 """
 
@@ -209,14 +209,18 @@ def _strided(path: str, kind: str) -> None:
     fsdp2.save_sharded(state, path + "/flat")
     dcp.save(state, checkpoint_id=path + "/dcp")
     saved = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state["model"].items()}
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-    fresh = {"model": get_model_state_dict(model)}
-    dcp.load(fresh, checkpoint_id=path + "/flat")
-    for key, value in fresh["model"].items():
-        got = value.full_tensor() if isinstance(value, DTensor) else value
-        torch.testing.assert_close(got, saved[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    for flat_loader in (False, True):  # torch's dcp.load, then fsdp2's load_sharded (enumerates the mesh)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+        fresh = {"model": get_model_state_dict(model)}
+        if flat_loader:
+            fsdp2.load_sharded(fresh, path + "/flat")
+        else:
+            dcp.load(fresh, checkpoint_id=path + "/flat")
+        for key, value in fresh["model"].items():
+            got = value.full_tensor() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(got, saved[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it

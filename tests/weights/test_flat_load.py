@@ -2,7 +2,10 @@
 
 - model and AdamW state saved at 4 ranks (13 hidden rows: uneven) load at 4, 2 and 1 ranks into
   fsdp2 and at 2 into torch's ``fully_shard``, equal to the saved values exactly, and the next step
-  equals an unsharded reference (``tests/shared/checkpoint_net.py``);
+  equals an unsharded reference (``tests/shared/checkpoint_net.py``); the model part loads into a
+  plain ``nn.Module``'s ``state_dict()`` with no process group;
+- the chunks that meet a box, found per mesh dim, are those trying every mesh coordinate finds;
+  a saving mesh's ranks are kept as a range where they are one;
 - HSDP on a (2, 2) mesh (only the first replica wrote) loads into plain FSDP at 2, and FSDP at 2 loads
   into HSDP (every replica reads the chunk it holds);
 - a rank reads only the saved chunks that meet its shards: at the same world size one per sharded
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import json
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import fsdp2
-from fsdp2.weights._flat_load import load_flat
+from fsdp2.weights._flat_layout import TensorLayout
+from fsdp2.weights._flat_load import _candidates, _overlap, load_flat
+from fsdp2.weights._flat_sidecar import MeshRanks
 from tests._harness import run_threaded
 from tests._training import seeded
 from tests.shared.checkpoint_net import Net, adamw, assert_matches, perturbed, shard, snapshot, train
@@ -79,6 +86,9 @@ def test_saved_at_4_loads_at_4_2_1_and_into_torch(tmp_path: Path) -> None:
     run_threaded(4, _save, path, "fsdp", expected)
     for world, impl in [(4, "fsdp2"), (2, "fsdp2"), (1, "fsdp2"), (2, "torch")]:
         run_threaded(world, _load, impl, path, expected)
+    plain = Net()  # no process group: a plain model's tensors are whole targets
+    fsdp2.load_sharded({"model": plain.state_dict()}, path)
+    torch.testing.assert_close(plain.state_dict(), expected["model"], rtol=0, atol=0)
 
 
 @pytest.mark.slow  # multi-rank and costly: the whole suite runs it, the quick loop leaves it
@@ -158,3 +168,43 @@ def test_errors_name_the_key_before_anything_is_read(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_threaded(2, _save_both, path)
     run_threaded(2, _errors, path)
+
+
+@pytest.mark.parametrize(
+    "placements",
+    [
+        (Shard(0),),
+        (Shard(0), Shard(0)),
+        (Shard(1), Shard(0)),
+        (Replicate(), Shard(1)),
+        (Shard(0), Replicate()),
+    ],
+)
+def test_candidates_are_the_chunks_that_meet_a_box(placements: tuple[Any, ...]) -> None:
+    """Per mesh dim only the overlapping indices: the same chunks as trying every coordinate."""
+    generator = torch.Generator().manual_seed(0)
+    for shape, mesh_shape in [((13, 7), (3,) * len(placements)), ((5, 9), (4,) * len(placements))]:
+        layout = TensorLayout("w", shape, torch.float32, mesh_shape, placements)
+        every = [c for c in product(*(range(n) for n in mesh_shape)) if layout.chunk(c) is not None]
+        for _ in range(20):
+            low = tuple(int(torch.randint(0, n, (1,), generator=generator)) for n in shape)
+            sizes = tuple(
+                int(torch.randint(1, n - at + 1, (1,), generator=generator))
+                for n, at in zip(shape, low, strict=True)
+            )
+            box = (low, sizes)
+            meets = {c for c in every if _overlap(layout.chunk(c), box) is not None}  # type: ignore[arg-type]
+            found = {c for c in _candidates(layout, box) if layout.chunk(c) is not None}
+            assert meets <= found, (placements, shape, box)
+            assert {c for c in found if _overlap(layout.chunk(c), box) is not None} == meets  # type: ignore[arg-type]
+
+
+def test_mesh_ranks_kept_as_a_range_where_they_are_one() -> None:
+    assert MeshRanks.of((4,), [0, 1, 2, 3]).encode() == {"shape": [4], "start": 0, "step": 1}
+    assert MeshRanks.of((2,), [1, 3]).encode() == {"shape": [2], "start": 1, "step": 2}
+    custom = MeshRanks.of((2, 2), [0, 2, 1, 3])  # another order: the list, once
+    assert custom.encode() == {"shape": [2, 2], "ranks": [0, 2, 1, 3]}
+    assert [custom.rank_at(c) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]] == [0, 2, 1, 3]
+    assert [custom.coordinate_of(r) for r in range(5)] == [(0, 0), (1, 0), (0, 1), (1, 1), None]
+    odd = MeshRanks.of((2,), [1, 3])
+    assert [odd.coordinate_of(r) for r in range(5)] == [None, (0,), None, (1,), None]
