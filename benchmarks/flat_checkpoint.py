@@ -25,7 +25,22 @@ next step: the call's time, the next step's forward + backward and optimizer ste
 (32 MiB), whose copies run beside the forward and backward and which the optimizer step waits for
 (median of 5).
 
-Run:  python benchmarks/flat_checkpoint.py [--worlds 8 64 512 4096] [--staging]
+With each world, the load's planning on rank 1 (the checkpoint's ``.metadata`` and sidecar built
+as rank 0 would write them for that world):
+
+- ``fsdp2 load plan``: ``fsdp2.load_sharded``'s planning: read and parse the ``.fsdp2_layout``
+  sidecar, check every entry, find the saved chunks meeting each local shard and their file slots;
+- ``dcp .metadata unpickle``: what every rank of ``dcp.load`` does first (every chunk of every rank);
+- ``dcp load local plan``: ``DefaultLoadPlanner.set_up_planner`` + ``create_local_plan`` on this rank
+  (each local shard compared with every saved chunk of its key);
+- ``dcp load rank-0 plans``: rank 0's share of the plan exchange: the ``N`` local plans unpickled as
+  the gather delivers them, ``create_global_plan``, the ``N`` plans pickled for the scatter (the
+  messages themselves are not timed).
+
+With ``--load``: one process, no process group, 256 MiB (64 float32 tensors of 4 MiB) saved by
+``save_sharded`` and read back by ``fsdp2.load_sharded`` and by ``dcp.load`` (seconds, best of 3).
+
+Run:  python benchmarks/flat_checkpoint.py [--worlds 8 64 512 4096] [--staging] [--load]
 Prints a table and one JSON line per world.
 """
 
@@ -120,9 +135,68 @@ def _one_world(world: int) -> dict[str, float]:
         "fsdp2 rank-0 metadata": _best(metadata),
         "dcp local plan": _best(dcp_local),
         "dcp global plan": _best(dcp_global),
+        **_load_planning(world, state, layouts, metadata(), paths, meshes),
     }
     dist.destroy_process_group()
     return row
+
+
+def _load_planning(
+    world: int, state: Any, layouts: list[Any], tensors: Any, paths: Any, meshes: list[Any]
+) -> dict[str, float]:
+    """A load's planning on rank 1 of ``world``: fsdp2's from the sidecar against ``dcp.load``'s."""
+    import pickle
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from fsdp2.weights._flat_layout import full_metadata
+    from fsdp2.weights._flat_load import plan_load
+    from fsdp2.weights._flat_sidecar import MeshRanks, read_sidecar, sidecar_bytes
+
+    metadata = pickle.dumps(full_metadata(tensors, {}, paths, list(paths)))
+    ranks = MeshRanks.of((world,), list(range(world)))
+    folder = Path(tempfile.mkdtemp())
+    (folder / ".metadata").write_bytes(metadata)
+    (folder / ".fsdp2_layout").write_bytes(sidecar_bytes(layouts, [ranks] * len(layouts), {}))
+
+    def fsdp2_plan() -> Any:
+        return plan_load(read_sidecar(folder), state)
+
+    unpickled = pickle.loads(metadata)
+
+    def dcp_local() -> Any:
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state, unpickled, is_coordinator=False)
+        return planner.create_local_plan()
+
+    plans = []  # every rank's local plan as rank 0's gather receives it: pickled, one per rank
+    for rank in range(world):
+        items = []
+        for layout in layouts:
+            found = layout.chunk((rank,))
+            if found is not None:
+                index = MetadataIndex(layout.key, found[0])
+                zeros = torch.Size([0] * len(found[0]))
+                items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(found[1])))
+        plans.append(pickle.dumps(LoadPlan(items)))
+
+    def dcp_global() -> Any:
+        planner = DefaultLoadPlanner()
+        received = [pickle.loads(plan) for plan in plans]
+        return [pickle.dumps(plan) for plan in planner.create_global_plan(received)]  # scattered back
+
+    return {
+        "fsdp2 load plan": _best(fsdp2_plan),
+        "dcp .metadata unpickle": _best(lambda: pickle.loads(metadata)),
+        "dcp load local plan": _best(dcp_local),
+        "dcp load rank-0 plans": _best(dcp_global),
+        "sidecar KiB": (folder / ".fsdp2_layout").stat().st_size / 1024,
+        ".metadata KiB": len(metadata) / 1024,
+    }
 
 
 def _staging() -> None:
@@ -228,12 +302,37 @@ def _training_path() -> None:
     dist.destroy_process_group()
 
 
+def _real_load() -> None:
+    """One process, no process group: 256 MiB saved by ``save_sharded``, read back by each loader."""
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp2
+
+    state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(64)}}
+    target = {"model": {key: torch.empty_like(value) for key, value in state["model"].items()}}
+    with tempfile.TemporaryDirectory() as folder:
+        fsdp2.save_sharded(state, folder)
+        row = {
+            "fsdp2.load_sharded s": _best(lambda: fsdp2.load_sharded(target, folder)) / 1e3,
+            "dcp.load s": _best(lambda: dcp.load(target, checkpoint_id=folder)) / 1e3,
+        }
+        assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    print(json.dumps({key: round(value, 3) for key, value in row.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--staging", action="store_true", help="time async saves within a staging budget")
+    parser.add_argument("--load", action="store_true", help="time a real load at one rank")
     args = parser.parse_args()
+    if args.load:
+        _real_load()
+        return
     if args.staging:
         _staging()
         _training_path()

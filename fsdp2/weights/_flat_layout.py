@@ -155,10 +155,10 @@ def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
                 "Replicate() place their chunks by arithmetic. Use torch.distributed.checkpoint.save for "
                 "this state dict."
             )
-    mesh = tensor.device_mesh
-    return TensorLayout(
-        key, tuple(tensor.shape), tensor.dtype, tuple(mesh.mesh.shape), tuple(tensor.placements)
-    )
+    mesh_shape = tuple(
+        tensor.device_mesh.shape
+    )  # not mesh.mesh.shape: torch 2.13 builds that tensor per call
+    return TensorLayout(key, tuple(tensor.shape), tensor.dtype, mesh_shape, tuple(tensor.placements))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -217,19 +217,48 @@ def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     return tensor
 
 
+class _Slot(io.RawIOBase):
+    """``length`` bytes of ``handle`` from ``offset``, seekable: ``torch.load`` reads its records in place."""
+
+    def __init__(self, handle: io.FileIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._offset, self._length, self._at = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, at: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = max(0, min(base + at, self._length))
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self._length - self._at)]
+        self._handle.seek(self._offset + self._at)
+        count = self._handle.readinto(view) or 0
+        self._at += count
+        return count
+
+
 class _Reader:
     """The saving ranks' files, each opened once per load."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
-        self._handles: dict[int, BinaryIO] = {}
+        self._handles: dict[int, io.FileIO] = {}
 
-    def read(self, rank: int, offset: int, length: int) -> bytes:
+    def slot(self, rank: int, offset: int, length: int) -> io.BufferedReader:
+        """A file view of one slot (a short slot stays short: ``torch.load`` then reports the damage)."""
         handle = self._handles.get(rank)
         if handle is None:
-            handle = self._handles[rank] = open(self._folder / file_name(rank), "rb")  # noqa: SIM115
-        handle.seek(offset)
-        return handle.read(length)  # a short slot stays short: torch.load then reports the damage
+            handle = self._handles[rank] = open(self._folder / file_name(rank), "rb", buffering=0)  # noqa: SIM115
+        return io.BufferedReader(_Slot(handle, offset, length))
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -242,12 +271,12 @@ def run_plan(plan: LoadPlan, folder: Path, state: Mapping[str, Any]) -> None:
     try:
         for local, pieces in plan.tensors:
             for piece in pieces:
-                data = reader.read(piece.rank, piece.item.file_offset, piece.item.slot)
-                chunk = torch.load(io.BytesIO(data), weights_only=True)
+                slot = reader.slot(piece.rank, piece.item.file_offset, piece.item.slot)
+                chunk = torch.load(slot, map_location="cpu", weights_only=True)
                 with torch.no_grad():
                     _region(local, piece.target).copy_(_region(chunk, piece.source))
         for path, offset, length in plan.objects:
-            value = torch.load(io.BytesIO(reader.read(0, offset, length)), weights_only=False)  # as dcp.load
+            value = torch.load(reader.slot(0, offset, length), weights_only=False)  # as dcp.load
             _set(state, path, value)
     finally:
         reader.close()
