@@ -208,3 +208,10 @@ def test_mesh_ranks_kept_as_a_range_where_they_are_one() -> None:
     assert [custom.coordinate_of(r) for r in range(5)] == [(0, 0), (1, 0), (0, 1), (1, 1), None]
     odd = MeshRanks.of((2,), [1, 3])
     assert [odd.coordinate_of(r) for r in range(5)] == [None, (0,), None, (1,), None]
+
+
+def test_a_sidecar_of_another_version_points_at_dcp_load(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(b"")
+    (tmp_path / ".fsdp2_layout").write_text(json.dumps({"format": "fsdp2-flat-layout", "version": 99}))
+    with pytest.raises(ValueError, match=r"version 99; this fsdp2 reads .* version 1\. Load it with torch"):
+        fsdp2.load_sharded({"model": {"w": torch.zeros(2)}}, tmp_path)
