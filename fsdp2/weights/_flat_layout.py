@@ -7,8 +7,9 @@ by DTensor's own offset rule, the one ``dcp.save`` uses), the per-rank file layo
 ``__<rank>_0.distcp`` per rank, its chunks in key order, each in a slot whose size follows from the
 chunk's shape and dtype) and the DCP ``Metadata`` that rank 0 builds from that layout without
 hearing from any other rank.
-Does not own: the writing (``_flat_save.py``), the loading (torch's ``dcp.load`` and its
-``FileSystemReader`` read the files).
+Does not own: the writing (``_flat_save.py``), the loading (``_flat_load.py`` by the same arithmetic;
+torch's ``dcp.load`` and its ``FileSystemReader`` read the same files), the sidecar
+(``_flat_sidecar.py``).
 Invariants: a rank's own plan touches only its own chunks (O(1) in the world size); every rank's
 offsets follow from shapes, dtypes and placements only, so rank 0's metadata matches what each rank
 writes with no gather.
