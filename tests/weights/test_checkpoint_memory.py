@@ -14,6 +14,7 @@ must restore the saved parameters exactly (``broadcast_from_rank0`` needs real g
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import weakref
@@ -76,6 +77,13 @@ class _LiveBytes(TorchDispatchMode):
             key, nbytes = storage.data_ptr(), storage.nbytes()
             if storage in inputs or key in self._live or nbytes == 0:
                 continue  # a view or in-place result, or already counted
+            if self.held + nbytes > self.peak:
+                # Storages held only by reference cycles (a collective's bookkeeping) wait for the
+                # cyclic collector, whose timing depends on everything else the process allocated:
+                # before counting a new peak, collect them, so the peak counts what is reachable
+                # (without it, one run in three under a loaded xdist worker counted the previous
+                # gathered tensor as still held).
+                gc.collect()
             self._live.add(key)
             self.held += nbytes
             self.peak = max(self.peak, self.held)
