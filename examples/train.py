@@ -729,7 +729,10 @@ def load_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         )
     path = root / f"step_{step}"
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))  # reshards onto this run's ranks
+    if (path / ".fsdp2_layout").exists():  # written by fsdp2.ShardedCheckpointer: no plan gather
+        fsdp2.load_sharded(state, path)  # reshards onto this run's ranks
+    else:
+        dcp.load(state, checkpoint_id=str(path))  # --ckpt-dcp's, or an older run's
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     extra = torch.load(path / "train_state.pt", weights_only=False)

@@ -6,7 +6,8 @@ SIGKILL at each point of the second save (after DCP's files, after the training 
 marker, after the rename); ``--resume`` then continues from the latest complete checkpoint and gives
 the uninterrupted run's losses bit for bit. A checkpoint saved on 2 ranks loads on 3, which train on
 and save again, and that one loads on 2: the full model and optimizer state after each load equal the
-saved ones exactly (DCP reshards them) and training continues.
+saved ones exactly (`fsdp2.load_sharded` reshards them: the checkpoints are `ShardedCheckpointer`'s) and
+training continues.
 """
 
 from __future__ import annotations
