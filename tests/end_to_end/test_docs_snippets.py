@@ -237,11 +237,13 @@ def _check_checkpointing(ns: dict[str, Any]) -> None:
         set(index["weight_map"].values())
     )
     assert (root / "step100" / ".metadata").exists()
-    # ShardedCheckpointer: both saves complete (their .metadata), one plan for both, one file per rank
+    # ShardedCheckpointer: both saves complete (their .metadata), one plan for both, one file per rank,
+    # and the layout load_sharded reads
     assert ns["saver"].plans_built == 1
     assert ns["pending"].done()
     for step in ("step100", "step200"):
         assert sorted(p.name for p in Path("flat", step).iterdir()) == [
+            ".fsdp2_layout",
             ".metadata",
             "__0_0.distcp",
             "__1_0.distcp",
