@@ -179,6 +179,7 @@ def apply_call(call: Call) -> FSDPState:
     _refuse_aliased(params)
     shard_dims: dict[int, int] = {}
     spmd_meshes: dict[int, DeviceMesh] = {}
+    joined: dict[tuple[int, int], DeviceMesh] = {}  # (dp mesh, tp mesh) ids -> their joined mesh
     infos: dict[int, MeshInfo] = {}  # parameter -> the mesh info of its group
     converted: dict[int, MeshInfo] = {}  # torch's mesh-info objects -> ours, once per call
     outer_infos: dict[tuple[int, int], MeshInfo] = {}  # (mesh info, outer dp ranks) -> its info
@@ -202,7 +203,7 @@ def apply_call(call: Call) -> FSDPState:
                 )
             # Its own mesh info: e.g. experts on an ``ep`` mesh, sharded over their own dp mesh.
             own = info is not mesh_info
-            spmd_meshes[key] = _validate_tp_param(param, name, info.mesh, dim, reshard_after_forward, info)
+            spmd_meshes[key] = _validate_tp_param(param, name, info.mesh, reshard_after_forward, info, joined)
             if own:
                 info = _with_outer_data_parallel(info, param.device_mesh, mesh, outer_infos)
         infos[key] = info
@@ -505,9 +506,18 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device, api: s
 
 
 def _validate_tp_param(
-    param: DTensor, name: str, mesh: DeviceMesh, shard_dim: int, reshard: Any, mesh_info: MeshInfo
+    param: DTensor,
+    name: str,
+    mesh: DeviceMesh,
+    reshard: Any,
+    mesh_info: MeshInfo,
+    joined: dict[tuple[int, int], DeviceMesh],
 ) -> DeviceMesh:
-    """Check a tensor-parallel (DTensor) parameter; return its ``(dp..., tp...)`` mesh."""
+    """Check a tensor-parallel (DTensor) parameter; return its ``(dp..., tp...)`` mesh.
+
+    ``joined``: the meshes joined so far in this call, by the ids of their two parts (a join builds a
+    mesh over every rank: once per pair of meshes, not once per parameter).
+    """
     placements = param.placements
     if param.device_mesh == mesh:
         raise ValueError(
@@ -520,7 +530,10 @@ def _validate_tp_param(
             "tensor (or expert) parallelism and 2-D expert + tensor parallelism whose placements are "
             "Shard or Replicate."
         )
-    spmd_mesh = data_and_tensor_parallel_mesh(mesh, param.device_mesh, name)
+    spmd_mesh = joined.get((id(mesh), id(param.device_mesh)))
+    if spmd_mesh is None:
+        spmd_mesh = data_and_tensor_parallel_mesh(mesh, param.device_mesh, name)
+        joined[id(mesh), id(param.device_mesh)] = spmd_mesh
     if not 2 <= spmd_mesh.ndim <= 4:
         raise NotImplementedError(
             f"Parameter {name}: data-parallel plus tensor-parallel mesh of {spmd_mesh.ndim} dims; fsdp2 "
