@@ -27,16 +27,15 @@ from ..base import (
 )
 from ..runtime import get_state
 from ._composable import registered_apis
-from ._fully_shard import (
-    Call,
-    apply_call,
+from ._fully_shard import Call, apply_call
+from ._module import ReplicateModule, describe
+from ._validate import (
     is_replicated,
     refuse_torch_engine,
     validate_mesh_device,
     validate_modules,
     validate_spmd_mesh,
 )
-from ._module import ReplicateModule, describe
 
 
 class AppliedTwiceError(ValueError, AssertionError):
