@@ -12,14 +12,8 @@ from .debug._guard import DivergenceError, install_guard
 from .debug._replicas import check_replicas
 from .experts._declare import shard_experts
 from .frontend._fully_shard import fully_shard, on_first_fully_shard
-from .frontend._module import (
-    FSDPModule,
-    ReplicateModule,
-    UnshardHandle,
-    register_fsdp_forward_method,
-    set_deepcopy_impl,
-    share_comm_ctx,
-)
+from .frontend._module import FSDPModule, ReplicateModule, UnshardHandle, set_deepcopy_impl
+from .frontend._module_functions import register_fsdp_forward_method, share_comm_ctx
 from .frontend._patch import TorchPatch, patch_torch_fsdp
 from .frontend._replicate import replicate
 from .optim import enable_automatic_local_steps, enable_whole_tensor_steps

@@ -12,9 +12,10 @@ The face: ``__all__`` is what the rooms above may use, and they import nothing e
 
 from ._detach import detached
 from ._fully_shard import fully_shard
-from ._module import FSDPModule, ReplicateModule, describe
+from ._module import FSDPModule, ReplicateModule
 from ._patch import patch_torch_fsdp
 from ._replicate import replicate
+from ._setter_checks import describe
 
 __all__ = [
     "FSDPModule",

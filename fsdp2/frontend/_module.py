@@ -1,9 +1,8 @@
 """``FSDPModule``: the class mixed into every module passed to ``fully_shard`` (or ``replicate``).
 
 Owns: the dynamic ``FSDP<Name>`` and ``Replicate<Name>`` classes (cached per original class), the
-``FSDPModule`` methods (unshard/reshard and every setter), ``ReplicateModule``, ``UnshardHandle``,
-``register_fsdp_forward_method`` and ``share_comm_ctx``, and the errors the setters raise for bad
-arguments (before any change, with torch's exception types). Most methods translate the call into
+``FSDPModule`` methods (unshard/reshard and every setter), ``ReplicateModule`` and ``UnshardHandle``;
+the setters' argument checks are ``_setter_checks.py``'s. Most methods translate the call into
 ``FSDPState``/``FSDPParamGroup`` fields or calls; two setters also communicate:
 ``set_separate_reduce_scatter_group`` creates a process group per shard group, and
 ``set_bucket_cap_mb("auto")`` measures collectives to choose the caps (``_autocap``). Does not own:
@@ -12,8 +11,6 @@ hooks, or the collectives of a step.
 
 from __future__ import annotations
 
-import functools
-import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -25,7 +22,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule as TorchReplicateModule
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from ..base import KeptBuffers, TrainingState, eager
+from ..base import KeptBuffers, TrainingState
 from ..comm import (
     AllGather,
     DefaultAllGather,
@@ -35,7 +32,6 @@ from ..comm import (
     ReduceScatter,
     SymmMemAllGather,
     SymmMemReduceScatter,
-    check_comm,
     check_symmetric_memory,
 )
 from ..group import FSDPParamGroup
@@ -49,47 +45,18 @@ from ..runtime import (
     get_state,
     read_caps,
 )
+from ._setter_checks import (
+    ArgumentTypeError,
+    NotShardedError,
+    UnknownBackendError,
+    check_comm_type,
+    checked_divide_factor,
+    describe,
+    refuse_custom,
+    refuse_ordered_conflicts,
+)
 
-
-def describe(value: Any) -> str:
-    """A short description of a bad argument for error messages: its type, and value if simple."""
-    if isinstance(value, list):
-        kinds = sorted({type(v).__name__ for v in value})
-        return f"a list of {', '.join(kinds)}" if value else "an empty list"
-    return (
-        f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else type(value).__name__
-    )
-
-
-# ---- setter argument errors ---------------------------------------------------------------------
-# A setter refuses a bad argument when it is called, before any change, with the exception type torch
-# 2.13 raises for it (often only at the next forward or backward). Where fsdp2 raised another type
-# before, the error derives from both, so code catching either keeps working.
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """A setter argument of the wrong type (torch: ``TypeError``; fsdp2 raised ``ValueError`` before)."""
-
-
-class CommTypeError(TypeError, AttributeError):
-    """Not a collective object (torch: ``AttributeError`` at the first collective; fsdp2: ``TypeError``)."""
-
-
-class ZeroDivideFactorError(ValueError, ZeroDivisionError):
-    """``set_gradient_divide_factor(0)`` (torch: ``ZeroDivisionError`` in backward)."""
-
-
-class UnknownBackendError(ValueError, RuntimeError):
-    """A symmetric-memory backend other than NCCL (torch: ``RuntimeError``)."""
-
-
-class NotShardedError(ValueError, AssertionError):
-    """A sharding setter on a module whose parameters are replicated only (torch: ``AssertionError``)."""
-
-
-# ---- the dynamic class --------------------------------------------------------------------------
-
-_class_cache: dict[tuple[type, type], type] = {}
+_class_cache: dict[tuple[type, type], type] = {}  # the dynamic classes, per (mixin, original class)
 _class_lock = threading.Lock()
 
 
@@ -199,7 +166,7 @@ class FSDPModule(_ModuleBase):
         )
 
     def _get_fsdp_state(self) -> FSDPState:
-        return _require_state(self)
+        return require_state(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and also drop gradients held by no-sync backwards (not yet reduced).
@@ -209,7 +176,7 @@ class FSDPModule(_ModuleBase):
         """
         super().zero_grad(set_to_none)
         for module in self._fsdp_modules(True):
-            drop_held_gradients(list(_require_state(module).groups))  # what optimizer.zero_grad does
+            drop_held_gradients(list(require_state(module).groups))  # what optimizer.zero_grad does
 
     def _single_group(self, method: str) -> FSDPParamGroup | None:
         """This module's only group (``None`` without parameters); ambiguous with per-parameter meshes."""
@@ -225,7 +192,7 @@ class FSDPModule(_ModuleBase):
     def _set_controls(self, recurse: bool, **values: Any) -> None:
         """Set group controls on this module's groups (and its FSDP descendants' with ``recurse``)."""
         for module in self._fsdp_modules(recurse):
-            _require_state(module).set_controls(**values)
+            require_state(module).set_controls(**values)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -280,14 +247,14 @@ class FSDPModule(_ModuleBase):
             )
         modules = self._fsdp_modules(recurse)
         for module in modules:
-            if any(group.mesh_info.replicate_only for group in _require_state(module).groups):
+            if any(group.mesh_info.replicate_only for group in require_state(module).groups):
                 raise NotShardedError(
                     f"set_reshard_after_forward: {type(module).__name__} replicates its parameters without "
                     "sharding them (DataParallelMeshDims(replicate=...) only), so there is nothing to "
                     "reshard after forward. Call it with recurse=False on the sharded modules instead."
                 )
         for module in modules:
-            state = _require_state(module)
+            state = require_state(module)
             state.auto_reshard = False
             for group in state.groups:
                 group.set_post_forward_mesh(group.mesh_info if reshard_after_forward else None)
@@ -299,8 +266,8 @@ class FSDPModule(_ModuleBase):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas after the reduce-scatter (``False`` accumulates locally)."""
-        groups = [g for m in self._fsdp_modules(recurse) for g in _require_state(m).groups]
-        _refuse_ordered_conflicts(groups, "set_requires_all_reduce", all_reduce=requires_all_reduce)
+        groups = [g for m in self._fsdp_modules(recurse) for g in require_state(m).groups]
+        refuse_ordered_conflicts(groups, "set_requires_all_reduce", all_reduce=requires_all_reduce)
         self._set_controls(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_deterministic_reduction(self, enabled: bool = True, *, recurse: bool = True) -> None:
@@ -314,8 +281,8 @@ class FSDPModule(_ModuleBase):
         """
         if not isinstance(enabled, bool):
             raise TypeError(f"set_deterministic_reduction expects a bool, got {describe(enabled)}.")
-        groups = [g for m in self._fsdp_modules(recurse) for g in _require_state(m).groups]
-        _refuse_ordered_conflicts(groups, "set_deterministic_reduction", deterministic=enabled)
+        groups = [g for m in self._fsdp_modules(recurse) for g in require_state(m).groups]
+        refuse_ordered_conflicts(groups, "set_deterministic_reduction", deterministic=enabled)
         self._set_controls(recurse, deterministic_reduction=enabled)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -323,7 +290,7 @@ class FSDPModule(_ModuleBase):
 
         Not recursive. Works on every backend: gradients are pre-scaled by ``1/factor`` and summed.
         """
-        self._set_controls(False, gradient_divide_factor=_checked_divide_factor(factor))
+        self._set_controls(False, gradient_divide_factor=checked_divide_factor(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -387,7 +354,7 @@ class FSDPModule(_ModuleBase):
         ``comm.allocate`` provides the output buffer and ``comm(output, input, group, async_op)`` runs the
         collective; see :class:`AllGather`. Not used when the shard group has a single rank.
         """
-        _check_comm(comm, "all_gather")
+        check_comm_type(comm, "all_gather")
         group = self._single_group("set_custom_all_gather")
         if group is not None:
             group.comms.all_gather = comm
@@ -399,10 +366,10 @@ class FSDPModule(_ModuleBase):
         ``comm.allocate`` provides the input and output buffers and ``comm(output, input, group, op)``
         runs the collective; see :class:`ReduceScatter`. Not used when the shard group has one rank.
         """
-        _check_comm(comm, "reduce_scatter")
+        check_comm_type(comm, "reduce_scatter")
         group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
-            _refuse_ordered_conflicts([group], "set_custom_reduce_scatter", custom=True)
+            refuse_ordered_conflicts([group], "set_custom_reduce_scatter", custom=True)
             group.comms.reduce_scatter = comm
             group.comms.custom = True
 
@@ -415,7 +382,7 @@ class FSDPModule(_ModuleBase):
         """
         groups = self._get_fsdp_state().groups
         for group in groups:
-            _refuse_custom(group, "set_allocate_memory_from_process_group_for_comm")
+            refuse_custom(group, "set_allocate_memory_from_process_group_for_comm")
         for group in groups:
             if enable:
                 shard_group = group.mesh_info.shard_group
@@ -440,7 +407,7 @@ class FSDPModule(_ModuleBase):
             raise UnknownBackendError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {value!r}.")
         groups = self._get_fsdp_state().groups
         for group in groups:
-            _refuse_custom(group, "set_symm_mem_for_comm")
+            refuse_custom(group, "set_symm_mem_for_comm")
             check_symmetric_memory(group.device, backend)
         for group in groups:
             shard_group = group.mesh_info.shard_group
@@ -480,7 +447,7 @@ class FSDPModule(_ModuleBase):
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for module in self._fsdp_modules(recurse):
-            for group in _require_state(module).groups:
+            for group in require_state(module).groups:
                 if not enable:
                     group.comms.reduce_scatter_group = None
                     continue
@@ -537,7 +504,7 @@ class FSDPModule(_ModuleBase):
                 "set_bucket_cap_mb cannot change the caps during a forward or backward; call it between "
                 "training steps (e.g. after optimizer.step())."
             )
-        caps = choose_caps(requests, [g for m in self._fsdp_modules(True) for g in _require_state(m).groups])
+        caps = choose_caps(requests, [g for m in self._fsdp_modules(True) for g in require_state(m).groups])
         ctx.schedule.set_caps(caps.all_gather, caps.reduce_scatter)
         return caps
 
@@ -608,74 +575,11 @@ class ReplicateModule(FSDPModule, _ReplicateBase):
     _orig_cls_mro_index = 5
 
 
-def _checked_divide_factor(factor: object) -> float:
-    """``set_gradient_divide_factor``'s argument as a float; refused unless positive and finite."""
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
-        raise ArgumentTypeError(
-            f"gradient divide factor must be a positive number (int or float), got {describe(factor)}."
-        )
-    if factor == 0:
-        raise ZeroDivideFactorError("gradient divide factor must be a positive number, got 0.")
-    if not factor > 0 or not math.isfinite(factor):
-        raise ValueError(f"gradient divide factor must be a positive, finite number, got {describe(factor)}.")
-    return float(factor)
-
-
-def _require_state(module: Any) -> FSDPState:
+def require_state(module: Any) -> FSDPState:
     state = get_state(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
     return state
-
-
-def _refuse_ordered_conflicts(
-    groups: list[FSDPParamGroup],
-    method: str,
-    *,
-    deterministic: bool | None = None,
-    all_reduce: bool | None = None,
-    custom: bool = False,
-) -> None:
-    """Refuse, before any change, what a tree-ordered reduction (wire dtype, deterministic) cannot do."""
-    for group in groups:
-        controls = group.controls
-        wire = group.config.mp_policy.wire_dtype
-        ordered = wire is not None or (
-            controls.deterministic_reduction if deterministic is None else deterministic
-        )
-        if not ordered:
-            continue
-        why = (
-            f"MixedPrecisionPolicy(wire_dtype={wire})" if wire is not None else "set_deterministic_reduction"
-        )
-        syncs = controls.all_reduce_grads if all_reduce is None else all_reduce
-        if group.mesh_info.replicate_group is not None and not syncs:
-            raise RuntimeError(
-                f"{method}: {group} reduces gradients in a fixed tree order ({why}), which sums every "
-                "replica's contribution in each backward, so HSDP's set_requires_all_reduce(False) "
-                "cannot hold partial sums. Use set_requires_gradient_sync(False) to accumulate, or turn "
-                "the ordered reduction off."
-            )
-        if custom or group.comms.custom:
-            raise RuntimeError(
-                f"{method}: {group} reduces gradients in a fixed tree order ({why}) with an all-to-all, so a "
-                "custom reduce-scatter (set_custom_reduce_scatter) would never run. Use one or the other."
-            )
-
-
-def _refuse_custom(group: FSDPParamGroup, method: str) -> None:
-    if group.comms.custom:
-        raise RuntimeError(
-            f"{method} cannot be combined with set_custom_all_gather / set_custom_reduce_scatter: the custom "
-            "collectives allocate their own buffers. Use one or the other."
-        )
-
-
-def _check_comm(comm: object, kind: str) -> None:
-    try:
-        check_comm(comm, kind)
-    except TypeError as error:
-        raise CommTypeError(str(error)) from None
 
 
 def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
@@ -691,49 +595,5 @@ def _prefetch_states(modules: Any, method: str) -> list[FSDPState]:
                 f"{method} expects FSDPModule entries (modules passed to fully_shard), got "
                 f"{type(module).__name__}. Call fully_shard on it first, or drop it from the list."
             )
-        states.append(_require_state(module))
+        states.append(require_state(module))
     return states
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` gather and reshard like ``forward`` does (e.g. ``generate``).
-
-    A no-op for modules that are not :class:`FSDPModule`, so code runs with and without sharding.
-
-    Raises:
-        ValueError: the module has no attribute ``method_name``.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r} to register.")
-    method = getattr(module, method_name)
-    state = _require_state(module)
-    pre_forward = eager(state.pre_forward)
-    post_forward = eager(state.post_forward)
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = pre_forward(module, args, kwargs)
-        output = method(*args, **kwargs)
-        return post_forward(module, args, output)
-
-    module.__dict__[method_name] = wrapped
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Make several roots (pipeline stages) share the first one's streams and in-flight buffers.
-
-    Call it before the first forward. Raises ``ValueError`` for a non-``FSDPModule`` entry.
-    """
-    if not modules:
-        return
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"share_comm_ctx expects a list of FSDPModules, got a {type(module).__name__}. Call "
-                "fully_shard on every stage first."
-            )
-    shared = _require_state(modules[0]).shared_comm_context()
-    for module in modules[1:]:
-        _require_state(module).shared_context().comm_ctx = shared

@@ -28,7 +28,8 @@ from ..base import (
 from ..runtime import get_state
 from ._composable import registered_apis
 from ._fully_shard import Call, apply_call
-from ._module import ReplicateModule, describe
+from ._module import ReplicateModule
+from ._setter_checks import describe
 from ._validate import (
     is_replicated,
     refuse_torch_engine,

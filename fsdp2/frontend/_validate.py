@@ -28,7 +28,8 @@ from ..base import (
 )
 from ..runtime import get_state
 from ._composable import registered_apis
-from ._module import describe, is_torch_fsdp_module
+from ._module import is_torch_fsdp_module
+from ._setter_checks import describe
 
 
 def validate_modules(module: Any, api: str = "fully_shard") -> tuple[nn.Module, ...]:

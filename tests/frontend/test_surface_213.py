@@ -530,7 +530,7 @@ def test_setter_arguments_torch_accepts_are_refused(setter: str, value: Any, err
 
 def test_setter_errors_keep_fsdp2s_earlier_types() -> None:
     """Where fsdp2 raised another type before, its errors are of both types (callers catching either)."""
-    from fsdp2.frontend._module import (
+    from fsdp2.frontend._setter_checks import (
         ArgumentTypeError,
         CommTypeError,
         NotShardedError,
