@@ -34,10 +34,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..param import local_of
 from ..runtime import states_under, take_part, unsharded_tensors
+from ._own_world import SIM_BACKEND, own_world, register_simulated_backend
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsharded_parameters", "activations")
 PHASES = ("init", "forward", "backward", "optimizer")
-_SIM_BACKEND = "fsdp2_simulated"
 _REAL_INT_LIMIT = 1 << 22  # integer tensors made from nothing up to this many elements are real
 _RECLASSIFY = 1.005  # refresh the category sets when a phase peak grows by more than 0.5%
 _thread = threading.local()
@@ -497,18 +497,6 @@ def is_simulated() -> bool:
     return tracker is not None and tracker.simulate
 
 
-def _register_backend() -> None:
-    if _SIM_BACKEND.upper() in dist.Backend.__dict__:
-        return
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    def create(common: Any, options: Any) -> Any:
-        # the no-op process group torch ships, without a public constructor
-        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, options)  # type: ignore[call-arg]  # noqa: SLF001
-
-    dist.Backend.register_backend(_SIM_BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
-
-
 def estimate_memory(
     build_model: Callable[[], Any],
     train_step: Callable[[Any], Any],
@@ -558,81 +546,16 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
     _check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"estimate_memory: rank must be in [0, world_size={world_size}), got {rank}.")
-    _register_backend()
+    register_simulated_backend()
     propagator = ShardingPropagator._fake_mode_lock  # noqa: SLF001 - see _ShapeInference
-    with _own_world():
+    with own_world():
         ShardingPropagator._fake_mode_lock = _ShapeInference(propagator)  # type: ignore[assignment]  # noqa: SLF001 - idem
-        dist.init_process_group(_SIM_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]  # reason: HashStore is not re-exported in the stubs
+        dist.init_process_group(SIM_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]  # reason: HashStore is not re-exported in the stubs
         try:
             with process_hooks(), FakeTensorMode(allow_non_fake_inputs=True):
                 yield
         finally:
             ShardingPropagator._fake_mode_lock = propagator  # noqa: SLF001 - restore
-
-
-@contextlib.contextmanager
-def _own_world() -> Iterator[None]:
-    """A c10d world of its own for this thread while the simulation runs, the job's restored after.
-
-    c10d keeps its default group and group registry in one ``_world`` object, which torch names as
-    the place to override; the threaded process group of torch's tests keeps one per thread. So a
-    simulation inside a running job (``plan`` on every rank) sees no process group of the job's, and
-    the job's groups are untouched. Other threads of a real job must not issue collectives meanwhile.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._world  # noqa: SLF001 - the documented extension point
-    count = world.group_count  # group names continue the job's: c10d registers them by name
-    per_thread = getattr(type(world), "_world", None)
-    threaded = isinstance(per_thread, threading.local)  # torch's threaded process group
-    saved = getattr(per_thread, "world", None) if threaded else world
-    if threaded and saved is not None:
-        del per_thread.world  # type: ignore[union-attr]
-    elif not threaded:
-        c10d._world = _isolated_world(c10d._World)()  # noqa: SLF001 - idem
-    c10d._world.group_count = count  # noqa: SLF001 - idem
-    try:
-        yield
-    finally:
-        # Unregister only the simulation's groups: destroying its default group would unregister
-        # every group of the process, the job's too.
-        for group in list(c10d._world.pg_map):  # noqa: SLF001 - idem
-            c10d._unregister_process_group(group.group_name)  # type: ignore[attr-defined]  # noqa: SLF001 - idem
-        if threaded:
-            if saved is not None:
-                per_thread.world = saved  # type: ignore[union-attr]
-            else:
-                del per_thread.world  # type: ignore[union-attr]
-        else:
-            c10d._world = world  # noqa: SLF001 - idem
-
-
-def _isolated_world(base: type[Any]) -> type[Any]:
-    """c10d's ``_World`` with maps and a group count of its own (``_World`` keeps them in globals)."""
-
-    class IsolatedWorld(base):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.own: dict[str, Any] = {name: {} for name in _WORLD_MAPS}
-            self.own_count = 0
-
-        def _get_count(self) -> int:
-            return self.own_count
-
-        def _set_count(self, value: int) -> None:
-            self.own_count = value
-
-        group_count = property(_get_count, _set_count)
-
-    def mapped(name: str) -> property:
-        return property(lambda self: self.own[name])
-
-    for name in _WORLD_MAPS:
-        setattr(IsolatedWorld, name, mapped(name))
-    return IsolatedWorld
-
-
-_WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
 
 
 class _ShapeInference:
