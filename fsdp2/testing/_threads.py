@@ -74,10 +74,29 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         return _run(world_size, fn, args, timeout, pass_rank=True)
 
 
+def _forget_other_worlds_plans() -> None:
+    """Clear DTensor's process-wide plan caches before a world of threads starts.
+
+    Those caches key a plan by its meshes, and a ``DeviceMesh`` made on a thread equals another of
+    the same ranks made on a thread with the same identifier. Threads of an earlier world are gone
+    and their identifiers are reused, so a rank could be handed the redistribution plan an earlier
+    world computed for another rank: with uneven shards, another rank's shapes (seen as a collective
+    of mismatched sizes, or wrong values, in the third of four worlds run one after another).
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()  # noqa: SLF001 - no public way to clear it
+    _redistribute.clear_redistribute_planner_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001 - idem
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()  # noqa: SLF001 - idem
+
+
 def _run(
     world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float, pass_rank: bool
 ) -> list[Any]:
     threaded = _threaded_pg()
+    _forget_other_worlds_plans()
     threaded._install_threaded_pg()  # noqa: SLF001 - torch's test backend has no public switch
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]  # noqa: SLF001 - idem
     store = dist.HashStore()  # type: ignore[attr-defined]  # reason: not re-exported in the stubs
