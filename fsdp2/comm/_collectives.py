@@ -235,7 +235,7 @@ def _ring_chunks(world_size: int, row: int, columns: int, element_size: int) -> 
 
 
 def all_reduce_before_tail(
-    tensor: torch.Tensor, tail: int, group: dist.ProcessGroup, world_size: int, op: Any, all_reduce: Any
+    tensor: torch.Tensor, tail: int, group: dist.ProcessGroup, op: Any, all_reduce: Any
 ) -> int:
     """All-reduce 1-D ``tensor``, its first ``numel - tail`` elements summed as if they were alone.
 
@@ -246,7 +246,9 @@ def all_reduce_before_tail(
     sum exactly as torch's. Elsewhere (two ranks, other backends): one.
     """
     head = tensor.numel() - tail
-    if tail == 0 or head == 0 or world_size <= 2 or tensor.is_cuda or "gloo" not in _backend_name(group):
+    plain = tail == 0 or head == 0 or tensor.is_cuda  # the cheap checks first: this runs every backward
+    world_size = 0 if plain else dist.get_world_size(group)
+    if plain or world_size <= 2 or "gloo" not in _backend_name(group):
         all_reduce(tensor, group, op)
         return 1
     whole = _ring_chunk(world_size, head + tail, tensor.element_size())

@@ -266,7 +266,6 @@ class GradientReducer:
         all-reduced ``output`` (with the partial sum, ``add_partial``).
         """
         info = self.mesh_info
-        tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
         if info.replicate_group is not None and not all_reduced:
             partial = self._partial_outputs.pop(output.dtype, None)
             if not controls.all_reduce_grads:
@@ -279,10 +278,10 @@ class GradientReducer:
                 self._finish_slices(output, params, controls, comms, factors)
                 return
             if info.replicate_size > 1:
-                group, size = info.replicate_group, info.replicate_size
-                all_reduce_before_tail(output, tail, group, size, factors.op, comms.all_reduce)
+                tail = self.tail_width(params, output.dtype)
+                all_reduce_before_tail(output, tail, info.replicate_group, factors.op, comms.all_reduce)
         if controls.all_reduce_hook is not None:
-            grad_part = _without_usage_row(output, tail)
+            grad_part = _without_usage_row(output, self.tail_width(params, output.dtype))
             run_all_reduce_hook(controls.all_reduce_hook, grad_part, controls.all_reduce_hook_stream)
         self.assign_reduced(output, params, controls)
 
@@ -304,7 +303,7 @@ class GradientReducer:
 
         See ``_replica_reduce.py``; the usage row is read as in ``_assign_views``.
         """
-        tail = self.tail_width(params, output.dtype) if self._fill_unused else 0
+        tail = self.tail_width(params, output.dtype)
         summed, views = reduce_across_replicas(output, params, self.mesh_info, tail, factors, comms, controls)
         if self._fill_unused:
             width = self.usage.width(params)
@@ -318,8 +317,11 @@ class GradientReducer:
 
         The zeros (none or one for buffers up to 2W MiB) keep every gradient element in the summation
         order torch's reduce-scatter, which has no usage row, gives it: see [Note: Ring summation
-        order] in ``comm/_collectives.py``. ``dtype``: the reduce dtype (sized as in the buffer).
+        order] in ``comm/_collectives.py``. ``dtype``: the reduce dtype (sized as in the buffer). None
+        where the reductions carry no usage row (one rank, no replicas).
         """
+        if not self._fill_unused:
+            return 0
         width = sum(p.layout.padded_shard_numel for p in params)
         return same_order_tail(self.mesh_info.shard_size, width, self.usage.width(params), dtype.itemsize)
 
@@ -348,9 +350,7 @@ class GradientReducer:
         all-reduce hook, or after it with ``set_force_sum_reduction_for_comms`` (the hook sees sums).
         """
         info = self.mesh_info
-        grad_part = _without_usage_row(
-            total, self.tail_width(params, total.dtype) if self._fill_unused else 0
-        )
+        grad_part = _without_usage_row(total, self.tail_width(params, total.dtype))
         divide_and_hook(total, grad_part, controls, info.average_over)
         self._assign_views(total, params, controls)
 

@@ -156,9 +156,8 @@ def tensor_layout(key: str, tensor: torch.Tensor) -> TensorLayout:
                 "Replicate() place their chunks by arithmetic. Use torch.distributed.checkpoint.save for "
                 "this state dict."
             )
-    mesh_shape = tuple(
-        tensor.device_mesh.shape
-    )  # not mesh.mesh.shape: torch 2.13 builds that tensor per call
+    # DeviceMesh.shape, not mesh.mesh.shape: torch 2.13 builds that tensor at every access
+    mesh_shape = tuple(tensor.device_mesh.shape)
     return TensorLayout(key, tuple(tensor.shape), tensor.dtype, mesh_shape, tuple(tensor.placements))
 
 

@@ -122,11 +122,10 @@ def _target(key: str, value: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
     if not isinstance(value, DTensor):
         return value.detach(), ((0,) * value.dim(), tuple(value.shape))
     local = value.to_local().detach()
-    if value.device_mesh.get_coordinate() is None or not value.numel():
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None or not value.numel():
         return local, None
     layout = _new_layout(key, value)
-    coordinate = value.device_mesh.get_coordinate()
-    assert coordinate is not None
     first_replica = tuple(
         0 if type(p) is Replicate else i for p, i in zip(value.placements, coordinate, strict=True)
     )

@@ -185,12 +185,13 @@ class ShardedCheckpointer:
         )
         writer = StagedWriter(folder / file_name(rank), self._pool if background else None)
         end = self._local[-1].file_offset + self._local[-1].slot if self._local else 0
-        later = [(item, tensors[item.key]) for item in self._local if stage_in_background]
-        later = [(item, tensor) for item, tensor in later if isinstance(tensor, DTensor)]
-        staged_later = {id(item) for item, _ in later}
+        later = []  # DTensor shards staged by a thread; plain tensors (buffers change in the forward): now
         for item in self._local:
-            if id(item) not in staged_later:  # plain tensors (buffers change in the forward): now
-                writer.put(item, tensors[item.key], stage=background)
+            tensor = tensors[item.key]
+            if stage_in_background and isinstance(tensor, DTensor):
+                later.append((item, tensor))
+            else:
+                writer.put(item, tensor, stage=background)
         staging = None
         if stage_in_background:
             staging = BackgroundStaging(writer, later, end, list(objects.values()))

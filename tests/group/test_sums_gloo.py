@@ -96,7 +96,7 @@ def _all_reduced(width: int, tail: int) -> tuple[bool, bool, int]:
     dist.all_reduce(plain)
     kept = torch.cat([grads, torch.ones(tail)])
     group = dist.group.WORLD
-    issued = all_reduce_before_tail(kept, tail, group, WORLD_SIZE, dist.ReduceOp.SUM, _plain_all_reduce)
+    issued = all_reduce_before_tail(kept, tail, group, dist.ReduceOp.SUM, _plain_all_reduce)
     assert torch.equal(kept[width:], torch.full((tail,), float(WORLD_SIZE)))
     return torch.equal(plain[:width], want), torch.equal(kept[:width], want), issued
 
